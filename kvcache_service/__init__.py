@@ -1,0 +1,1 @@
+"""The KV-cache authority: block metadata, radix index, leases and budget for worker pools."""

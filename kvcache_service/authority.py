@@ -1,0 +1,237 @@
+"""The facade the gRPC servicers call: pools by id, incarnations, liveness and expiry."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvcache_service.errors import FencedIncarnation, InvalidArgument, UnknownPool
+from kvcache_service.ids import BlockId, LeaseId, Namespace, PoolId, Tokens
+from kvcache_service.leases import Deferral, Grant
+from kvcache_service.pool import Lookup, PoolSpec, PoolState
+
+MAX_TOKEN_ID = 2**31 - 1
+MAX_BLOCKS = 1 << 24
+MAX_BLOCK_SIZE = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class AuthorityConfig:
+    lease_ttl_s: float = 30.0
+    # 0: any block size; otherwise every pool must register with this one.
+    block_size: int = 0
+    # Blocks one namespace may hold in a pool (0: no quota).
+    namespace_quota_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    incarnation: int
+    lease_ttl_s: float
+    heartbeat_interval_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRoute:
+    pool_id: PoolId
+    worker_address: str
+    model: str
+    cached_tokens: int
+    free_blocks: int
+    evictable_blocks: int
+    live_leases: int
+    alive: bool
+
+
+@dataclass(slots=True)
+class _Liveness:
+    deadline: float
+    alive: bool = True
+    # Expired lease ids not yet reported to the worker.
+    unreported: list[LeaseId] = field(default_factory=list)
+
+
+def as_tokens(values: Sequence[int], what: str, allow_empty: bool = False) -> Tokens:
+    tokens = tuple(values)
+    if not tokens and not allow_empty:
+        raise InvalidArgument(f"{what} is empty")
+    if tokens and (min(tokens) < 0 or max(tokens) > MAX_TOKEN_ID):
+        raise InvalidArgument(f"{what} holds a token id outside [0, {MAX_TOKEN_ID}]")
+    return tokens
+
+
+class CacheAuthority:
+    """All pools of one service. Single-threaded: the asyncio servicer calls it from one loop.
+
+    Liveness: every call from a pool renews its deadline (now + TTL). A pool past its
+    deadline is dead: all its leases expire (blocks return to the budget; committed blocks
+    stay cached) and their ids are reported on the pool's next Heartbeat or AcquireLease.
+    """
+
+    def __init__(self, config: AuthorityConfig, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.clock = clock
+        self.pools: dict[PoolId, PoolState] = {}
+        self._live: dict[PoolId, _Liveness] = {}
+        # Time-based, so incarnations stay unique across restarts of this service.
+        self._next_incarnation = time.time_ns() // 1000
+        self._next_lease = 1
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def register_pool(self, spec: PoolSpec) -> Registration:
+        if not spec.pool_id:
+            raise InvalidArgument("pool_id is empty")
+        if not 1 <= spec.block_size <= MAX_BLOCK_SIZE:
+            raise InvalidArgument(f"block_size must be in [1, {MAX_BLOCK_SIZE}]")
+        if self.config.block_size and spec.block_size != self.config.block_size:
+            raise InvalidArgument(
+                f"block_size mismatch: pool has {spec.block_size}, "
+                f"this service requires {self.config.block_size}"
+            )
+        if not 1 <= spec.num_blocks <= MAX_BLOCKS:
+            raise InvalidArgument(f"num_blocks must be in [1, {MAX_BLOCKS}]")
+        self._next_incarnation += 1
+        ttl = self.config.lease_ttl_s
+        self.pools[spec.pool_id] = PoolState(
+            spec, self._next_incarnation, self.config.namespace_quota_blocks
+        )
+        self._live[spec.pool_id] = _Liveness(self.clock() + ttl)
+        return Registration(self._next_incarnation, ttl, ttl / 4)
+
+    def heartbeat(self, pool_id: PoolId, incarnation: int) -> tuple[list[LeaseId], int]:
+        pool = self._pool(pool_id, incarnation)
+        return self._take_expired(pool_id), len(pool.leases)
+
+    def acquire(
+        self,
+        pool_id: PoolId,
+        incarnation: int,
+        ns: Namespace,
+        prompt: Sequence[int],
+        reserve_tokens: int = 0,
+        allow_defer: bool = False,
+        skip_cache: bool = False,
+    ) -> tuple[Grant | Deferral, list[LeaseId]]:
+        tokens = as_tokens(prompt, "prompt")
+        pool = self._pool(pool_id, incarnation)
+        expired = self._take_expired(pool_id)
+        lease_id = LeaseId(self._next_lease)
+        result = pool.acquire(
+            lease_id,
+            ns,
+            tokens,
+            reserve_tokens,
+            self._live[pool_id].deadline,
+            self.clock(),
+            allow_defer=allow_defer,
+            skip_cache=skip_cache,
+        )
+        if isinstance(result, Grant):
+            self._next_lease += 1
+        return result, expired
+
+    def extend(
+        self, pool_id: PoolId, incarnation: int, items: Sequence[tuple[int, int]]
+    ) -> list[tuple[LeaseId, list[BlockId]]]:
+        pool = self._pool(pool_id, incarnation)
+        return pool.extend([(LeaseId(lease), n) for lease, n in items])
+
+    def commit(
+        self, pool_id: PoolId, incarnation: int, items: Sequence[tuple[int, Sequence[int]]]
+    ) -> list[int]:
+        pool = self._pool(pool_id, incarnation)
+        checked = [(LeaseId(lease), as_tokens(t, "token_ids", True)) for lease, t in items]
+        for lease, _ in checked:
+            pool.lease(lease)  # all known before any commits
+        now = self.clock()
+        return [pool.commit(lease, tokens, now) for lease, tokens in checked]
+
+    def release(
+        self, pool_id: PoolId, incarnation: int, lease_id: int, tokens: Sequence[int] = ()
+    ) -> int:
+        pool = self._pool(pool_id, incarnation)
+        return pool.release(LeaseId(lease_id), as_tokens(tokens, "token_ids", True), self.clock())
+
+    def route(self, ns: Namespace, prompt: Sequence[int], model: str = "") -> list[PoolRoute]:
+        tokens = as_tokens(prompt, "prompt")
+        self.expire_due()
+        out = []
+        for pool_id, pool in self.pools.items():
+            if model and pool.spec.model and pool.spec.model != model:
+                continue
+            out.append(
+                PoolRoute(
+                    pool_id,
+                    pool.spec.worker_address,
+                    pool.spec.model,
+                    pool.match_tokens(ns, tokens),
+                    pool.blocks.num_free,
+                    len(pool.order),
+                    len(pool.leases),
+                    self._live[pool_id].alive,
+                )
+            )
+        return out
+
+    # -- liveness -----------------------------------------------------------------------------
+
+    def expire_due(self) -> int:
+        """Expires the leases of every pool past its deadline; returns how many."""
+        now = self.clock()
+        n = 0
+        for pool_id, live in self._live.items():
+            if live.alive and live.deadline < now:
+                live.alive = False
+                expired = self.pools[pool_id].expire_all()
+                live.unreported.extend(expired)
+                n += len(expired)
+        return n
+
+    def _pool(self, pool_id: PoolId, incarnation: int) -> PoolState:
+        """The caller's pool, fenced by incarnation; the call renews its liveness."""
+        self.expire_due()
+        pool = self.get_pool(pool_id)
+        if incarnation != pool.incarnation:
+            raise FencedIncarnation(
+                f"pool {pool_id!r} incarnation {incarnation} is fenced off "
+                f"(current: {pool.incarnation}); register again"
+            )
+        live = self._live[pool_id]
+        live.alive = True
+        live.deadline = self.clock() + self.config.lease_ttl_s
+        return pool
+
+    def _take_expired(self, pool_id: PoolId) -> list[LeaseId]:
+        live = self._live[pool_id]
+        expired, live.unreported = live.unreported, []
+        return expired
+
+    def is_alive(self, pool_id: PoolId) -> bool:
+        return self._live[pool_id].alive
+
+    # -- admin --------------------------------------------------------------------------------
+
+    def get_pool(self, pool_id: str) -> PoolState:
+        pool = self.pools.get(PoolId(pool_id))
+        if pool is None:
+            raise UnknownPool(f"unknown pool {pool_id!r}")
+        return pool
+
+    def select(self, pool_id: str) -> list[PoolState]:
+        """One pool by id, or every pool for an empty id."""
+        self.expire_due()
+        return [self.get_pool(pool_id)] if pool_id else list(self.pools.values())
+
+    def lookup(
+        self, pool_id: str, ns: Namespace, prompt: Sequence[int]
+    ) -> list[tuple[str, Lookup]]:
+        tokens = as_tokens(prompt, "prompt")
+        return [(p.spec.pool_id, p.lookup(ns, tokens)) for p in self.select(pool_id)]
+
+    def check_integrity(self) -> list[str]:
+        problems = []
+        for pool in self.pools.values():
+            problems += pool.check_integrity()
+        return problems

@@ -1,0 +1,66 @@
+"""Physical block ids of one worker pool: the free list, refcounts and pin counts."""
+
+from __future__ import annotations
+
+from kvcache_service.errors import OutOfBlocks
+from kvcache_service.ids import BlockId
+
+
+class BlockPool:
+    """Which blocks are free, and how many live leases reference each one.
+
+    The pool knows nothing about the index: a block that is neither free nor referenced is
+    cached (indexed, evictable). Only PoolState calls these methods; it keeps refcounts equal
+    to the number of live leases listing a block, which check_integrity verifies.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        # A stack: allocate pops from the end, so low ids are handed out first.
+        self._free: list[BlockId] = [BlockId(b) for b in range(num_blocks - 1, -1, -1)]
+        self._is_free = bytearray(b"\x01") * num_blocks
+        self.refcount = [0] * num_blocks
+        self.pins = [0] * num_blocks
+        self.peak_used = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def is_free(self, block: BlockId) -> bool:
+        return bool(self._is_free[block])
+
+    def allocate(self, n: int) -> list[BlockId]:
+        """Takes n free blocks, all or nothing."""
+        if n > len(self._free):
+            raise OutOfBlocks(f"need {n} free blocks, have {len(self._free)}")
+        if n == 0:
+            return []
+        taken = self._free[-n:]
+        del self._free[-n:]
+        taken.reverse()
+        for b in taken:
+            self._is_free[b] = 0
+        self.peak_used = max(self.peak_used, self.num_blocks - len(self._free))
+        return taken
+
+    def free(self, block: BlockId) -> None:
+        assert not self._is_free[block], f"double free of block {block}"
+        assert self.refcount[block] == 0 and self.pins[block] == 0, f"freeing live block {block}"
+        self._is_free[block] = 1
+        self._free.append(block)
+
+    def check_integrity(self) -> list[str]:
+        problems = []
+        if len(set(self._free)) != len(self._free):
+            problems.append("free list holds a block twice")
+        for b in self._free:
+            if not self._is_free[b]:
+                problems.append(f"block {b} on the free list but not marked free")
+            if self.refcount[b] or self.pins[b]:
+                problems.append(f"free block {b} has refcount {self.refcount[b]}")
+        if sum(self._is_free) != len(self._free):
+            problems.append("free marks disagree with the free list")
+        if any(r < 0 for r in self.refcount):
+            problems.append("negative refcount")
+        return problems

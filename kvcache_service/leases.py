@@ -1,0 +1,54 @@
+"""Leases: one request's grant on one pool, and the values handed back to callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvcache_service.ids import BlockId, LeaseId, Namespace, Tokens
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    """A live grant. Owned by its PoolState; callers only see Grant values.
+
+    A sequence's token regions, by block position in `table`:
+
+        | shared (matched, read-only) | cow dst? | own blocks to write ............ | reserve |
+        0                  cached_tokens//bs                      len(tokens)//bs
+        |<------ indexed_blocks ------>|   (grows as the worker commits full blocks)
+
+    `refs` maps every block this lease references to its position in the sequence: the
+    table, the copy-on-write source, and canonical blocks adopted when a commit found the
+    same prefix already indexed under another block. Each block's refcount counts the live
+    leases whose `refs` list it, once each.
+    """
+
+    lease_id: LeaseId
+    namespace: Namespace
+    tokens: Tokens
+    table: list[BlockId]
+    cached_tokens: int
+    cow: tuple[BlockId, BlockId] | None
+    shared_blocks: int
+    refs: dict[BlockId, int] = field(default_factory=dict)
+    indexed_blocks: int = 0
+    chain: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    lease_id: LeaseId
+    block_table: tuple[BlockId, ...]
+    cached_tokens: int
+    copy_on_write: tuple[tuple[BlockId, BlockId], ...]
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Deferral:
+    """The prompt would reuse blocks another live lease is still filling: retry after it
+    commits or ends, instead of computing the same prefix twice."""
+
+    waiting_on: LeaseId
+    cached_tokens: int
+    pending_tokens: int

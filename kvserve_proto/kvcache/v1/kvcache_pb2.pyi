@@ -1,0 +1,419 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PoolLayout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class RegisterPoolRequest(_message.Message):
+    __slots__ = ("pool_id", "model_fingerprint", "layout", "num_blocks", "block_size", "worker_address")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    model_fingerprint: str
+    layout: PoolLayout
+    num_blocks: int
+    block_size: int
+    worker_address: str
+    def __init__(self, pool_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., worker_address: _Optional[str] = ...) -> None: ...
+
+class RegisterPoolResponse(_message.Message):
+    __slots__ = ("incarnation", "lease_ttl_s", "heartbeat_interval_s")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    incarnation: int
+    lease_ttl_s: float
+    heartbeat_interval_s: float
+    def __init__(self, incarnation: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class PoolRef(_message.Message):
+    __slots__ = ("pool_id", "incarnation")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    incarnation: int
+    def __init__(self, pool_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolRef
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("expired_lease_ids", "live_leases")
+    EXPIRED_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    expired_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    live_leases: int
+    def __init__(self, expired_lease_ids: _Optional[_Iterable[int]] = ..., live_leases: _Optional[int] = ...) -> None: ...
+
+class AcquireLeaseRequest(_message.Message):
+    __slots__ = ("pool", "namespace", "prompt_token_ids", "reserve_tokens", "allow_defer", "skip_cache")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_DEFER_FIELD_NUMBER: _ClassVar[int]
+    SKIP_CACHE_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolRef
+    namespace: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    reserve_tokens: int
+    allow_defer: bool
+    skip_cache: bool
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., reserve_tokens: _Optional[int] = ..., allow_defer: _Optional[bool] = ..., skip_cache: _Optional[bool] = ...) -> None: ...
+
+class CopyOnWrite(_message.Message):
+    __slots__ = ("src_block", "dst_block")
+    SRC_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    src_block: int
+    dst_block: int
+    def __init__(self, src_block: _Optional[int] = ..., dst_block: _Optional[int] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("lease_id", "block_table", "cached_tokens", "copy_on_write", "expires_at")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COPY_ON_WRITE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    cached_tokens: int
+    copy_on_write: _containers.RepeatedCompositeFieldContainer[CopyOnWrite]
+    expires_at: float
+    def __init__(self, lease_id: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., copy_on_write: _Optional[_Iterable[_Union[CopyOnWrite, _Mapping]]] = ..., expires_at: _Optional[float] = ...) -> None: ...
+
+class Deferred(_message.Message):
+    __slots__ = ("waiting_on_lease_id", "cached_tokens", "pending_tokens")
+    WAITING_ON_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    waiting_on_lease_id: int
+    cached_tokens: int
+    pending_tokens: int
+    def __init__(self, waiting_on_lease_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., pending_tokens: _Optional[int] = ...) -> None: ...
+
+class AcquireLeaseResponse(_message.Message):
+    __slots__ = ("lease", "deferred", "expired_lease_ids")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    deferred: Deferred
+    expired_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., deferred: _Optional[_Union[Deferred, _Mapping]] = ..., expired_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExtendItem(_message.Message):
+    __slots__ = ("lease_id", "num_tokens")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    num_tokens: int
+    def __init__(self, lease_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class ExtendLeasesRequest(_message.Message):
+    __slots__ = ("pool", "items")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolRef
+    items: _containers.RepeatedCompositeFieldContainer[ExtendItem]
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., items: _Optional[_Iterable[_Union[ExtendItem, _Mapping]]] = ...) -> None: ...
+
+class ExtendedLease(_message.Message):
+    __slots__ = ("lease_id", "new_blocks")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    new_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., new_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExtendLeasesResponse(_message.Message):
+    __slots__ = ("leases",)
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedCompositeFieldContainer[ExtendedLease]
+    def __init__(self, leases: _Optional[_Iterable[_Union[ExtendedLease, _Mapping]]] = ...) -> None: ...
+
+class CommitItem(_message.Message):
+    __slots__ = ("lease_id", "token_ids")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitLeasesRequest(_message.Message):
+    __slots__ = ("pool", "items")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolRef
+    items: _containers.RepeatedCompositeFieldContainer[CommitItem]
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., items: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ...) -> None: ...
+
+class CommitLeasesResponse(_message.Message):
+    __slots__ = ("indexed_tokens",)
+    INDEXED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    indexed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, indexed_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("pool", "lease_id", "token_ids")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolRef
+    lease_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., lease_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ("indexed_tokens",)
+    INDEXED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    indexed_tokens: int
+    def __init__(self, indexed_tokens: _Optional[int] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("namespace", "prompt_token_ids")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PoolRoute(_message.Message):
+    __slots__ = ("pool_id", "worker_address", "cached_tokens", "free_blocks", "evictable_blocks", "live_leases", "alive")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    worker_address: str
+    cached_tokens: int
+    free_blocks: int
+    evictable_blocks: int
+    live_leases: int
+    alive: bool
+    def __init__(self, pool_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., evictable_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., alive: _Optional[bool] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolRoute]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolRoute, _Mapping]]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("pool_id", "incarnation", "worker_address", "model_fingerprint", "block_size", "num_blocks", "free_blocks", "cached_blocks", "referenced_blocks", "pinned_blocks", "peak_used_blocks", "live_leases", "acquires", "acquire_hits", "deferrals", "exhausted", "prompt_tokens", "cached_tokens", "evicted_blocks", "expired_leases", "alive", "token_hit_rate", "request_hit_rate", "indexed_blocks")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REFERENCED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRES_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_HITS_FIELD_NUMBER: _ClassVar[int]
+    DEFERRALS_FIELD_NUMBER: _ClassVar[int]
+    EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    incarnation: int
+    worker_address: str
+    model_fingerprint: str
+    block_size: int
+    num_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    referenced_blocks: int
+    pinned_blocks: int
+    peak_used_blocks: int
+    live_leases: int
+    acquires: int
+    acquire_hits: int
+    deferrals: int
+    exhausted: int
+    prompt_tokens: int
+    cached_tokens: int
+    evicted_blocks: int
+    expired_leases: int
+    alive: bool
+    token_hit_rate: float
+    request_hit_rate: float
+    indexed_blocks: int
+    def __init__(self, pool_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., worker_address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., referenced_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., peak_used_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., acquires: _Optional[int] = ..., acquire_hits: _Optional[int] = ..., deferrals: _Optional[int] = ..., exhausted: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., expired_leases: _Optional[int] = ..., alive: _Optional[bool] = ..., token_hit_rate: _Optional[float] = ..., request_hit_rate: _Optional[float] = ..., indexed_blocks: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ...) -> None: ...
+
+class InspectTreeRequest(_message.Message):
+    __slots__ = ("pool_id", "namespace", "max_depth")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    namespace: str
+    max_depth: int
+    def __init__(self, pool_id: _Optional[str] = ..., namespace: _Optional[str] = ..., max_depth: _Optional[int] = ...) -> None: ...
+
+class TreeNode(_message.Message):
+    __slots__ = ("node_id", "parent_id", "namespace", "depth", "num_tokens", "blocks", "refcounts", "token_preview", "last_used_at", "pinned")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REFCOUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_PREVIEW_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_AT_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    node_id: int
+    parent_id: int
+    namespace: str
+    depth: int
+    num_tokens: int
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    refcounts: _containers.RepeatedScalarFieldContainer[int]
+    token_preview: _containers.RepeatedScalarFieldContainer[int]
+    last_used_at: float
+    pinned: bool
+    def __init__(self, node_id: _Optional[int] = ..., parent_id: _Optional[int] = ..., namespace: _Optional[str] = ..., depth: _Optional[int] = ..., num_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., refcounts: _Optional[_Iterable[int]] = ..., token_preview: _Optional[_Iterable[int]] = ..., last_used_at: _Optional[float] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class InspectTreeResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[TreeNode]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[TreeNode, _Mapping]]] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("pool_id", "namespace", "prompt_token_ids")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    namespace: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool_id: _Optional[str] = ..., namespace: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PoolLookup(_message.Message):
+    __slots__ = ("pool_id", "cached_tokens", "matched_blocks", "pending_tokens", "blocks_needed")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    cached_tokens: int
+    matched_blocks: _containers.RepeatedScalarFieldContainer[int]
+    pending_tokens: int
+    blocks_needed: int
+    def __init__(self, pool_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., matched_blocks: _Optional[_Iterable[int]] = ..., pending_tokens: _Optional[int] = ..., blocks_needed: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolLookup]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolLookup, _Mapping]]] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("pool_id", "num_blocks", "namespace", "prefix")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    num_blocks: int
+    namespace: str
+    prefix: PrefixRef
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., namespace: _Optional[str] = ..., prefix: _Optional[_Union[PrefixRef, _Mapping]] = ...) -> None: ...
+
+class PrefixRef(_message.Message):
+    __slots__ = ("namespace", "token_ids")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("evicted_blocks",)
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    evicted_blocks: int
+    def __init__(self, evicted_blocks: _Optional[int] = ...) -> None: ...
+
+class FlushRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("pool_id", "prefix")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    prefix: PrefixRef
+    def __init__(self, pool_id: _Optional[str] = ..., prefix: _Optional[_Union[PrefixRef, _Mapping]] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    def __init__(self, blocks: _Optional[int] = ...) -> None: ...
+
+class CheckIntegrityRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckIntegrityResponse(_message.Message):
+    __slots__ = ("ok", "problems", "pools_checked")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    problems: _containers.RepeatedScalarFieldContainer[str]
+    pools_checked: int
+    def __init__(self, ok: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ..., pools_checked: _Optional[int] = ...) -> None: ...

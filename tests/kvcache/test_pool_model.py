@@ -1,0 +1,322 @@
+"""Randomized operation sequences against the naive reference model (tests/kvcache/reference.py).
+
+Every step runs one operation on the real CacheAuthority and mirrors it on the reference;
+then the index content, refcounts, free count, eviction order and lease tables must agree,
+and check_integrity() must find nothing.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvcache_service.authority import AuthorityConfig, CacheAuthority
+from kvcache_service.errors import NotFound, OutOfBlocks
+from kvcache_service.leases import Deferral, Grant
+from kvcache_service.pool import PoolSpec, PoolState
+from tests.kvcache.reference import RefLease, RefPool
+
+TTL = 10.0
+POOLS = {"a": (14, 3), "b": (24, 2)}  # pool id -> (num_blocks, block_size)
+NAMESPACES = ["", "tenant-1"]
+STEMS = [
+    (1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2),
+    (1, 2, 3, 3, 2, 1, 0, 0, 1, 1, 2, 2, 3, 3),
+    (2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2),
+]
+
+
+def real_index_view(pool: PoolState) -> dict[tuple[str, tuple[int, ...]], int]:
+    """(namespace, prefix through the block) -> block, read off the real tree."""
+    bs = pool.block_size
+    out = {}
+    for ns, root in pool.index.roots.items():
+        stack = [(child, ()) for child in root.children.values()]
+        while stack:
+            node, head = stack.pop()
+            for j, b in enumerate(node.blocks):
+                out[(ns, head + node.tokens[: (j + 1) * bs])] = b
+            stack.extend((c, head + node.tokens) for c in node.children.values())
+    return out
+
+
+prompts = st.builds(
+    lambda stem, cut, tail: stem[:cut] + tuple(tail),
+    st.sampled_from(STEMS),
+    st.integers(1, 14),
+    st.lists(st.integers(0, 3), max_size=5),
+)
+
+
+class PoolMachine(RuleBasedStateMachine):
+    @initialize()
+    def setup(self) -> None:
+        self.now = 1000.0
+        self.auth = CacheAuthority(AuthorityConfig(lease_ttl_s=TTL), clock=lambda: self.now)
+        self.inc: dict[str, int] = {}
+        self.ref: dict[str, RefPool] = {}
+        for pool_id in POOLS:
+            self._register(pool_id)
+
+    def _register(self, pool_id: str) -> None:
+        n, bs = POOLS[pool_id]
+        reg = self.auth.register_pool(PoolSpec(pool_id, n, bs))  # type: ignore[arg-type]
+        self.inc[pool_id] = reg.incarnation
+        self.ref[pool_id] = RefPool(n, bs)
+
+    def _mirror_evictions(self, ref: RefPool, count: int, held: set[int]) -> None:
+        for b in [b for b in ref.evictable() if b not in held][:count]:
+            ref.evict(b)
+
+    # -- lease lifecycle ----------------------------------------------------------------------
+
+    @rule(
+        pool_id=st.sampled_from(list(POOLS)),
+        ns=st.sampled_from(NAMESPACES),
+        prompt=prompts,
+        reserve=st.integers(0, 4),
+        allow_defer=st.booleans(),
+        skip_cache=st.integers(0, 9).map(lambda x: x == 0),
+    )
+    def acquire(self, pool_id, ns, prompt, reserve, allow_defer, skip_cache) -> None:
+        self._acquire(pool_id, ns, prompt, reserve, allow_defer, skip_cache)
+
+    def _acquire(self, pool_id, ns, prompt, reserve, allow_defer, skip_cache) -> None:
+        ref = self.ref[pool_id]
+        bs = ref.bs
+        cached, full_blocks = ref.expected_cached(ns, prompt) if not skip_cache else (0, [])
+        full = cached // bs
+        pending = ref.pending(ns, prompt, cached)
+        expect_defer = allow_defer and not skip_cache and full < len(prompt) // bs and pending > 0
+        need = -(-(len(prompt) + reserve) // bs) - full
+        held = set(full_blocks[:full])
+        try:
+            result, _ = self.auth.acquire(
+                pool_id, self.inc[pool_id], ns, prompt, reserve, allow_defer, skip_cache
+            )
+        except OutOfBlocks:
+            event("acquire: out of blocks")
+            evictable = [b for b in ref.evictable() if b not in held]
+            # The copy-on-write source is held too, so it may be what made it not fit.
+            src_may_be_evictable = cached % bs and any(
+                ref.content[b][1][: full * bs] == prompt[: full * bs]
+                and len(ref.content[b][1]) == (full + 1) * bs
+                for b in evictable
+                if ref.content[b][0] == ns
+            )
+            assert need > ref.num_free() + len(evictable) - (1 if src_may_be_evictable else 0)
+            return
+        event(f"acquire: {type(result).__name__}, cached={cached > 0}")
+        if expect_defer:
+            assert isinstance(result, Deferral)
+            assert (result.cached_tokens, result.pending_tokens) == (cached, pending)
+            assert result.waiting_on == ref.inflight[(ns, prompt[: (full + 1) * bs])]
+            return
+        assert isinstance(result, Grant), result
+        assert result.cached_tokens == cached
+        assert list(result.block_table[:full]) == full_blocks[:full]
+        assert len(result.block_table) == full + need
+        lease = RefLease(ns, prompt, list(result.block_table), cached, {}, full)
+        for pos, b in enumerate(full_blocks[:full]):
+            ref.ref(lease, b, pos)
+        if cached % bs:
+            ((src, dst),) = result.copy_on_write
+            assert dst == result.block_table[full]
+            src_ns, src_tokens = ref.content[src]
+            assert src_ns == ns and src_tokens[: full * bs] == prompt[: full * bs]
+            assert src_tokens[full * bs : cached] == prompt[full * bs : cached]
+            held.add(src)
+            ref.ref(lease, src, full)
+        else:
+            assert result.copy_on_write == ()
+        self._mirror_evictions(ref, max(0, need - ref.num_free()), held)
+        for pos, b in enumerate(result.block_table[full:], start=full):
+            assert b not in ref.allocated, f"block {b} handed out while in use"
+            ref.allocated[b] = ns
+            ref.ref(lease, b, pos)
+        ref.add_lease(result.lease_id, lease)
+
+    @rule(data=st.data(), allow_defer=st.booleans(), reserve=st.integers(0, 4))
+    def acquire_same_prompt(self, data, allow_defer, reserve) -> None:
+        """A request arriving while another with the same prompt is still running."""
+        if not any(r.leases for r in self.ref.values()):
+            return
+        pool_id = data.draw(st.sampled_from([p for p, r in self.ref.items() if r.leases]))
+        _, lease = self._pick_lease(data, pool_id)
+        prompt = lease.tokens[: data.draw(st.integers(1, len(lease.tokens)))]
+        self._acquire(pool_id, lease.ns, prompt, reserve, allow_defer, False)
+
+    def _pick_lease(self, data, pool_id: str) -> tuple[int, RefLease]:
+        leases = self.ref[pool_id].leases
+        lease_id = data.draw(st.sampled_from(sorted(leases)))
+        return lease_id, leases[lease_id]
+
+    def _grow(self, data, ref: RefPool, lease: RefLease) -> tuple[int, ...]:
+        room = len(lease.table) * ref.bs - len(lease.tokens)
+        extra = data.draw(st.lists(st.integers(0, 3), max_size=max(0, room)))
+        return lease.tokens + tuple(extra)
+
+    @rule(data=st.data())
+    def extend(self, data) -> None:
+        if not any(r.leases for r in self.ref.values()):
+            return
+        pool_id = data.draw(st.sampled_from([p for p, r in self.ref.items() if r.leases]))
+        ref = self.ref[pool_id]
+        ids = data.draw(st.lists(st.sampled_from(sorted(ref.leases)), min_size=1, unique=True))
+        items = [(i, len(ref.leases[i].table) * ref.bs + data.draw(st.integers(0, 5))) for i in ids]
+        need = sum(max(0, -(-n // ref.bs) - len(ref.leases[i].table)) for i, n in items)
+        try:
+            out = self.auth.extend(pool_id, self.inc[pool_id], items)
+        except OutOfBlocks:
+            assert need > ref.num_free() + len(ref.evictable())
+            return
+        self._mirror_evictions(ref, max(0, need - ref.num_free()), set())
+        for lease_id, fresh in out:
+            lease = ref.leases[lease_id]
+            for b in fresh:
+                assert b not in ref.allocated
+                ref.allocated[b] = lease.ns
+                ref.ref(lease, b, len(lease.table))
+                lease.table.append(b)
+
+    @rule(data=st.data())
+    def commit(self, data) -> None:
+        if not any(r.leases for r in self.ref.values()):
+            return
+        pool_id = data.draw(st.sampled_from([p for p, r in self.ref.items() if r.leases]))
+        ref = self.ref[pool_id]
+        lease_id, lease = self._pick_lease(data, pool_id)
+        tokens = self._grow(data, ref, lease)
+        adopted = len(lease.refs)
+        (indexed,) = self.auth.commit(pool_id, self.inc[pool_id], [(lease_id, tokens)])
+        assert indexed == ref.commit(lease_id, tokens)
+        event(f"commit: adopted={len(lease.refs) > adopted}")
+
+    @rule(data=st.data(), commit_final=st.booleans())
+    def release(self, data, commit_final) -> None:
+        if not any(r.leases for r in self.ref.values()):
+            return
+        pool_id = data.draw(st.sampled_from([p for p, r in self.ref.items() if r.leases]))
+        ref = self.ref[pool_id]
+        lease_id, lease = self._pick_lease(data, pool_id)
+        tokens = self._grow(data, ref, lease) if commit_final else ()
+        self.auth.release(pool_id, self.inc[pool_id], lease_id, tokens)
+        if tokens:
+            ref.commit(lease_id, tokens)
+        ref.end(lease_id)
+
+    @rule()
+    def expire_everything(self) -> None:
+        self.now += TTL + 1
+        self.auth.expire_due()
+        for pool_id, ref in self.ref.items():
+            ended = sorted(ref.leases)
+            for lease_id in ended:
+                ref.end(lease_id)
+            expired, live = self.auth.heartbeat(pool_id, self.inc[pool_id])
+            assert (sorted(expired), live) == (ended, 0)
+
+    @rule(pool_id=st.sampled_from(list(POOLS)))
+    def reregister(self, pool_id) -> None:
+        self._register(pool_id)
+
+    # -- admin --------------------------------------------------------------------------------
+
+    @rule(pool_id=st.sampled_from(list(POOLS)), n=st.integers(0, 6))
+    def evict_lru(self, pool_id, n) -> None:
+        ref = self.ref[pool_id]
+        expected = min(n, len(ref.evictable()))
+        assert self.auth.get_pool(pool_id).evict_lru(n) == expected
+        for _ in range(expected):
+            ref.evict(ref.evictable()[0])
+
+    @rule(pool_id=st.sampled_from(list(POOLS)), ns=st.sampled_from(NAMESPACES))
+    def evict_namespace(self, pool_id, ns) -> None:
+        ref = self.ref[pool_id]
+        victims = [b for b in ref.evictable() if ref.content[b][0] == ns]
+        assert self.auth.get_pool(pool_id).evict_namespace(ns) == len(victims)
+        for b in victims:
+            ref.evict(b)
+
+    @rule(pool_id=st.sampled_from(list(POOLS)), ns=st.sampled_from(NAMESPACES), prefix=prompts)
+    def evict_prefix(self, pool_id, ns, prefix) -> None:
+        ref = self.ref[pool_id]
+        k = (len(prefix) - 1) // ref.bs
+
+        def extends(key) -> bool:
+            cns, toks = key
+            return cns == ns and len(toks) >= (k + 1) * ref.bs and toks[: len(prefix)] == prefix
+
+        pool = self.auth.get_pool(pool_id)
+        if not any(extends(key) for key in ref.by_content):
+            with pytest.raises(NotFound):
+                pool.evict_prefix(ns, prefix)
+            return
+        victims = [b for b in ref.evictable() if extends(ref.content[b])]
+        assert pool.evict_prefix(ns, prefix) == len(victims)
+        for b in victims:
+            ref.evict(b)
+
+    @rule(pool_id=st.sampled_from(list(POOLS)))
+    def flush(self, pool_id) -> None:
+        ref = self.ref[pool_id]
+        victims = ref.evictable()
+        assert self.auth.get_pool(pool_id).flush() == len(victims)
+        for b in victims:
+            ref.evict(b)
+
+    @rule(pool_id=st.sampled_from(list(POOLS)), ns=st.sampled_from(NAMESPACES), prefix=prompts)
+    def pin(self, pool_id, ns, prefix) -> None:
+        ref = self.ref[pool_id]
+        key = (ns, prefix[: len(prefix) // ref.bs * ref.bs])
+        pool = self.auth.get_pool(pool_id)
+        if key in ref.pins:
+            assert pool.pin(ns, prefix) == len(ref.pins[key])
+            return
+        blocks = ref.full_match(ns, key[1])
+        if not blocks:
+            with pytest.raises(NotFound):
+                pool.pin(ns, prefix)
+            return
+        assert pool.pin(ns, prefix) == len(blocks)
+        ref.pin(key, blocks)
+
+    @rule(data=st.data())
+    def unpin(self, data) -> None:
+        if not any(r.pins for r in self.ref.values()):
+            return
+        pool_id = data.draw(st.sampled_from([p for p, r in self.ref.items() if r.pins]))
+        ref = self.ref[pool_id]
+        ns, tokens = data.draw(st.sampled_from(sorted(ref.pins)))
+        assert self.auth.get_pool(pool_id).unpin(ns, tokens) == len(ref.pins[(ns, tokens)])
+        ref.unpin((ns, tokens))
+
+    # -- the comparison -----------------------------------------------------------------------
+
+    @invariant()
+    def agrees_with_reference(self) -> None:
+        if not hasattr(self, "auth"):
+            return
+        assert self.auth.check_integrity() == []
+        for pool_id, ref in self.ref.items():
+            pool = self.auth.get_pool(pool_id)
+            assert real_index_view(pool) == ref.indexed_view()
+            assert pool.blocks.num_free == ref.num_free()
+            assert list(pool.order) == ref.evictable()
+            assert [pool.blocks.refcount[b] for b in range(ref.n)] == [
+                ref.refcount(b) for b in range(ref.n)
+            ]
+            assert {i: lease.table for i, lease in pool.leases.items()} == {
+                i: lease.table for i, lease in ref.leases.items()
+            }
+
+
+PoolMachine.TestCase.settings = settings(
+    max_examples=300,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestPoolModel = PoolMachine.TestCase
