@@ -17,16 +17,21 @@ PARTIAL_SCAN_LIMIT = 64
 class Node:
     """A run of full blocks along one path; the edge label is their tokens.
 
-    `tokens` always holds exactly `len(blocks) * block_size` tokens. Children are keyed by
-    their first block's tokens, which differ between siblings by construction.
+    `chunks[j]` holds the tokens of `blocks[j]`, one tuple per block, so that evicting a
+    tail block, splitting or merging moves references instead of copying token runs.
+    Children are keyed by their first chunk, which differs between siblings by construction.
     """
 
     node_id: int
     parent: Node | None
-    tokens: Tokens
+    chunks: list[Tokens]
     blocks: list[BlockId]
     children: dict[Tokens, Node] = field(default_factory=dict)
     last_used: float = 0.0
+
+    @property
+    def tokens(self) -> Tokens:
+        return tuple(t for chunk in self.chunks for t in chunk)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +100,7 @@ class RadixIndex:
                 return self._with_partial(matched, tokens, pos, self._candidates(node, key))
             j = 0
             while j < len(child.blocks):
-                seg = tokens[pos : pos + bs]
-                if seg != child.tokens[j * bs : (j + 1) * bs]:
+                if tokens[pos : pos + bs] != child.chunks[j]:
                     return self._with_partial(matched, tokens, pos, [(child, j)])
                 matched.append(child.blocks[j])
                 pos += bs
@@ -108,7 +112,7 @@ class RadixIndex:
             return []
         out = []
         for child in node.children.values():
-            if child.tokens[0] == key[0]:
+            if child.chunks[0][0] == key[0]:
                 out.append((child, 0))
                 if len(out) == PARTIAL_SCAN_LIMIT:
                     break
@@ -121,7 +125,7 @@ class RadixIndex:
         seg = tokens[pos : pos + bs]
         best, best_len = None, 0
         for node, j in candidates:
-            n = common_prefix_len(seg, node.tokens[j * bs : (j + 1) * bs])
+            n = common_prefix_len(seg, node.chunks[j])
             if n > best_len:
                 best, best_len = node.blocks[j], n
         return Match(tuple(matched), best, best_len)
@@ -157,7 +161,7 @@ class RadixIndex:
         assert len(tokens) == len(blocks) * bs, "insert takes whole blocks"
         root = self.roots.get(ns)
         if root is None:
-            root = self.roots[ns] = self._node(None, (), [])
+            root = self.roots[ns] = self._node(None, [], [])
         out: list[BlockId] = []
         node, pos, i = root, 0, 0
         while i < len(blocks):
@@ -165,19 +169,20 @@ class RadixIndex:
             child = node.children.get(key)
             if child is None:
                 rest = blocks[i:]
+                chunks = [tokens[p : p + bs] for p in range(pos, len(tokens), bs)]
                 if node is not root and not node.children:
                     # Extend a leaf in place: a sequence committed a block at a time stays one
                     # node instead of a chain of one-block nodes.
-                    node.tokens += tokens[pos:]
+                    node.chunks.extend(chunks)
                     node.blocks.extend(rest)
                     for b in rest:
                         self._where[b] = node
                 else:
-                    node.children[key] = self._node(node, tokens[pos:], list(rest))
+                    node.children[key] = self._node(node, chunks, list(rest))
                 return out + rest
             j = 0
             while j < len(child.blocks) and i < len(blocks):
-                if tokens[pos : pos + bs] != child.tokens[j * bs : (j + 1) * bs]:
+                if tokens[pos : pos + bs] != child.chunks[j]:
                     break
                 out.append(child.blocks[j])
                 i, j, pos = i + 1, j + 1, pos + bs
@@ -186,8 +191,8 @@ class RadixIndex:
             node = child
         return out
 
-    def _node(self, parent: Node | None, tokens: Tokens, blocks: list[BlockId]) -> Node:
-        node = Node(self._next_node_id, parent, tokens, blocks)
+    def _node(self, parent: Node | None, chunks: list[Tokens], blocks: list[BlockId]) -> Node:
+        node = Node(self._next_node_id, parent, chunks, blocks)
         self._next_node_id += 1
         for b in blocks:
             self._where[b] = node
@@ -195,26 +200,24 @@ class RadixIndex:
 
     def _split(self, node: Node, j: int) -> Node:
         """Cuts `node` before its j-th block; returns the new upper part."""
-        bs = self.block_size
         parent = node.parent
         assert parent is not None and 0 < j < len(node.blocks)
-        upper = self._node(parent, node.tokens[: j * bs], node.blocks[:j])
+        upper = self._node(parent, node.chunks[:j], node.blocks[:j])
         upper.last_used = node.last_used
-        parent.children[node.tokens[:bs]] = upper
-        node.tokens = node.tokens[j * bs :]
+        parent.children[node.chunks[0]] = upper
+        node.chunks = node.chunks[j:]
         node.blocks = node.blocks[j:]
         node.parent = upper
-        upper.children[node.tokens[:bs]] = node
+        upper.children[node.chunks[0]] = node
         return upper
 
     def remove_leaf_block(self, block: BlockId) -> None:
         """Drops the last block of a leaf node (the caller checked it is unreferenced)."""
-        bs = self.block_size
         node = self._where.pop(block)
         assert node.blocks[-1] == block and not node.children, f"block {block} is not a leaf"
-        key = node.tokens[:bs]
+        key = node.chunks[0]
         node.blocks.pop()
-        node.tokens = node.tokens[:-bs]
+        node.chunks.pop()
         if node.blocks:
             return
         parent = node.parent
@@ -231,7 +234,7 @@ class RadixIndex:
     def _merge_only_child(self, node: Node) -> None:
         """Keeps the tree compressed: a non-root node with one child absorbs it."""
         (child,) = node.children.values()
-        node.tokens += child.tokens
+        node.chunks.extend(child.chunks)
         node.blocks.extend(child.blocks)
         node.last_used = max(node.last_used, child.last_used)
         for b in child.blocks:
@@ -281,7 +284,7 @@ class RadixIndex:
         for _ in range(k):
             seg = prefix[pos : pos + bs]
             if j < len(node.blocks):
-                if node.tokens[j * bs : (j + 1) * bs] != seg:
+                if node.chunks[j] != seg:
                     return []
                 j += 1
             else:
@@ -293,22 +296,22 @@ class RadixIndex:
         tail = prefix[pos:]
         at_boundary = j == len(node.blocks)
         cands = [(c, 0) for c in node.children.values()] if at_boundary else [(node, j)]
-        return [(n, i) for n, i in cands if n.tokens[i * bs : i * bs + len(tail)] == tail]
+        return [(n, i) for n, i in cands if n.chunks[i][: len(tail)] == tail]
 
     def check_integrity(self) -> list[str]:
         bs = self.block_size
         problems = []
         seen: dict[BlockId, Node] = {}
         for ns, root in self.roots.items():
-            if root.blocks or root.tokens:
+            if root.blocks or root.chunks:
                 problems.append(f"namespace {ns!r}: root holds blocks")
             for _, node, _depth in self.nodes(ns):
                 if not node.blocks:
                     problems.append(f"node {node.node_id} is empty")
-                if len(node.tokens) != len(node.blocks) * bs:
-                    problems.append(f"node {node.node_id}: tokens do not fill its blocks")
+                if len(node.chunks) != len(node.blocks) or any(len(c) != bs for c in node.chunks):
+                    problems.append(f"node {node.node_id}: chunks do not fill its blocks")
                 parent = node.parent
-                if parent is None or parent.children.get(node.tokens[:bs]) is not node:
+                if parent is None or parent.children.get(node.chunks[0]) is not node:
                     problems.append(f"node {node.node_id} is not under its parent's key")
                 if parent is not None and parent.parent is not None and len(parent.children) == 1:
                     problems.append(f"node {node.node_id} is an only child (not compressed)")

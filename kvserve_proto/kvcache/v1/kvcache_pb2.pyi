@@ -19,20 +19,22 @@ class PoolLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("pool_id", "model_fingerprint", "layout", "num_blocks", "block_size", "worker_address")
+    __slots__ = ("pool_id", "model_fingerprint", "layout", "num_blocks", "block_size", "worker_address", "model")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     model_fingerprint: str
     layout: PoolLayout
     num_blocks: int
     block_size: int
     worker_address: str
-    def __init__(self, pool_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., worker_address: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, pool_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., worker_address: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("incarnation", "lease_ttl_s", "heartbeat_interval_s")
@@ -193,15 +195,17 @@ class ReleaseLeaseResponse(_message.Message):
     def __init__(self, indexed_tokens: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("namespace", "prompt_token_ids")
+    __slots__ = ("namespace", "prompt_token_ids", "model")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    model: str
+    def __init__(self, namespace: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PoolRoute(_message.Message):
-    __slots__ = ("pool_id", "worker_address", "cached_tokens", "free_blocks", "evictable_blocks", "live_leases", "alive")
+    __slots__ = ("pool_id", "worker_address", "cached_tokens", "free_blocks", "evictable_blocks", "live_leases", "alive", "model")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +213,7 @@ class PoolRoute(_message.Message):
     EVICTABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     worker_address: str
     cached_tokens: int
@@ -216,7 +221,8 @@ class PoolRoute(_message.Message):
     evictable_blocks: int
     live_leases: int
     alive: bool
-    def __init__(self, pool_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., evictable_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., alive: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, pool_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., evictable_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., alive: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("pools",)

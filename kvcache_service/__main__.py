@@ -1,0 +1,40 @@
+"""`python -m kvcache_service`: run the KV-cache authority until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from kvcache_service.config import ServiceConfig
+from kvcache_service.server import running
+
+log = logging.getLogger("kvcache_service")
+
+
+async def main(config: ServiceConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with running(config) as svc:
+        if not config.admin_token:
+            log.warning("no admin token configured; generated one: %s", svc.config.admin_token)
+        log.info(
+            "kvcache service listening on %s (lease TTL %.1fs)", svc.address, config.lease_ttl_s
+        )
+        # A line launchers and tests wait for.
+        print(f"KVCACHE_READY {svc.address}", flush=True)
+        await stop.wait()
+        log.info("shutting down")
+
+
+if __name__ == "__main__":
+    cfg = ServiceConfig.from_args()
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    asyncio.run(main(cfg))

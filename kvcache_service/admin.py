@@ -1,0 +1,182 @@
+"""Admin CLI: `python -m kvcache_service.admin stats|tree|lookup|evict|flush|pin|unpin|check`.
+
+Talks to a running cache service with the admin bearer token (--token or
+KVCACHE_ADMIN_TOKEN) and prints readable tables (or --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
+from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+
+
+def parse_tokens(text: str) -> list[int]:
+    """'1,2,3' or '1 2 3' -> [1, 2, 3]."""
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token ids must be integers: {text!r}") from None
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def show_stats(resp: pb.StatsResponse) -> str:
+    headers = ["pool", "alive", "blocks", "free", "cached", "referenced", "pinned", "peak"]
+    headers += ["leases", "hit% tok", "hit% req", "evicted", "expired", "deferred", "exhausted"]
+    rows = [
+        [
+            p.pool_id,
+            "yes" if p.alive else "NO",
+            p.num_blocks,
+            p.free_blocks,
+            p.cached_blocks,
+            p.referenced_blocks,
+            p.pinned_blocks,
+            p.peak_used_blocks,
+            p.live_leases,
+            f"{100 * p.token_hit_rate:.1f}",
+            f"{100 * p.request_hit_rate:.1f}",
+            p.evicted_blocks,
+            p.expired_leases,
+            p.deferrals,
+            p.exhausted,
+        ]
+        for p in resp.pools
+    ]
+    return table(headers, rows) if rows else "no pools registered"
+
+
+def show_tree(resp: pb.InspectTreeResponse) -> str:
+    if not resp.nodes:
+        return "(empty index)"
+    by_parent: dict[tuple[str, int], list[pb.TreeNode]] = {}
+    for node in resp.nodes:
+        by_parent.setdefault((node.namespace, node.parent_id), []).append(node)
+    lines: list[str] = []
+    now = time.time()
+
+    def walk(ns: str, parent: int, indent: str) -> None:
+        for node in sorted(by_parent.get((ns, parent), []), key=lambda n: n.node_id):
+            preview = " ".join(map(str, node.token_preview[:8]))
+            refs = ",".join(map(str, node.refcounts))
+            pin = " pinned" if node.pinned else ""
+            age = f"{now - node.last_used_at:.0f}s ago" if node.last_used_at else "never"
+            lines.append(
+                f"{indent}[{node.node_id}] {node.num_tokens} tokens, blocks "
+                f"{list(node.blocks)}, refs {refs}, used {age}{pin}: {preview} ..."
+            )
+            walk(ns, node.node_id, indent + "  ")
+
+    for ns in sorted({n.namespace for n in resp.nodes}):
+        lines.append(f"namespace {ns!r}:")
+        walk(ns, 0, "  ")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvcache_service.admin", description=__doc__)
+    p.add_argument("--address", default=os.environ.get("KVCACHE_ADDRESS", "127.0.0.1:50051"))
+    p.add_argument("--token", default=os.environ.get("KVCACHE_ADMIN_TOKEN", ""))
+    p.add_argument("--json", action="store_true", help="print the raw response as JSON")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def with_pool(name: str, help: str, required: bool = False) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help)
+        sp.add_argument("--pool", default="", required=required, help="pool id (worker name)")
+        return sp
+
+    with_pool("stats", "blocks, hit rates, evictions and leases per pool")
+    sp = with_pool("tree", "the radix index as a tree", required=True)
+    sp.add_argument("--namespace", default="")
+    sp.add_argument("--max-depth", type=int, default=0)
+    for name, help in [
+        ("lookup", "dry-run match of a prompt on every pool"),
+        ("pin", "protect a prefix from eviction"),
+        ("unpin", "undo a pin"),
+    ]:
+        sp = with_pool(name, help, required=name != "lookup")
+        sp.add_argument("--namespace", default="")
+        sp.add_argument("tokens", type=parse_tokens, help="token ids, e.g. '1,2,3'")
+    sp = with_pool("evict", "evict N blocks, a namespace, or a prefix", required=True)
+    target = sp.add_mutually_exclusive_group(required=True)
+    target.add_argument("--blocks", type=int)
+    target.add_argument("--namespace")
+    target.add_argument("--prefix", type=parse_tokens)
+    sp.add_argument("--prefix-namespace", default="")
+    with_pool("flush", "evict every unreferenced, unpinned block")
+    sub.add_parser("check", help="verify the block accounting invariants")
+    a = p.parse_args(argv)
+
+    with grpc.insecure_channel(a.address) as channel:
+        stub = pb_grpc.KVCacheAdminStub(channel)
+        md = [("authorization", f"Bearer {a.token}")]
+        try:
+            resp, text = call(stub, a, md)
+        except grpc.RpcError as err:
+            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    print(json.dumps(MessageToDict(resp), indent=2) if a.json else text)
+    if isinstance(resp, pb.CheckIntegrityResponse) and not resp.ok:
+        return 2
+    return 0
+
+
+def call(stub: pb_grpc.KVCacheAdminStub, a: argparse.Namespace, md: list) -> tuple[object, str]:
+    if a.cmd == "stats":
+        r = stub.GetStats(pb.StatsRequest(pool_id=a.pool), metadata=md)
+        return r, show_stats(r)
+    if a.cmd == "tree":
+        req = pb.InspectTreeRequest(pool_id=a.pool, namespace=a.namespace, max_depth=a.max_depth)
+        r = stub.InspectTree(req, metadata=md)
+        return r, show_tree(r)
+    if a.cmd == "lookup":
+        req = pb.LookupRequest(pool_id=a.pool, namespace=a.namespace, prompt_token_ids=a.tokens)
+        r = stub.Lookup(req, metadata=md)
+        rows = [
+            [x.pool_id, x.cached_tokens, len(x.matched_blocks), x.pending_tokens, x.blocks_needed]
+            for x in r.pools
+        ]
+        heads = ["pool", "cached tokens", "matched blocks", "pending tokens", "blocks needed"]
+        return r, table(heads, rows)
+    if a.cmd in ("pin", "unpin"):
+        req = pb.PinRequest(
+            pool_id=a.pool, prefix=pb.PrefixRef(namespace=a.namespace, token_ids=a.tokens)
+        )
+        r = (stub.Pin if a.cmd == "pin" else stub.Unpin)(req, metadata=md)
+        return r, f"{a.cmd}ned {r.blocks} blocks"
+    if a.cmd == "evict":
+        if a.blocks is not None:
+            req = pb.EvictRequest(pool_id=a.pool, num_blocks=a.blocks)
+        elif a.namespace is not None:
+            req = pb.EvictRequest(pool_id=a.pool, namespace=a.namespace)
+        else:
+            prefix = pb.PrefixRef(namespace=a.prefix_namespace, token_ids=a.prefix)
+            req = pb.EvictRequest(pool_id=a.pool, prefix=prefix)
+        r = stub.Evict(req, metadata=md)
+        return r, f"evicted {r.evicted_blocks} blocks"
+    if a.cmd == "flush":
+        r = stub.Flush(pb.FlushRequest(pool_id=a.pool), metadata=md)
+        return r, f"flushed {r.evicted_blocks} blocks"
+    r = stub.CheckIntegrity(pb.CheckIntegrityRequest(), metadata=md)
+    text = f"ok: {r.pools_checked} pools checked" if r.ok else "\n".join(["FAILED:", *r.problems])
+    return r, text
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The cache service's one config object: flags, with KVCACHE_* environment defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ENV_PREFIX = "KVCACHE_"
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    lease_ttl_s: float = 30.0
+    # Bearer token for the admin service. Empty: one is generated at startup and logged.
+    admin_token: str = ""
+    # 0: pools choose their block size; otherwise registration must match it.
+    block_size: int = 0
+    namespace_quota_blocks: int = 0
+    # How often leases of silent pools are expired when no call comes in.
+    sweep_interval_s: float = 1.0
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None) -> ServiceConfig:
+        d = cls()
+
+        def env(name: str, default: object) -> str:
+            return os.environ.get(ENV_PREFIX + name, str(default))
+
+        p = argparse.ArgumentParser(
+            prog="python -m kvcache_service",
+            description="The KV-cache authority (gRPC). Every flag also reads KVCACHE_<FLAG>.",
+        )
+        p.add_argument("--host", default=env("HOST", d.host))
+        p.add_argument("--port", type=int, default=int(env("PORT", d.port)))
+        p.add_argument(
+            "--lease-ttl-s", type=float, default=float(env("LEASE_TTL_S", d.lease_ttl_s))
+        )
+        p.add_argument("--admin-token", default=env("ADMIN_TOKEN", d.admin_token))
+        p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", d.block_size)))
+        p.add_argument(
+            "--namespace-quota-blocks",
+            type=int,
+            default=int(env("NAMESPACE_QUOTA_BLOCKS", d.namespace_quota_blocks)),
+        )
+        p.add_argument(
+            "--sweep-interval-s",
+            type=float,
+            default=float(env("SWEEP_INTERVAL_S", d.sweep_interval_s)),
+        )
+        p.add_argument("--log-level", default=env("LOG_LEVEL", d.log_level))
+        a = p.parse_args(argv)
+        if a.lease_ttl_s <= 0:
+            p.error("--lease-ttl-s must be positive")
+        return cls(
+            host=a.host,
+            port=a.port,
+            lease_ttl_s=a.lease_ttl_s,
+            admin_token=a.admin_token,
+            block_size=a.block_size,
+            namespace_quota_blocks=a.namespace_quota_blocks,
+            sweep_interval_s=a.sweep_interval_s,
+            log_level=a.log_level,
+        )
+
+    def with_admin_token(self) -> ServiceConfig:
+        """This config, with a random admin token if none was configured."""
+        if self.admin_token:
+            return self
+        from dataclasses import replace
+
+        return replace(self, admin_token=secrets.token_urlsafe(24))

@@ -1,0 +1,79 @@
+"""Builds the grpc.aio server: both services, health checking, reflection, the expiry sweep."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvcache_service.authority import AuthorityConfig, CacheAuthority
+from kvcache_service.config import ServiceConfig
+from kvcache_service.servicer import AdminServicer, KVCacheServicer
+from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
+from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = (
+    pb.DESCRIPTOR.services_by_name["KVCacheService"].full_name,
+    pb.DESCRIPTOR.services_by_name["KVCacheAdmin"].full_name,
+)
+
+
+@dataclass
+class RunningService:
+    server: grpc.aio.Server
+    port: int
+    authority: CacheAuthority
+    config: ServiceConfig
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+
+async def _sweep(authority: CacheAuthority, interval_s: float) -> None:
+    """Expires leases of pools that went silent even when no call comes in."""
+    while True:
+        await asyncio.sleep(interval_s)
+        n = authority.expire_due()
+        if n:
+            log.warning("expired %d leases of silent pools", n)
+
+
+@contextlib.asynccontextmanager
+async def running(config: ServiceConfig) -> AsyncIterator[RunningService]:
+    """Starts the service (port 0 picks a free one) and stops it on exit."""
+    config = config.with_admin_token()
+    authority = CacheAuthority(
+        AuthorityConfig(
+            lease_ttl_s=config.lease_ttl_s,
+            block_size=config.block_size,
+            namespace_quota_blocks=config.namespace_quota_blocks,
+        )
+    )
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+    pb_grpc.add_KVCacheServiceServicer_to_server(KVCacheServicer(authority), server)
+    pb_grpc.add_KVCacheAdminServicer_to_server(AdminServicer(authority, config.admin_token), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    for name in ("", *SERVICE_NAMES):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    sweeper = asyncio.create_task(_sweep(authority, config.sweep_interval_s))
+    try:
+        yield RunningService(server, port, authority, config)
+    finally:
+        sweeper.cancel()
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace=2.0)

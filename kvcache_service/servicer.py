@@ -1,0 +1,222 @@
+"""gRPC servicers: KVCacheService for workers and gateways, KVCacheAdmin for operators.
+
+Thin: validate the shape of the request, call the CacheAuthority, convert the result. Domain
+errors become status codes through STATUS_OF, in one place.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from kvcache_service import convert
+from kvcache_service.authority import CacheAuthority, as_tokens
+from kvcache_service.errors import (
+    CacheError,
+    FencedIncarnation,
+    InvalidArgument,
+    NotFound,
+    OutOfBlocks,
+    UnknownLease,
+)
+from kvcache_service.ids import Namespace, PoolId
+from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
+from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+STATUS_OF: dict[type[CacheError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,  # includes UnknownPool
+    UnknownLease: grpc.StatusCode.NOT_FOUND,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FencedIncarnation: grpc.StatusCode.FAILED_PRECONDITION,
+    OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+
+
+def status_of(err: CacheError) -> grpc.StatusCode:
+    for cls in type(err).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+def domain_errors(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        try:
+            return await fn(self, request, context)
+        except CacheError as err:
+            await context.abort(status_of(err), str(err))
+            raise  # unreachable: abort raises
+
+    return wrapper
+
+
+class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
+    def __init__(self, authority: CacheAuthority) -> None:
+        self.auth = authority
+
+    @domain_errors
+    async def RegisterPool(self, request, context):
+        reg = self.auth.register_pool(convert.pool_spec(request))
+        log.info(
+            "registered pool %r: %d blocks of %d tokens, incarnation %d",
+            request.pool_id,
+            request.num_blocks,
+            request.block_size,
+            reg.incarnation,
+        )
+        return convert.registration(reg)
+
+    @domain_errors
+    async def Heartbeat(self, request, context):
+        expired, live = self.auth.heartbeat(PoolId(request.pool.pool_id), request.pool.incarnation)
+        return pb.HeartbeatResponse(expired_lease_ids=expired, live_leases=live)
+
+    @domain_errors
+    async def AcquireLease(self, request, context):
+        result, expired = self.auth.acquire(
+            PoolId(request.pool.pool_id),
+            request.pool.incarnation,
+            Namespace(request.namespace),
+            request.prompt_token_ids,
+            reserve_tokens=request.reserve_tokens,
+            allow_defer=request.allow_defer,
+            skip_cache=request.skip_cache,
+        )
+        return convert.acquire_response(result, expired)
+
+    @domain_errors
+    async def ExtendLeases(self, request, context):
+        out = self.auth.extend(
+            PoolId(request.pool.pool_id),
+            request.pool.incarnation,
+            [(item.lease_id, item.num_tokens) for item in request.items],
+        )
+        return pb.ExtendLeasesResponse(
+            leases=[pb.ExtendedLease(lease_id=i, new_blocks=blocks) for i, blocks in out]
+        )
+
+    @domain_errors
+    async def CommitLeases(self, request, context):
+        indexed = self.auth.commit(
+            PoolId(request.pool.pool_id),
+            request.pool.incarnation,
+            [(item.lease_id, item.token_ids) for item in request.items],
+        )
+        return pb.CommitLeasesResponse(indexed_tokens=indexed)
+
+    @domain_errors
+    async def ReleaseLease(self, request, context):
+        indexed = self.auth.release(
+            PoolId(request.pool.pool_id),
+            request.pool.incarnation,
+            request.lease_id,
+            request.token_ids,
+        )
+        return pb.ReleaseLeaseResponse(indexed_tokens=indexed)
+
+    @domain_errors
+    async def Route(self, request, context):
+        routes = self.auth.route(
+            Namespace(request.namespace), request.prompt_token_ids, request.model
+        )
+        return pb.RouteResponse(pools=[convert.pool_route(r) for r in routes])
+
+
+def admin_only(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
+    """Requires `authorization: Bearer <admin token>`; then maps domain errors."""
+    inner = domain_errors(fn)
+
+    @functools.wraps(fn)
+    async def wrapper(self: AdminServicer, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        metadata = dict(context.invocation_metadata() or ())
+        given = str(metadata.get("authorization", ""))
+        expected = f"Bearer {self.token}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "admin calls need a bearer token")
+        return await inner(self, request, context)
+
+    return wrapper
+
+
+class AdminServicer(pb_grpc.KVCacheAdminServicer):
+    def __init__(self, authority: CacheAuthority, token: str) -> None:
+        if not token:
+            raise ValueError("the admin service needs a token")
+        self.auth = authority
+        self.token = token
+
+    @admin_only
+    async def GetStats(self, request, context):
+        pools = self.auth.select(request.pool_id)
+        return pb.StatsResponse(
+            pools=[convert.pool_stats(p, self.auth.is_alive(p.spec.pool_id)) for p in pools]
+        )
+
+    @admin_only
+    async def InspectTree(self, request, context):
+        pool = self.auth.get_pool(request.pool_id)
+        return pb.InspectTreeResponse(
+            nodes=convert.tree_nodes(pool, request.namespace, request.max_depth)
+        )
+
+    @admin_only
+    async def Lookup(self, request, context):
+        found = self.auth.lookup(
+            request.pool_id, Namespace(request.namespace), request.prompt_token_ids
+        )
+        return pb.LookupResponse(pools=[convert.pool_lookup(p, lk) for p, lk in found])
+
+    @admin_only
+    async def Evict(self, request, context):
+        pool = self.auth.get_pool(request.pool_id)
+        target = request.WhichOneof("target")
+        if target == "num_blocks":
+            n = pool.evict_lru(request.num_blocks)
+        elif target == "namespace":
+            n = pool.evict_namespace(Namespace(request.namespace))
+        elif target == "prefix":
+            tokens = as_tokens(request.prefix.token_ids, "prefix")
+            n = pool.evict_prefix(Namespace(request.prefix.namespace), tokens)
+        else:
+            raise InvalidArgument("evict needs num_blocks, namespace or prefix")
+        log.info("admin evicted %d blocks from pool %r (%s)", n, request.pool_id, target)
+        return pb.EvictResponse(evicted_blocks=n)
+
+    @admin_only
+    async def Flush(self, request, context):
+        n = sum(pool.flush() for pool in self.auth.select(request.pool_id))
+        log.info("admin flushed %d blocks", n)
+        return pb.EvictResponse(evicted_blocks=n)
+
+    @admin_only
+    async def Pin(self, request, context):
+        pool = self.auth.get_pool(request.pool_id)
+        tokens = as_tokens(request.prefix.token_ids, "prefix")
+        return pb.PinResponse(blocks=pool.pin(Namespace(request.prefix.namespace), tokens))
+
+    @admin_only
+    async def Unpin(self, request, context):
+        pool = self.auth.get_pool(request.pool_id)
+        tokens = as_tokens(request.prefix.token_ids, "prefix")
+        return pb.PinResponse(blocks=pool.unpin(Namespace(request.prefix.namespace), tokens))
+
+    @admin_only
+    async def CheckIntegrity(self, request, context):
+        problems = self.auth.check_integrity()
+        if problems:
+            log.error("integrity check failed: %s", problems[:10])
+        return pb.CheckIntegrityResponse(
+            ok=not problems, problems=problems[:1000], pools_checked=len(self.auth.pools)
+        )
