@@ -16,16 +16,16 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) -m kvserve_launch
 
-# Lint, type-check, then every test.
+# Lint, type-check, then every test (under the fast BLAS the worker uses: worker/blas.py).
 test: $(STAMP) lint typecheck
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m worker.blas run -- $(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy kvcache_service
+	$(VENV)/bin/mypy kvcache_service gateway kvserve_launch worker
 
 # Regenerate kvserve_proto/ from proto/ (tests fail when they disagree).
 proto: $(STAMP)

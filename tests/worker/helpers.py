@@ -1,0 +1,173 @@
+"""Tiny seeded models of each family and the dense reference the paged path is held to.
+
+The reference is mlx-lm's own path: ``make_prompt_cache(model)`` (``KVCache`` per layer,
+``RotatingKVCache`` for gemma3's sliding layers), one sequence at a time, the whole prompt in
+one call. The paged path must give the same greedy tokens and fp32 logits within ``TOL``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import _get_classes
+
+from worker.forward_batch import SeqInput
+from worker.model_runner import ModelRunner
+
+TOL = 1e-4
+EMB_STD = 0.3  # embeddings small enough that the context, not the last token, drives decoding
+
+VOCAB = 128
+
+_COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 4096,
+}
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {**_COMMON, "model_type": "llama", "tie_word_embeddings": False},
+    "qwen2": {**_COMMON, "model_type": "qwen2", "tie_word_embeddings": True, "rope_theta": 1e6},
+    "qwen3": {
+        **_COMMON,
+        "model_type": "qwen3",
+        "head_dim": 32,
+        "tie_word_embeddings": True,
+        "rope_theta": 1e6,
+    },
+    "mistral": {
+        **_COMMON,
+        "model_type": "mistral",
+        "num_key_value_heads": 1,
+        "tie_word_embeddings": False,
+        "sliding_window": None,
+    },
+    "gemma3": {
+        **_COMMON,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 16,
+        "sliding_window_pattern": 2,  # layers 0 and 2 local (window 16), 1 and 3 global
+        "rope_local_base_freq": 10000.0,
+        "rope_theta": 1e6,
+    },
+}
+FAMILIES = tuple(CONFIGS)
+
+
+def tiny_model(family: str, seed: int = 0) -> nn.Module:
+    """An fp32 model of ``family`` with seeded weights, scaled so greedy decoding wanders
+    over the vocabulary instead of settling into a two-token loop."""
+    config = CONFIGS[family]
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    rng = np.random.default_rng(seed)
+    params = []
+    for name, value in tree_flatten(model.parameters()):
+        if name.endswith("norm.weight"):
+            new = np.ones(value.shape) if family != "gemma3" else np.zeros(value.shape)
+        elif "embed_tokens" in name:
+            new = rng.standard_normal(value.shape) * EMB_STD
+        else:
+            new = rng.standard_normal(value.shape) * (1.5 / np.sqrt(value.shape[-1]))
+        params.append((name, mx.array(new.astype(np.float32))))
+    model.update(tree_unflatten(params))
+    mx.eval(model.parameters())
+    return model
+
+
+def max_diff(a: mx.array, b: mx.array) -> float:
+    return float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max())
+
+
+class DenseSeq:
+    """One sequence on mlx-lm's dense caches: the reference."""
+
+    def __init__(self, model: nn.Module, prompt: Sequence[int]) -> None:
+        self.model = model
+        self.cache = make_prompt_cache(model)
+        self.tokens = list(prompt)
+        self.logits_all = model(mx.array([self.tokens]), cache=self.cache)[0].astype(mx.float32)
+        mx.eval(self.logits_all)
+        self.logits = self.logits_all[-1]
+
+    def step(self, token: int) -> mx.array:
+        self.tokens.append(token)
+        self.logits = self.model(mx.array([[token]]), cache=self.cache)[0, -1].astype(mx.float32)
+        mx.eval(self.logits)
+        return self.logits
+
+
+@dataclass
+class PagedSeq:
+    """Host-side state of one sequence on the paged path: its tokens and block table."""
+
+    tokens: list[int]
+    table: list[int]
+    in_pool: int = 0  # tokens whose K/V are in the pool
+    pending: list[int] = field(default_factory=list)  # tokens to run next forward
+
+    @classmethod
+    def fresh(cls, prompt: Sequence[int], table: Sequence[int]) -> PagedSeq:
+        return cls.cached(prompt, table, 0)
+
+    @classmethod
+    def cached(cls, tokens: Sequence[int], table: Sequence[int], in_pool: int) -> PagedSeq:
+        """A sequence whose first ``in_pool`` tokens are already in the pool's blocks."""
+        return cls(list(tokens), list(table), in_pool, pending=list(tokens[in_pool:]))
+
+    def take(self, n: int | None = None) -> SeqInput:
+        """The next forward's input: up to ``n`` pending tokens (all by default)."""
+        n = len(self.pending) if n is None else n
+        chunk, self.pending = self.pending[:n], self.pending[n:]
+        seq = SeqInput(chunk, self.table, self.in_pool)
+        self.in_pool += len(chunk)
+        return seq
+
+    def push(self, token: int) -> None:
+        self.tokens.append(token)
+        self.pending.append(token)
+
+
+def decode_together(
+    runner: ModelRunner,
+    paged: Sequence[PagedSeq],
+    dense: Sequence[DenseSeq],
+    steps: int,
+    first_logits: Sequence[mx.array] | None = None,
+) -> float:
+    """Greedy-decode ``paged`` as one batch and each ``dense`` alone; assert equal tokens and
+    return the largest logit difference seen (prefill logits included if given)."""
+    worst = 0.0
+    if first_logits is not None:
+        for p, d in zip(first_logits, dense, strict=True):
+            worst = max(worst, max_diff(p, d.logits))
+    current = [d.logits for d in dense]
+    for _ in range(steps):
+        tokens = [int(mx.argmax(c)) for c in current]
+        for p, t in zip(paged, tokens, strict=True):
+            p.push(t)
+        logits = runner.forward([p.take() for p in paged])
+        current = [d.step(t) for d, t in zip(dense, tokens, strict=True)]
+        for i, d in enumerate(current):
+            assert int(mx.argmax(logits[i])) == int(mx.argmax(d)), "greedy tokens diverged"
+            worst = max(worst, max_diff(logits[i], d))
+    return worst
+
+
+def prompts(rng: np.random.Generator, *lengths: int) -> list[list[int]]:
+    return [rng.integers(0, VOCAB, n).tolist() for n in lengths]

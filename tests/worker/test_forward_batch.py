@@ -1,0 +1,86 @@
+"""Batch metadata: validation of the engine's input, masks against a brute-force reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.worker.helpers import tiny_model
+from worker.errors import BatchError
+from worker.forward_batch import ForwardBatch, SeqInput
+from worker.model_runner import ModelRunner
+
+BS = 4
+NUM_BLOCKS = 16
+
+
+@pytest.mark.parametrize(
+    ("seqs", "message"),
+    [
+        ([], "at least one sequence"),
+        ([SeqInput([1, 2, 3, 4, 5], [0], 0)], "cannot hold 5 tokens"),
+        ([SeqInput([1], [0, NUM_BLOCKS], 4)], "outside"),
+        ([SeqInput([1], [-1], 0)], "outside"),
+        ([SeqInput([1], [3], 2), SeqInput([1, 2], [3], 1)], "same block slot"),
+    ],
+)
+def test_bad_batches_are_rejected(seqs, message):
+    with pytest.raises(BatchError, match=message):
+        ForwardBatch(seqs, BS, NUM_BLOCKS)
+
+
+def test_bad_sequences_are_rejected():
+    with pytest.raises(BatchError):
+        SeqInput([], [0], 0)
+    with pytest.raises(BatchError):
+        SeqInput([1], [0], -1)
+
+
+def test_unused_table_entries_are_not_checked():
+    ForwardBatch([SeqInput([1], [2, 999], 0)], BS, NUM_BLOCKS)  # block 999 not needed yet
+
+
+def test_runner_rejects_token_ids_outside_the_vocabulary():
+    runner = ModelRunner.create(tiny_model("llama"), block_size=BS, num_blocks=4)
+    with pytest.raises(BatchError, match="token ids"):
+        runner.forward([SeqInput([128], [0], 0)])
+
+
+def test_offsets_are_an_int_when_sequences_agree():
+    same = ForwardBatch([SeqInput([1], [0, 1], 5), SeqInput([1], [2, 3], 5)], BS, NUM_BLOCKS)
+    assert same.offset == 5
+    mixed = ForwardBatch([SeqInput([1], [0, 1], 5), SeqInput([1], [2], 2)], BS, NUM_BLOCKS)
+    assert mixed.offset.tolist() == [5, 2]
+
+
+def test_masks_skip_work_only_without_padding():
+    full = ForwardBatch([SeqInput([1], [0, 1], 7), SeqInput([1], [2, 3], 7)], BS, NUM_BLOCKS)
+    assert full.mask() is None
+    assert full.mask(return_array=True).shape == (2, 1, 1, 8)
+    assert full.mask(window_size=4) is not None
+    prefill = ForwardBatch([SeqInput([1] * 8, [0, 1], 0)], BS, NUM_BLOCKS)
+    assert prefill.mask() == "causal"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 20), st.integers(1, 9)), min_size=1, max_size=4),
+    st.one_of(st.none(), st.integers(1, 12)),
+)
+def test_mask_matches_brute_force(shape, window):
+    seqs, first = [], 0
+    for start, n in shape:
+        blocks = -(-(start + n) // BS)
+        seqs.append(SeqInput([1] * n, list(range(first, first + blocks)), start))
+        first += blocks
+    batch = ForwardBatch(seqs, BS, first)
+    mask = np.array(batch.mask(window, return_array=True))
+    assert mask.shape == (len(seqs), 1, batch.query_len, batch.key_len)
+    for i, s in enumerate(seqs):
+        for j in range(batch.query_len):
+            q = s.start + min(j, len(s.token_ids) - 1)  # padded rows repeat the last real row
+            for k in range(batch.key_len):
+                allowed = k <= q and (window is None or k > q - window)
+                assert mask[i, 0, j, k] == allowed

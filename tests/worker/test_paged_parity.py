@@ -1,0 +1,190 @@
+"""The paged path against mlx-lm's dense KVCache path: same greedy tokens, logits within 1e-4.
+
+Every scenario runs for llama, qwen2, qwen3, mistral and gemma3 (sliding-window layers) on tiny
+fp32 models, block size 8 so that prompts span several blocks, with decode attention served
+from the pool blocks (the CPU default). ``test_reference_path`` repeats the batched and
+copy-on-write scenarios on the gather-then-SDPA reference path and
+``test_block_attention_split_over_streams`` with attention split over three MLX streams;
+``test_default_block_size``
+one scenario at block size 32, and ``test_corrupted_block_table_is_detected`` shows that the
+comparison catches a wrong block table.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.worker.helpers import (
+    FAMILIES,
+    TOL,
+    DenseSeq,
+    PagedSeq,
+    decode_together,
+    max_diff,
+    prompts,
+    tiny_model,
+)
+from worker import block_attention
+from worker.model_runner import ModelRunner
+
+STEPS = 32
+BS = 8
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request):
+    return tiny_model(request.param)
+
+
+def _runner(model, num_blocks: int = 64, block_size: int = BS, **kw) -> ModelRunner:
+    return ModelRunner.create(model, block_size=block_size, num_blocks=num_blocks, **kw)
+
+
+def _blocks(first: int, count: int) -> list[int]:
+    return list(range(first, first + count))
+
+
+def test_one_sequence(model):
+    (prompt,) = prompts(np.random.default_rng(1), 21)
+    runner = _runner(model)
+    seq = PagedSeq.fresh(prompt, [9, 3, 40, 17, 22, 5, 31, 60])  # scattered on purpose
+    first = runner.forward([seq.take()])
+    dense = DenseSeq(model, prompt)
+    assert decode_together(runner, [seq], [dense], STEPS, [first[0]]) <= TOL
+
+
+def _batched_prefill_and_decode(model, runner: ModelRunner) -> float:
+    lengths = (5, 13, 24, 31)
+    ps = prompts(np.random.default_rng(2), *lengths)
+    seqs = [PagedSeq.fresh(p, _blocks(10 * i, 9)) for i, p in enumerate(ps)]
+    first = runner.forward([s.take() for s in seqs])
+    dense = [DenseSeq(model, p) for p in ps]
+    return decode_together(runner, seqs, dense, STEPS, list(first))
+
+
+def test_batch_of_four_lengths(model):
+    assert _batched_prefill_and_decode(model, _runner(model)) <= TOL
+
+
+def test_shared_aligned_prefix(model):
+    rng = np.random.default_rng(3)
+    prefix, tail_a, tail_b = prompts(rng, 2 * BS, 5, 7)
+    runner = _runner(model)
+    a = PagedSeq.fresh(prefix + tail_a, _blocks(0, 8))
+    dense_a = DenseSeq(model, prefix + tail_a)
+    first_a = runner.forward([a.take()])
+    assert max_diff(first_a[0], dense_a.logits) <= TOL
+    decode_together(runner, [a], [dense_a], 3)
+    shared = [runner.pool.read_block(layer, 1) for layer in range(runner.pool.num_layers)]
+
+    # b reads a's two prefix blocks where they are: no copy, and only its own tail is computed.
+    b = PagedSeq.cached(prefix + tail_b, a.table[:2] + _blocks(20, 6), 2 * BS)
+    first_b = runner.forward([b.take()])
+    dense_b = DenseSeq(model, prefix + tail_b)
+    worst = decode_together(runner, [a, b], [dense_a, dense_b], STEPS, [dense_a.logits, first_b[0]])
+    assert worst <= TOL
+    for layer, (k, v) in enumerate(shared):  # nobody wrote into the shared blocks
+        k2, v2 = runner.pool.read_block(layer, 1)
+        assert np.array_equal(k, k2) and np.array_equal(v, v2)
+
+
+def _shared_unaligned_prefix(model, runner: ModelRunner) -> float:
+    rng = np.random.default_rng(4)
+    prefix, tail_a, tail_b = prompts(rng, 2 * BS + 4, 6, 9)  # prefix ends mid-block 2
+    a = PagedSeq.fresh(prefix + tail_a, _blocks(0, 8))
+    runner.forward([a.take()])
+    dense_a = DenseSeq(model, prefix + tail_a)
+    decode_together(runner, [a], [dense_a], 2)
+    tail_block = [runner.pool.read_block(layer, 2) for layer in range(runner.pool.num_layers)]
+
+    # b shares blocks 0-1 whole; block 2 holds 4 prefix tokens and a's own tokens after them,
+    # so it is copied on write into b's fresh block 30 before b writes its tail from slot 4.
+    runner.copy_blocks([(2, 30)])
+    b = PagedSeq.cached(prefix + tail_b, [0, 1, 30, *_blocks(31, 5)], len(prefix))
+    first_b = runner.forward([b.take()])
+    dense_b = DenseSeq(model, prefix + tail_b)
+    worst = decode_together(runner, [a, b], [dense_a, dense_b], STEPS, [dense_a.logits, first_b[0]])
+    for layer, (k, v) in enumerate(tail_block):  # a's partial block is untouched by b
+        k2, v2 = runner.pool.read_block(layer, 2)
+        assert np.array_equal(k, k2) and np.array_equal(v, v2)
+    return worst
+
+
+def test_shared_unaligned_prefix_copy_on_write(model):
+    assert _shared_unaligned_prefix(model, _runner(model)) <= TOL
+
+
+def test_long_prompt_in_chunks(model):
+    (prompt,) = prompts(np.random.default_rng(5), 100)
+    runner = _runner(model)
+    seq = PagedSeq.fresh(prompt, _blocks(3, 20))
+    dense = DenseSeq(model, prompt)
+    pos = 0
+    for size in (24, 1, 30, 45):  # chunk edges fall inside blocks
+        (chunk_logits,) = runner.forward_all([seq.take(size)])
+        assert max_diff(chunk_logits, dense.logits_all[pos : pos + size]) <= TOL
+        pos += size
+    assert decode_together(runner, [seq], [dense], STEPS) <= TOL
+
+
+def test_evicted_sequence_resumes_from_cached_blocks(model):
+    rng = np.random.default_rng(6)
+    px, py = prompts(rng, 11, 7)
+    runner = _runner(model)
+    x = PagedSeq.fresh(px, [0, 1, 2, 3, 4, 5, 6, 7])
+    y = PagedSeq.fresh(py, _blocks(20, 10))
+    runner.forward([x.take(), y.take()])
+    dense_x, dense_y = DenseSeq(model, px), DenseSeq(model, py)
+    decode_together(runner, [x, y], [dense_x, dense_y], 10)
+    # x (21 tokens in pool: blocks 0-1 full, block 2 partial) is preempted. Its full blocks stay
+    # cached; its partial block returns to the pool and y is given it next and overwrites it.
+    y.table = y.table[:3] + [2] + y.table[3:]
+    decode_together(runner, [y], [dense_y], 12)
+    # x resumes: blocks 0-1 reused as they are, the tail recomputed into a fresh block, in the
+    # same forward as y's next decode step (a prefill chunk and a decode mixed in one batch).
+    resumed = PagedSeq.cached(x.tokens, [0, 1, *_blocks(40, 8)], 2 * BS)
+    token_y = int(mx.argmax(dense_y.logits))
+    y.push(token_y)
+    first = runner.forward([resumed.take(), y.take()])
+    assert max_diff(first[0], dense_x.logits) <= TOL
+    assert max_diff(first[1], dense_y.step(token_y)) <= TOL
+    assert decode_together(runner, [resumed, y], [dense_x, dense_y], STEPS) <= TOL
+
+
+@pytest.mark.parametrize("scenario", ["batch", "copy_on_write"])
+def test_reference_path(model, scenario):
+    runner = _runner(model, block_attention=False)
+    run = _batched_prefill_and_decode if scenario == "batch" else _shared_unaligned_prefix
+    assert run(model, runner) <= TOL
+
+
+@pytest.mark.parametrize("scenario", ["batch", "copy_on_write"])
+def test_block_attention_split_over_streams(model, scenario, monkeypatch):
+    monkeypatch.setattr(block_attention, "MIN_SPLIT", 1)  # split even tiny batches
+    runner = _runner(model, attention_streams=3)  # uneven parts of the (sequence, head) rows
+    run = _batched_prefill_and_decode if scenario == "batch" else _shared_unaligned_prefix
+    assert run(model, runner) <= TOL
+
+
+def test_default_block_size(model):
+    assert _batched_prefill_and_decode(model, _runner(model, num_blocks=40, block_size=32)) <= TOL
+
+
+def test_corrupted_block_table_is_detected(model):
+    """Negative control: a table entry pointing at the wrong block must fail the comparison.
+
+    (Swapping two blocks of a table would not do: keys carry their rotary positions, and full
+    attention is a sum over keys, so it is blind to their order.)
+    """
+    (prompt,) = prompts(np.random.default_rng(7), 30)
+    runner = _runner(model)
+    seq = PagedSeq.fresh(prompt, _blocks(0, 8))
+    runner.forward([seq.take()])
+    dense = DenseSeq(model, prompt)
+    seq.table[1] = 50  # a block nobody wrote
+    token = int(mx.argmax(dense.logits))
+    seq.push(token)
+    logits = runner.forward([seq.take()])
+    assert max_diff(logits[0], dense.step(token)) > 100 * TOL

@@ -1,0 +1,193 @@
+"""One forward's inputs and the host-side metadata every layer's cache view shares.
+
+A sequence's token regions in a forward::
+
+    position  0                 start                     end = start + len(token_ids)
+              |  already in pool  |  token_ids: computed and written now  |
+              '--- read only -----'------------ written ------------------'
+    block     block_table[p // block_size], slot p % block_size, for every position p < end
+
+Prefill chunks (any length) and decodes (one token) mix freely in one batch. The batch is
+padded to the longest query (N) and to whole key blocks (L = blocks * block_size): padded query
+rows write to the trash block and copy the mask of their sequence's last real row (so their
+softmax stays finite and no NaN reaches a real row), padded key columns read the trash block and
+are masked. Everything here is built once with numpy and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from worker.errors import BatchError
+
+
+@dataclass(frozen=True, slots=True)
+class SeqInput:
+    """One sequence's share of a forward.
+
+    ``block_table`` must cover positions ``0..end-1``; ``start`` tokens are already in the pool
+    (reused prefix or earlier chunks); ``token_ids`` are computed now. Copy-on-write pairs of the
+    lease are applied by the caller (``ModelRunner.copy_blocks``) before the first forward.
+    """
+
+    token_ids: Sequence[int]
+    block_table: Sequence[int]
+    start: int
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) < 1:
+            raise BatchError("a sequence needs at least one new token per forward")
+        if self.start < 0:
+            raise BatchError(f"start must be >= 0, got {self.start}")
+
+    @property
+    def end(self) -> int:
+        """Tokens in the pool for this sequence after the forward."""
+        return self.start + len(self.token_ids)
+
+
+class ForwardBatch:
+    """Padded token ids, write slots, block tables, offsets and masks for one forward."""
+
+    __slots__ = (
+        "_masks",
+        "_row_masks",
+        "_rows",
+        "block_size",
+        "ends",
+        "key_blocks",
+        "last_index",
+        "offset",
+        "query_len",
+        "query_lens",
+        "size",
+        "starts",
+        "tables",
+        "tables_np",
+        "tokens",
+        "trash_block",
+        "write_blocks",
+        "write_slots",
+    )
+
+    def __init__(self, seqs: Sequence[SeqInput], block_size: int, num_blocks: int) -> None:
+        if not seqs:
+            raise BatchError("a forward needs at least one sequence")
+        self.block_size = bs = block_size
+        self.trash_block = num_blocks
+        self.size = len(seqs)
+        self.starts = np.array([s.start for s in seqs], dtype=np.int64)
+        self.query_lens = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
+        self.ends = self.starts + self.query_lens
+        self.query_len = n = int(self.query_lens.max())
+        self.key_blocks = int(-(-self.ends.max() // bs))
+        self.tables_np = self._tables(seqs, num_blocks)
+
+        tokens = np.zeros((self.size, n), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s.token_ids)] = s.token_ids
+        self.tokens = mx.array(tokens)
+
+        j = np.arange(n)
+        real = j[None, :] < self.query_lens[:, None]
+        pos = self.starts[:, None] + j[None, :]
+        blocks = np.where(
+            real,
+            np.take_along_axis(self.tables_np, np.minimum(pos // bs, self.key_blocks - 1), 1),
+            num_blocks,
+        )
+        slots = np.where(real, pos % bs, j[None, :] % bs)
+        flat = (blocks * bs + slots)[real]
+        if self.size > 1 and len(np.unique(flat)) != len(flat):
+            raise BatchError("two sequences of one batch write the same block slot")
+        self.write_blocks = mx.array(blocks[:, None, :].astype(np.int32))
+        self.write_slots = mx.array(slots[:, None, :].astype(np.int32))
+        self.tables = mx.array(self.tables_np[:, None, :])
+        self.last_index = mx.array((self.query_lens - 1).astype(np.int32))
+        uniform = bool((self.starts == self.starts[0]).all())
+        # An int offset when all sequences agree keeps RoPE variants that need ints working.
+        self.offset: int | mx.array = (
+            int(self.starts[0]) if uniform else mx.array(self.starts.astype(np.int32))
+        )
+        self._masks: dict[tuple[int | None, bool], Any] = {}
+        self._rows: dict[int, mx.array] = {}
+        self._row_masks: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}
+
+    def _tables(self, seqs: Sequence[SeqInput], num_blocks: int) -> np.ndarray:
+        tables = np.full((self.size, self.key_blocks), num_blocks, dtype=np.int32)
+        for i, s in enumerate(seqs):
+            need = -(-s.end // self.block_size)
+            if len(s.block_table) < need:
+                raise BatchError(
+                    f"sequence {i}: block table of {len(s.block_table)} blocks cannot hold "
+                    f"{s.end} tokens at block size {self.block_size}"
+                )
+            used = np.asarray(s.block_table[:need], dtype=np.int64)
+            if used.size and (used.min() < 0 or used.max() >= num_blocks):
+                raise BatchError(f"sequence {i}: block ids outside 0..{num_blocks - 1}")
+            tables[i, :need] = used
+        return tables
+
+    @property
+    def key_len(self) -> int:
+        """Keys returned per sequence: whole blocks up to the longest sequence."""
+        return self.key_blocks * self.block_size
+
+    @property
+    def is_decode(self) -> bool:
+        return self.query_len == 1
+
+    def mask(self, window_size: int | None = None, return_array: bool = False) -> Any:
+        """The attention mask for mlx-lm: None, "causal" or bool ``[B, 1, N, L]``.
+
+        A sliding window (gemma3's local layers) is applied here: its blocks stay in the pool
+        and are gathered, the mask hides what is outside the window.
+        """
+        key = (window_size, return_array)
+        if key not in self._masks:
+            self._masks[key] = self._build_mask(window_size, return_array)
+        return self._masks[key]
+
+    def _build_mask(self, window_size: int | None, return_array: bool) -> Any:
+        full = bool((self.ends == self.key_len).all() and (self.query_lens == self.query_len).all())
+        windowless = window_size is None or window_size >= self.key_len
+        if full and windowless and not return_array:
+            # Keys are exactly each sequence's context: no padding to hide.
+            return None if self.query_len == 1 else "causal"
+        last = self.query_lens[:, None] - 1
+        q_pos = self.starts[:, None] + np.minimum(np.arange(self.query_len)[None, :], last)
+        k_pos = np.arange(self.key_len)[None, None, :]
+        allowed = k_pos <= q_pos[:, :, None]
+        if window_size is not None:
+            allowed &= k_pos > q_pos[:, :, None] - window_size
+        return mx.array(allowed[:, None])
+
+    def block_rows(self, n_kv_heads: int, blocks_per_head: int) -> mx.array:
+        """Row ids ``[B * heads, key_blocks]`` into a pool viewed as ``[heads * blocks_per_head,
+        block_size, dim]``, for attention that reads blocks where they lie."""
+        if n_kv_heads not in self._rows:
+            heads = np.arange(n_kv_heads)[None, :, None] * blocks_per_head
+            rows = heads + self.tables_np[:, None, :]
+            self._rows[n_kv_heads] = mx.array(
+                rows.reshape(self.size * n_kv_heads, self.key_blocks).astype(np.uint32)
+            )
+        return self._rows[n_kv_heads]
+
+    def row_mask(self, mask: mx.array, n_kv_heads: int) -> mx.array:
+        """A decode mask ``[B|1, 1, 1, L]`` repeated per KV head: ``[B * heads, 1, L]``,
+        built once per forward and shared by all layers."""
+        key = (id(mask), n_kv_heads)
+        cached = self._row_masks.get(key)
+        if cached is None or cached[0] is not mask:
+            rows = mx.broadcast_to(
+                mask.reshape(mask.shape[0], 1, 1, mask.shape[-1]),
+                (self.size, n_kv_heads, 1, mask.shape[-1]),
+            ).reshape(self.size * n_kv_heads, 1, mask.shape[-1])
+            cached = (mask, rows)
+            self._row_masks[key] = cached
+        return cached[1]

@@ -1,0 +1,182 @@
+"""The physical KV pool: per layer, K and V arrays holding every block of this worker.
+
+Layout (CPU): per layer ``[n_kv_heads, num_blocks + 1, block_size, head_dim]``, head-major.
+Token ``t`` of a sequence lives in block ``block_table[t // block_size]``, slot
+``t % block_size``. Head-major makes the batched gather of whole blocks land directly in the
+``[B, heads, L, head_dim]`` order attention wants, contiguous; the token-major layout of the
+design doc (``[num_blocks, block_size, heads, dim]``) needs a take, a transpose and a copy, about
+3x slower on CPU. A GPU layout may differ; it stays behind this class.
+
+Block ``num_blocks`` (:attr:`KVPool.trash_block`) is reserved and never leased: padded positions
+of a batch write to and read from it, so every index of a batched scatter or gather is a valid
+block and no branch is needed per sequence. Real sequences never read it unmasked.
+
+In-place writes: ``pool[idx] = x`` updates the buffer in place only if nothing else references
+it when the graph is evaluated; otherwise MLX copies the whole pool (31 ms instead of 13 us for a
+64 MB pool). So the pool hands out no long-lived views: gathers and block reads are fresh arrays,
+and callers evaluate :meth:`arrays` together with their outputs at the end of every forward.
+Only the single thread that owns the model touches a pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from worker.errors import BatchError, PoolConfigError
+from worker.ids import BlockId
+from worker.model_spec import LayerSpec, ModelSpec
+
+DEFAULT_BLOCK_SIZE = 32
+LAYOUT = "kv_heads,blocks,block_size,head_dim"
+"""Axis order of each layer's K and V array, as registered with the cache service."""
+
+
+def bytes_per_block(layers: Sequence[LayerSpec], block_size: int, dtype: mx.Dtype) -> int:
+    """Bytes of K and V for one block across all layers."""
+    per_token = sum(s.n_kv_heads * (s.k_head_dim + s.v_head_dim) for s in layers)
+    return per_token * block_size * dtype.size
+
+
+class KVPool:
+    """K and V blocks of every layer of one model; block ids are assigned by the cache service."""
+
+    def __init__(
+        self,
+        layers: Sequence[LayerSpec],
+        num_blocks: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        dtype: mx.Dtype = mx.float32,
+    ) -> None:
+        if num_blocks < 1:
+            raise PoolConfigError(f"a pool needs at least one block, got {num_blocks}")
+        if block_size < 1:
+            raise PoolConfigError(f"block_size must be positive, got {block_size}")
+        if not layers:
+            raise PoolConfigError("a pool needs at least one layer")
+        self.layers = tuple(layers)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        shape = (num_blocks + 1, block_size)
+        self._keys = [mx.zeros((s.n_kv_heads, *shape, s.k_head_dim), dtype) for s in layers]
+        self._values = [mx.zeros((s.n_kv_heads, *shape, s.v_head_dim), dtype) for s in layers]
+        self._heads = [mx.arange(s.n_kv_heads, dtype=mx.int32)[None, :, None] for s in layers]
+        mx.eval(self._keys, self._values)
+
+    @classmethod
+    def for_model(
+        cls,
+        spec: ModelSpec,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int | None = None,
+        memory_bytes: int | None = None,
+    ) -> KVPool:
+        """Size a pool by block count or by a memory budget (exactly one of them)."""
+        if (num_blocks is None) == (memory_bytes is None):
+            raise PoolConfigError("give exactly one of num_blocks and memory_bytes")
+        if num_blocks is None:
+            assert memory_bytes is not None
+            per_block = bytes_per_block(spec.layers, block_size, spec.dtype)
+            # The trash block comes out of the budget too.
+            num_blocks = memory_bytes // per_block - 1
+            if num_blocks < 1:
+                raise PoolConfigError(
+                    f"{memory_bytes} bytes hold no block of {per_block} bytes plus the trash block"
+                )
+        return cls(spec.layers, num_blocks, block_size, spec.dtype)
+
+    @property
+    def layout(self) -> str:
+        return LAYOUT
+
+    @property
+    def trash_block(self) -> BlockId:
+        """The reserved padding block; never part of a lease."""
+        return BlockId(self.num_blocks)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return bytes_per_block(self.layers, self.block_size, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the pool arrays, trash block included."""
+        return sum(a.nbytes for a in self.arrays())
+
+    def arrays(self) -> list[mx.array]:
+        """Every pool array, to evaluate together with a forward's outputs."""
+        return [*self._keys, *self._values]
+
+    def layer_arrays(self, layer: int) -> tuple[mx.array, mx.array]:
+        """The K and V arrays of ``layer``, for one forward's attention; do not keep them."""
+        return self._keys[layer], self._values[layer]
+
+    def write(
+        self,
+        layer: int,
+        blocks: mx.array,
+        slots: mx.array,
+        keys: mx.array,
+        values: mx.array,
+    ) -> None:
+        """Scatter ``keys``/``values`` ``[B, heads, N, dim]`` to ``blocks``/``slots`` ``[B, 1, N]``.
+
+        Lazy; in place once evaluated (see the module docstring).
+        """
+        heads = self._heads[layer]
+        self._keys[layer][heads, blocks, slots] = keys.astype(self.dtype)
+        self._values[layer][heads, blocks, slots] = values.astype(self.dtype)
+
+    def gather(self, layer: int, tables: mx.array) -> tuple[mx.array, mx.array]:
+        """K and V of whole blocks ``tables`` ``[B, 1, n]``, as contiguous ``[B, heads, n*bs, dim]``."""
+        heads = self._heads[layer]
+        b, n = tables.shape[0], tables.shape[2]
+        k, v = self._keys[layer][heads, tables], self._values[layer][heads, tables]
+        return (
+            k.reshape(b, k.shape[1], n * self.block_size, k.shape[-1]),
+            v.reshape(b, v.shape[1], n * self.block_size, v.shape[-1]),
+        )
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy block ``src`` into ``dst`` in every layer, for each ``(src, dst)`` (copy on write).
+
+        Apply before the first write to ``dst``. Sources are read and evaluated before the
+        writes, so each write owns its buffer and stays in place.
+        """
+        if not pairs:
+            return
+        src = [s for s, _ in pairs]
+        dst = [d for _, d in pairs]
+        self.check_blocks(src + dst)
+        if len(set(dst)) != len(dst) or set(src) & set(dst):
+            raise BatchError(f"copy-on-write pairs overlap: {list(pairs)}")
+        src_ids, dst_ids = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
+        copies = [
+            (k[:, src_ids], v[:, src_ids]) for k, v in zip(self._keys, self._values, strict=True)
+        ]
+        mx.eval(copies)
+        for layer, (k, v) in enumerate(copies):
+            self._keys[layer][:, dst_ids] = k
+            self._values[layer][:, dst_ids] = v
+        del copies
+        mx.eval(self.arrays())
+
+    def check_blocks(self, blocks: Sequence[int]) -> None:
+        """Raise :class:`BatchError` unless every id names a leasable block of this pool."""
+        bad = [b for b in blocks if not 0 <= b < self.num_blocks]
+        if bad:
+            raise BatchError(f"block ids {bad[:8]} outside 0..{self.num_blocks - 1}")
+
+    def read_block(self, layer: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """A copy of one block's K and V ``[heads, block_size, dim]`` (tests, debugging)."""
+        k, v = self._keys[layer][:, block], self._values[layer][:, block]
+        mx.eval(k, v)
+        return np.array(k), np.array(v)
