@@ -1,0 +1,32 @@
+"""Session-wide test hooks."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_EXIT_STATUS] = int(session.exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leave without running C++ static destructors.
+
+    MLX 0.32 sometimes aborts the process at exit ("terminate called without an active
+    exception", status 134) once it has run on a thread other than the main one, as the
+    in-process workers here do. Everything pytest reports is written by now; os._exit keeps
+    the real exit status instead of that abort.
+    """
+    status = config.stash.get(_EXIT_STATUS, None)
+    if status is None or "mlx.core" not in sys.modules:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -1,0 +1,171 @@
+"""The worker engine end to end: a real cache service and real workers over gRPC, outputs
+compared with mlx-lm's dense path, block accounting checked after every test."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+
+from kvserve_proto.worker.v1 import worker_pb2 as pb
+from tests.worker_engine.conftest import BS, System, generate, request
+
+VOCAB = 256  # the byte range of the embedded model's vocabulary
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+async def test_greedy_output_equals_mlx_lm(system: System, reference) -> None:
+    stub = await system.add_worker()
+    for seed, n in [(1, 5), (2, 40), (3, 100)]:  # one block, unaligned, several chunks
+        p = prompt(seed, n)
+        got = await generate(stub, request(p, max_tokens=32, logprobs=1))
+        want_tokens, want_logprobs = reference(p, 32)
+        assert got["tokens"] == want_tokens
+        assert got["logprobs"] == pytest.approx(want_logprobs, abs=1e-4)
+        last = got["last"]
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH
+        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (n, 32)
+
+
+async def test_concurrent_requests_share_a_prefix(system: System, reference) -> None:
+    stub = await system.add_worker()
+    shared = prompt(10, 3 * BS)
+    a, b = shared + prompt(11, 7), shared + prompt(12, 9)
+    first_call = stub.Generate(request(a, max_tokens=24))
+    first_tokens = list((await first_call.read()).token_ids)  # a is prefilled, now decoding
+    second = await generate(stub, request(b, max_tokens=24))
+    while (msg := await first_call.read()) is not grpc.aio.EOF:
+        first_tokens += msg.token_ids
+        if msg.finish_reason:
+            assert msg.usage.cached_tokens == 0
+    assert second["last"].usage.cached_tokens >= 3 * BS
+    assert first_tokens == reference(a, 24)[0]
+    assert second["tokens"] == reference(b, 24)[0]
+
+
+async def test_multi_turn_follow_up_reuses_the_history(system: System, reference) -> None:
+    stub = await system.add_worker()
+    turn1 = prompt(20, 50)
+    out1 = await generate(stub, request(turn1, max_tokens=20))
+    history = turn1 + out1["tokens"]
+    turn2 = history + prompt(21, 10)
+    out2 = await generate(stub, request(turn2, max_tokens=16))
+    # Everything turn 1 wrote is cached: prompt and output, but the last sampled token,
+    # rounded down to whole blocks.
+    assert out2["last"].usage.cached_tokens == (len(history) - 1) // BS * BS
+    assert out2["tokens"] == reference(turn2, 16)[0]
+
+
+async def test_cancellation_releases_the_lease(system: System) -> None:
+    stub = await system.add_worker()
+    call = stub.Generate(request(prompt(30, 40), max_tokens=2000))
+    async for _ in call:
+        break  # got the first token: cancel mid-stream
+    call.cancel()
+    for _ in range(100):
+        stats = await system.stats()
+        if stats.live_leases == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert (stats.live_leases, stats.referenced_blocks) == (0, 0)
+    await system.check()
+    # The worker keeps serving.
+    assert len((await generate(stub, request(prompt(31, 8), max_tokens=4)))["tokens"]) == 4
+
+
+async def test_a_burst_computes_a_shared_prefix_once(system: System, reference) -> None:
+    stub = await system.add_worker(max_step_tokens=256)
+    shared = prompt(40, 4 * BS)
+    prompts = [shared + prompt(41 + i, 5 + i) for i in range(8)]
+    outs = await asyncio.gather(*(generate(stub, request(p, max_tokens=8)) for p in prompts))
+    info = await stub.GetInfo(pb.GetInfoRequest())
+    suffixes = sum(len(p) - len(shared) for p in prompts)
+    assert info.prefilled_tokens == len(shared) + suffixes
+    for p, out in zip(prompts, outs, strict=True):
+        assert out["tokens"] == reference(p, 8)[0]
+    assert sum(o["last"].usage.cached_tokens for o in outs) == 7 * len(shared)
+
+
+async def test_a_small_pool_queues_and_preempts(system: System, reference) -> None:
+    # 12 blocks of 16 tokens for 6 requests that each grow to 5 blocks: at most two fit.
+    stub = await system.add_worker(num_blocks=12, reserve_tokens=4, extend_ahead_tokens=2)
+    prompts = [prompt(50 + i, 30 + 3 * i) for i in range(6)]
+    outs = await asyncio.gather(*(generate(stub, request(p, max_tokens=40)) for p in prompts))
+    for p, out in zip(prompts, outs, strict=True):
+        assert out["tokens"] == reference(p, 40)[0]
+    info = await stub.GetInfo(pb.GetInfoRequest())
+    assert info.requests_finished == 6
+    assert info.preemptions > 0  # decode outgrew the pool, not only admission queueing
+    stats = await system.stats()
+    assert stats.exhausted > 0 and stats.referenced_blocks == 0
+
+
+async def test_sampling_is_reproducible_with_a_seed(system: System) -> None:
+    stub = await system.add_worker()
+    p = prompt(60, 20)
+    req = request(p, max_tokens=24, temperature=1.5, top_k=50, top_p=0.95, seed=7)
+    one, two = await asyncio.gather(generate(stub, req), generate(stub, req))
+    assert one["tokens"] == two["tokens"]
+    other = await generate(stub, request(p, max_tokens=24, temperature=1.5, seed=8))
+    assert other["tokens"] != one["tokens"]
+
+
+async def test_stop_strings_and_stop_tokens(system: System, reference) -> None:
+    stub = await system.add_worker()
+    p = prompt(70, 30)
+    full = await generate(stub, request(p, max_tokens=24))
+    stop_token = full["tokens"][5]
+    first = full["tokens"].index(stop_token)
+    cut = await generate(stub, request(p, max_tokens=24, stop_token_ids=[stop_token]))
+    assert cut["tokens"] == full["tokens"][: first + 1]
+    assert cut["last"].finish_reason == pb.FINISH_REASON_STOP
+    text = full["text"]
+    if len(text.strip()) >= 4:
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        out = await generate(stub, request(p, max_tokens=24, stop=[stop]))
+        assert out["text"] == text[: text.index(stop)]
+        assert out["last"].finish_reason == pb.FINISH_REASON_STOP
+
+
+@pytest.mark.parametrize(
+    ("req", "needle"),
+    [
+        (pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=4)), "no prompt"),
+        (request([], max_tokens=4), "empty"),
+        (request([1, 2, 999999]), "token ids"),
+        (request([1, -5]), "token ids"),
+        (request([1, 2], max_tokens=100_000), "context"),
+        (request([1, 2], temperature=-1.0), "temperature"),
+        (request([1, 2], top_p=1.5), "top_p"),
+        (request([1, 2], logprobs=500), "logprobs"),
+        (request([1, 2], stop_token_ids=[10**6]), "stop_token_ids"),
+    ],
+)
+async def test_bad_input_is_invalid_argument(system: System, req, needle: str) -> None:
+    stub = await system.add_worker(num_blocks=64)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(stub, req)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in (info.value.details() or "")
+    stats = await system.stats()
+    assert (stats.live_leases, stats.referenced_blocks, stats.acquires) == (0, 0, 0)
+
+
+async def test_text_prompt_and_info(system: System) -> None:
+    stub = await system.add_worker()
+    req = pb.GenerateRequest(
+        prompt_text="Hello, caché!", sampling=pb.SamplingParams(max_tokens=6, ignore_eos=True)
+    )
+    out = await generate(stub, req)
+    tokenizer = system.model.tokenizer
+    assert out["last"].usage.prompt_tokens == len(tokenizer.encode("Hello, caché!"))
+    assert out["text"] == tokenizer.decode(out["tokens"])
+    info = await stub.GetInfo(pb.GetInfoRequest())
+    assert info.model == "kvserve-tiny-llama" and info.num_blocks == 256
+    assert info.block_size == BS and info.generated_tokens == 6

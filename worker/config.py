@@ -1,0 +1,107 @@
+"""The worker's one config object: flags, with KVWORKER_* environment defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ENV_PREFIX = "KVWORKER_"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    cache_service: str = "127.0.0.1:50051"
+    host: str = "127.0.0.1"
+    port: int = 50061
+    # Address the gateway should dial; empty: host:port as bound.
+    advertise_address: str = ""
+    # Pool id at the cache service; empty: "<hostname>-<port>".
+    worker_id: str = ""
+    model: str = "kvserve-tiny-llama"
+    block_size: int = 32
+    # Pool size: a block count, or (when 0) a memory budget.
+    num_blocks: int = 0
+    kv_memory_mb: int = 256
+    # Continuous batching: sequences per step, and tokens per step (decodes + prefill chunks).
+    max_batch_size: int = 16
+    max_step_tokens: int = 256
+    # Token slots leased beyond the prompt at admission, and how far ahead of need a running
+    # sequence asks for its next block.
+    reserve_tokens: int = 32
+    extend_ahead_tokens: int = 8
+    # Off: every request computes its whole prompt (benchmarks, debugging).
+    prefix_caching: bool = True
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None) -> WorkerConfig:
+        d = cls()
+
+        def env(name: str, default: object) -> str:
+            return os.environ.get(ENV_PREFIX + name, str(default))
+
+        p = argparse.ArgumentParser(
+            prog="python -m worker",
+            description="An MLX compute worker (gRPC). Every flag also reads KVWORKER_<FLAG>.",
+        )
+        p.add_argument("--cache-service", default=env("CACHE_SERVICE", d.cache_service))
+        p.add_argument("--host", default=env("HOST", d.host))
+        p.add_argument("--port", type=int, default=int(env("PORT", d.port)))
+        p.add_argument("--advertise-address", default=env("ADVERTISE_ADDRESS", ""))
+        p.add_argument("--worker-id", default=env("WORKER_ID", ""))
+        p.add_argument("--model", default=env("MODEL", d.model))
+        p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", d.block_size)))
+        p.add_argument("--num-blocks", type=int, default=int(env("NUM_BLOCKS", d.num_blocks)))
+        p.add_argument("--kv-memory-mb", type=int, default=int(env("KV_MEMORY_MB", d.kv_memory_mb)))
+        p.add_argument(
+            "--max-batch-size", type=int, default=int(env("MAX_BATCH_SIZE", d.max_batch_size))
+        )
+        p.add_argument(
+            "--max-step-tokens", type=int, default=int(env("MAX_STEP_TOKENS", d.max_step_tokens))
+        )
+        p.add_argument(
+            "--reserve-tokens", type=int, default=int(env("RESERVE_TOKENS", d.reserve_tokens))
+        )
+        p.add_argument(
+            "--extend-ahead-tokens",
+            type=int,
+            default=int(env("EXTEND_AHEAD_TOKENS", d.extend_ahead_tokens)),
+        )
+        p.add_argument(
+            "--no-prefix-caching",
+            action="store_true",
+            default=env("PREFIX_CACHING", "1").lower() in ("0", "false", "no", "off"),
+        )
+        p.add_argument("--log-level", default=env("LOG_LEVEL", d.log_level))
+        a = p.parse_args(argv)
+        for name in ("block_size", "max_batch_size", "max_step_tokens"):
+            if getattr(a, name) < 1:
+                p.error(f"--{name.replace('_', '-')} must be positive")
+        if a.num_blocks < 0 or a.kv_memory_mb < 1:
+            p.error("--num-blocks must be >= 0 and --kv-memory-mb positive")
+        return cls(
+            cache_service=a.cache_service,
+            host=a.host,
+            port=a.port,
+            advertise_address=a.advertise_address,
+            worker_id=a.worker_id,
+            model=a.model,
+            block_size=a.block_size,
+            num_blocks=a.num_blocks,
+            kv_memory_mb=a.kv_memory_mb,
+            max_batch_size=a.max_batch_size,
+            max_step_tokens=a.max_step_tokens,
+            reserve_tokens=a.reserve_tokens,
+            extend_ahead_tokens=a.extend_ahead_tokens,
+            prefix_caching=not a.no_prefix_caching,
+            log_level=a.log_level,
+        )
+
+    def pool_id(self, bound_port: int) -> str:
+        return self.worker_id or f"{socket.gethostname()}-{bound_port}"
+
+    def address(self, bound_port: int) -> str:
+        return self.advertise_address or f"{self.host}:{bound_port}"

@@ -1,0 +1,436 @@
+"""The engine: continuous batching on leased blocks.
+
+Everything here runs on the event loop; the model runs on its own thread (ModelExecutor).
+The step loop is schedule -> run -> postprocess. Around it, three small tasks talk to the
+cache service so it is never on the per-token path: admission (leases for waiting
+requests), the heartbeat (liveness, expired leases, re-registration), and per-step batched
+lease extensions issued ahead of need, whose RPC overlaps the forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from worker.executor import ModelExecutor
+from worker.lease_client import (
+    CacheUnavailable,
+    Deferred,
+    Fenced,
+    LeaseClient,
+    LeaseError,
+    LeaseLost,
+    NoRoom,
+    PoolRegistration,
+    Rejected,
+)
+from worker.sampling import InvalidRequest, RowSampler, SamplingParams
+from worker.scheduler import Scheduler, Step
+from worker.sequence import Finish, Sequence, Status, StreamEvent, TextStream
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 0.1  # admission retry tick (deferrals on dead leases, unreachable service)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    requests_finished: int = 0
+    steps: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    max_batch_size: int
+    max_step_tokens: int
+    max_context: int
+    vocab_size: int
+    reserve_tokens: int
+    extend_ahead_tokens: int
+    prefix_caching: bool
+
+
+class Engine:
+    def __init__(
+        self,
+        executor: ModelExecutor,
+        client: LeaseClient,
+        registration: PoolRegistration,
+        limits: EngineLimits,
+        tokenizer: Any,
+    ) -> None:
+        self.executor = executor
+        self.client = client
+        self.registration = registration
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.block_size = registration.block_size
+        self.scheduler = Scheduler(
+            limits.max_batch_size, limits.max_step_tokens, limits.max_context
+        )
+        self.stats = EngineStats()
+        self.eos_ids = frozenset(tokenizer.eos_token_ids)
+        self._work = asyncio.Event()
+        self._admit = asyncio.Event()
+        self._step_lock = asyncio.Lock()
+        self._commit_generation = 0
+        self._recovering = False
+        self._growth_blocked = False
+        self._extension: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._register()
+        for coro in (self._step_loop(), self._admit_loop(), self._heartbeat_loop()):
+            self._tasks.append(asyncio.create_task(coro))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._end(seq, Finish.ABORT, "worker shutting down")
+        if self._extension is not None:
+            self._extension.cancel()
+        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
+        await self.client.close()
+
+    async def _register(self) -> None:
+        delay = 0.1
+        while True:
+            try:
+                inc = await self.client.register(self.registration)
+                log.info("registered pool %r, incarnation %d", self.registration.pool_id, inc)
+                return
+            except LeaseError as err:
+                log.warning("cannot register with the cache service (%s); retrying", err)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def new_sequence(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        namespace: str,
+    ) -> Sequence:
+        """Validates a request; raises InvalidRequest before anything is held."""
+        lim = self.limits
+        if not prompt:
+            raise InvalidRequest("the prompt is empty")
+        if min(prompt) < 0 or max(prompt) >= lim.vocab_size:
+            raise InvalidRequest(f"prompt token ids must be in [0, {lim.vocab_size})")
+        params.validate(lim.vocab_size)
+        room = lim.max_context - len(prompt)
+        if room <= 0:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt)} tokens; the model's context is {lim.max_context}"
+            )
+        max_tokens = params.max_tokens or room
+        if max_tokens > room:
+            raise InvalidRequest(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"the model's context of {lim.max_context} tokens"
+            )
+        need = -(-(len(prompt) + max_tokens) // self.block_size)
+        if need > self.registration.num_blocks:
+            raise InvalidRequest(
+                f"the request needs {need} KV blocks; this worker's pool has "
+                f"{self.registration.num_blocks}"
+            )
+        detok = self.tokenizer.detokenizer
+        return Sequence(
+            request_id=request_id,
+            prompt=list(prompt),
+            params=params,
+            namespace=namespace,
+            max_tokens=max_tokens,
+            arrival=time.monotonic(),
+            sampler=RowSampler(params),
+            text=TextStream(detok, params.stop, params.include_stop_str_in_output),
+            eos_ids=self.eos_ids,
+        )
+
+    def submit(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+        self._admit.set()
+
+    def abort(self, seq: Sequence) -> None:
+        """Client went away: drop the request, release what it holds."""
+        if seq.status is not Status.FINISHED:
+            self._end(seq, Finish.ABORT, "")
+
+    def _end(self, seq: Sequence, finish: Finish, error: str) -> None:
+        seq.aborted = finish is Finish.ABORT
+        was_running = seq.lease is not None
+        self.scheduler.remove(seq)
+        if was_running:
+            self._release(seq)
+        if seq.status is not Status.FINISHED:
+            seq.status = Status.FINISHED
+            seq.out.put_nowait(StreamEvent([], "", [], finish, error))
+
+    # -- the step loop ------------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        while True:
+            async with self._step_lock:
+                self._maybe_extend()
+                step = self.scheduler.schedule()
+                if step is not None:
+                    try:
+                        await self._run_step(step)
+                    except Exception as err:  # a bug must not wedge every other request
+                        log.exception("step failed; aborting its %d requests", len(step.items))
+                        for item in step.items:
+                            self._end(item.seq, Finish.ABORT, f"internal error: {err}")
+                    continue
+            self._work.clear()
+            await self._work.wait()
+
+    async def _run_step(self, step: Step) -> None:
+        sampled = await self.executor.run(step)
+        finished = self.scheduler.postprocess(step, sampled)
+        self._account(step, sampled)
+        self._commit_prefill(step)
+        for seq in finished:
+            self.stats.requests_finished += 1
+            self._release(seq)
+
+    def _account(self, step: Step, sampled: list) -> None:
+        self.stats.steps += 1
+        for item in step.items:
+            end = item.start + len(item.token_ids)
+            self.stats.prefilled_tokens += max(0, min(end, item.seq.admitted_tokens) - item.start)
+        self.stats.generated_tokens += sum(1 for s in sampled if s is not None)
+
+    # -- leases -------------------------------------------------------------------------------
+
+    def _maybe_extend(self) -> None:
+        """One batched ExtendLeases, in the background, for every sequence about to outgrow
+        its blocks. It runs while the model steps: the cache service is not on the per-token
+        path, and a sequence only stalls if its extension has not come back in time."""
+        if self._extension is not None and not self._extension.done():
+            return
+        ahead = self.limits.extend_ahead_tokens
+        items = [
+            (s.lease.lease_id, (len(s.block_table) + 1) * self.block_size)
+            for s in self.scheduler.running
+            if s.lease is not None and s.capacity - s.num_tokens < ahead
+        ]
+        if items:
+            self._extension = asyncio.create_task(self._extend(items))
+        elif self._growth_blocked:
+            self._growth_blocked = False  # nobody is waiting to grow any more
+            self._admit.set()
+
+    async def _extend(self, items: list[tuple[int, int]]) -> None:
+        try:
+            grown = await self.client.extend(items)
+        except NoRoom:
+            self._growth_blocked = True  # running sequences get blocks before new ones
+            victim = self.scheduler.youngest()
+            if victim is not None:
+                # Its committed prefix stays cached, so resuming it recomputes little.
+                log.info("preempted %s: no block to grow into", victim.request_id)
+                self.stats.preemptions += 1
+                victim.preemptions += 1
+                self._release(victim)
+                self.scheduler.requeue(victim)
+            self._work.set()
+            return
+        except LeaseLost:
+            await self._heartbeat_once()
+            return
+        except LeaseError as err:
+            self._on_lease_error(err)
+            return
+        self._growth_blocked = False
+        by_lease = {s.lease.lease_id: s for s in self.scheduler.running if s.lease is not None}
+        for lease_id, blocks in grown.items():
+            if lease_id in by_lease:
+                by_lease[lease_id].block_table.extend(blocks)
+        self._work.set()
+        self._admit.set()
+
+    def _commit_prefill(self, step: Step) -> None:
+        """Publishes full prompt blocks as soon as they are written, so concurrent requests
+        with the same prefix (deferred by the cache service) can share them at once."""
+        items = []
+        for item in step.items:
+            seq = item.seq
+            if seq.lease is None or item.start >= seq.admitted_tokens:
+                continue
+            full = seq.num_computed // self.block_size * self.block_size
+            if full > seq.committed_tokens:
+                seq.committed_tokens = full
+                items.append((seq.lease.lease_id, seq.tokens[: seq.num_computed]))
+        if items:
+            self._spawn(self._commit(items))
+
+    async def _commit(self, items: list[tuple[int, list[int]]]) -> None:
+        try:
+            await self.client.commit(items)
+        except LeaseError as err:
+            log.debug("commit failed: %s", err)
+        self._commit_generation += 1
+        self._admit.set()
+
+    def _release(self, seq: Sequence) -> None:
+        lease = seq.lease
+        if lease is None:
+            return
+        tokens = seq.tokens[: seq.num_computed]
+        seq.lease = None
+        self._release_tokens(lease.lease_id, tokens)
+
+    def _release_tokens(self, lease_id: int, tokens: list[int]) -> None:
+        self._spawn(self._release_rpc(lease_id, tokens))
+
+    async def _release_rpc(self, lease_id: int, tokens: list[int]) -> None:
+        try:
+            await self.client.release(lease_id, tokens)
+        except LeaseError as err:
+            log.debug("release of lease %d failed: %s", lease_id, err)
+        self._commit_generation += 1
+        self._admit.set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- admission ----------------------------------------------------------------------------
+
+    async def _admit_loop(self) -> None:
+        while True:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+            # lands as its timeout fires, and this loop would outlive stop().
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(RETRY_S):
+                    await self._admit.wait()
+            self._admit.clear()
+            if not self._recovering:
+                await self._admit_pass()
+
+    async def _admit_pass(self) -> None:
+        """Leases for waiting requests, oldest first. A request the pool cannot hold yet
+        blocks those behind it (no starvation of long prompts); a deferred one does not."""
+        for seq in list(self.scheduler.waiting):
+            if len(self.scheduler.running) >= self.limits.max_batch_size or self._recovering:
+                return
+            if self._growth_blocked and self.scheduler.running:
+                return  # blocks go to running sequences that must grow first
+            if seq.deferred_generation == self._commit_generation:
+                continue  # nothing committed since the cache service told it to wait
+            remaining = seq.max_tokens - len(seq.output)
+            reserve = min(self.limits.reserve_tokens, remaining)
+            # Taken before the call: a commit that lands while it is in flight must wake us.
+            generation = self._commit_generation
+            try:
+                result, expired = await self.client.acquire(
+                    seq.tokens, seq.namespace, reserve, not self.limits.prefix_caching
+                )
+            except NoRoom:
+                return
+            except Rejected as err:
+                self._end(seq, Finish.ABORT, f"cache service rejected the request: {err}")
+                continue
+            except LeaseError as err:
+                self._on_lease_error(err)
+                return
+            self._drop_expired(expired)
+            if isinstance(result, Deferred):
+                log.debug(
+                    "%s waits for lease %d (%d tokens pending)",
+                    seq.request_id,
+                    result.waiting_on,
+                    result.pending_tokens,
+                )
+                seq.deferred_generation = generation
+                continue
+            if seq.status is Status.FINISHED or seq not in self.scheduler.waiting:
+                self._release_tokens(result.lease_id, [])  # aborted meanwhile
+                continue
+            log.debug(
+                "%s admitted: lease %d, %d cached tokens",
+                seq.request_id,
+                result.lease_id,
+                result.cached_tokens,
+            )
+            seq.admit(result, self.block_size)
+            self.scheduler.admitted(seq)
+            self._work.set()
+
+    # -- liveness -----------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.client.heartbeat_interval_s)
+            await self._heartbeat_once()
+
+    async def _heartbeat_once(self) -> None:
+        try:
+            self._drop_expired(await self.client.heartbeat())
+        except LeaseError as err:
+            self._on_lease_error(err)
+
+    def _drop_expired(self, lease_ids: list[int]) -> None:
+        """Leases the cache service expired: stop using their blocks before any newer lease's
+        blocks are written (this runs before the caller uses a new lease)."""
+        if not lease_ids:
+            return
+        expired = set(lease_ids)
+        for seq in list(self.scheduler.running):
+            if seq.lease is not None and seq.lease.lease_id in expired:
+                log.warning("lease of %s expired; recomputing it", seq.request_id)
+                self.scheduler.requeue(seq)
+        self._admit.set()
+
+    def _on_lease_error(self, err: LeaseError) -> None:
+        if isinstance(err, Fenced):
+            if not self._recovering:
+                self._spawn(self._recover(str(err)))
+        elif isinstance(err, CacheUnavailable):
+            log.warning("cache service unavailable: %s", err)
+        else:
+            log.warning("cache service error: %s", err)
+
+    async def _recover(self, why: str) -> None:
+        """The cache service forgot us (restart) or fenced us: every lease is void. Stop
+        stepping, requeue every running request (its output so far is kept), register a new
+        incarnation, and resume. No block of a void lease is written after this."""
+        self._recovering = True
+        log.warning("re-registering with the cache service: %s", why)
+        try:
+            async with self._step_lock:
+                for seq in list(self.scheduler.running):
+                    self.scheduler.requeue(seq)
+                await self._register()
+        finally:
+            self._recovering = False
+            self._admit.set()
+            self._work.set()
+
+    # -- info ---------------------------------------------------------------------------------
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks leased by running requests (the rest is free or cached, evictable)."""
+        return sum(len(s.block_table) for s in self.scheduler.running)
+
+    @property
+    def load(self) -> tuple[int, int]:
+        return len(self.scheduler.running), len(self.scheduler.waiting)

@@ -1,0 +1,75 @@
+"""The one thread that owns the model, the KV pool and every MLX call.
+
+The event loop hands it a Step and awaits the sampled tokens; MLX streams belong to the
+thread that created them, so the runner is also built on this thread. The thread is one per
+process and outlives a runner: MLX keeps per-thread stream state, and a second runner built on
+a fresh thread after the first one's thread ended failed with "There is no Stream(cpu, 1) in
+current thread" (tests start several workers in one process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from worker.forward_batch import SeqInput
+from worker.model_runner import ModelRunner
+from worker.sampling import RowSampler, Sampled, sample_rows
+from worker.scheduler import Step
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    inputs: list[SeqInput]
+    copies: list[tuple[int, int]]
+    # (row, sampler, history, position) for rows that yield a token
+    rows: list[tuple[int, RowSampler, list[int], int]]
+
+
+@cache
+def mlx_thread() -> ThreadPoolExecutor:
+    """The process's MLX thread."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+
+
+class ModelExecutor:
+    def __init__(self, build: Callable[[], ModelRunner]) -> None:
+        self._thread = mlx_thread()
+        self.runner: ModelRunner = self._thread.submit(build).result()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs fn on the model thread and waits (startup and tests only)."""
+        return self._thread.submit(fn, *args).result()
+
+    async def run(self, step: Step) -> list[Sampled | None]:
+        rows = []
+        for i, item in enumerate(step.items):
+            if item.samples:
+                seq = item.seq
+                history = seq.tokens if seq.sampler.processors else []
+                rows.append((i, seq.sampler, history, len(seq.output)))
+        job = _Job(
+            [SeqInput(i.token_ids, i.block_table, i.start) for i in step.items],
+            step.copies,
+            rows,
+        )
+        loop = asyncio.get_running_loop()
+        sampled = await loop.run_in_executor(self._thread, self._run, job)
+        out: list[Sampled | None] = [None] * len(step.items)
+        for (i, *_), s in zip(rows, sampled, strict=True):
+            out[i] = s
+        return out
+
+    def _run(self, job: _Job) -> list[Sampled]:
+        if job.copies:
+            self.runner.copy_blocks(job.copies)
+        logits = self.runner.forward(job.inputs)
+        return sample_rows(logits, job.rows) if job.rows else []
+
+    def shutdown(self) -> None:
+        """Waits for work in flight; the thread stays for the next runner of this process."""
+        self._thread.submit(lambda: None).result()

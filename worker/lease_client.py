@@ -1,0 +1,184 @@
+"""The worker's client of the cache service: leases as plain values, failures as typed errors.
+
+Only this module (and the servicer) touch the generated kvcache protos on the worker side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
+from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+
+RPC_TIMEOUT_S = 10.0
+
+
+class LeaseError(Exception):
+    """Base of the cache-service failures the engine handles."""
+
+
+class NoRoom(LeaseError):
+    """RESOURCE_EXHAUSTED: wait for blocks to come back, or preempt."""
+
+
+class Fenced(LeaseError):
+    """The pool is unknown or our incarnation is fenced: register again."""
+
+
+class LeaseLost(LeaseError):
+    """NOT_FOUND: the lease expired or was released."""
+
+
+class CacheUnavailable(LeaseError):
+    """The cache service could not be reached."""
+
+
+class Rejected(LeaseError):
+    """INVALID_ARGUMENT from the cache service: a bug or a bad request."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: int
+    block_table: tuple[int, ...]
+    cached_tokens: int
+    copy_on_write: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    waiting_on: int
+    cached_tokens: int
+    pending_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRegistration:
+    pool_id: str
+    num_blocks: int
+    block_size: int
+    model: str
+    model_fingerprint: str
+    worker_address: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+def _translate(err: grpc.aio.AioRpcError) -> LeaseError:
+    code, details = err.code(), err.details() or ""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return NoRoom(details)
+    if code == grpc.StatusCode.FAILED_PRECONDITION or (
+        code == grpc.StatusCode.INVALID_ARGUMENT and "unknown pool" in details
+    ):
+        return Fenced(details)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return LeaseLost(details)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return Rejected(details)
+    return CacheUnavailable(f"{code.name}: {details}")
+
+
+class LeaseClient:
+    """Async calls on one channel. `incarnation` is set by register() and sent with every call."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = pb_grpc.KVCacheServiceStub(self._channel)
+        self.pool_id = ""
+        self.incarnation = 0
+        self.heartbeat_interval_s = 1.0
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    @property
+    def _ref(self) -> pb.PoolRef:
+        return pb.PoolRef(pool_id=self.pool_id, incarnation=self.incarnation)
+
+    async def _call(self, method, request):
+        try:
+            return await method(request, timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            raise _translate(err) from err
+
+    async def register(self, reg: PoolRegistration) -> int:
+        resp = await self._call(
+            self._stub.RegisterPool,
+            pb.RegisterPoolRequest(
+                pool_id=reg.pool_id,
+                model_fingerprint=reg.model_fingerprint,
+                model=reg.model,
+                worker_address=reg.worker_address,
+                num_blocks=reg.num_blocks,
+                block_size=reg.block_size,
+                layout=pb.PoolLayout(
+                    num_layers=reg.num_layers,
+                    num_kv_heads=reg.num_kv_heads,
+                    head_dim=reg.head_dim,
+                    dtype=reg.dtype,
+                ),
+            ),
+        )
+        self.pool_id = reg.pool_id
+        self.incarnation = resp.incarnation
+        self.heartbeat_interval_s = resp.heartbeat_interval_s
+        return resp.incarnation
+
+    async def heartbeat(self) -> list[int]:
+        """Renews liveness; returns lease ids that expired since the last report."""
+        resp = await self._call(self._stub.Heartbeat, pb.HeartbeatRequest(pool=self._ref))
+        return list(resp.expired_lease_ids)
+
+    async def acquire(
+        self, tokens: Sequence[int], namespace: str, reserve: int, skip_cache: bool
+    ) -> tuple[Lease | Deferred, list[int]]:
+        resp = await self._call(
+            self._stub.AcquireLease,
+            pb.AcquireLeaseRequest(
+                pool=self._ref,
+                namespace=namespace,
+                prompt_token_ids=tokens,
+                reserve_tokens=reserve,
+                allow_defer=not skip_cache,
+                skip_cache=skip_cache,
+            ),
+        )
+        expired = list(resp.expired_lease_ids)
+        if resp.WhichOneof("result") == "deferred":
+            d = resp.deferred
+            return Deferred(d.waiting_on_lease_id, d.cached_tokens, d.pending_tokens), expired
+        lease = resp.lease
+        cow = tuple((c.src_block, c.dst_block) for c in lease.copy_on_write)
+        return Lease(lease.lease_id, tuple(lease.block_table), lease.cached_tokens, cow), expired
+
+    async def extend(self, items: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
+        resp = await self._call(
+            self._stub.ExtendLeases,
+            pb.ExtendLeasesRequest(
+                pool=self._ref,
+                items=[pb.ExtendItem(lease_id=i, num_tokens=n) for i, n in items],
+            ),
+        )
+        return {e.lease_id: list(e.new_blocks) for e in resp.leases}
+
+    async def commit(self, items: Sequence[tuple[int, Sequence[int]]]) -> None:
+        await self._call(
+            self._stub.CommitLeases,
+            pb.CommitLeasesRequest(
+                pool=self._ref,
+                items=[pb.CommitItem(lease_id=i, token_ids=t) for i, t in items],
+            ),
+        )
+
+    async def release(self, lease_id: int, tokens: Sequence[int]) -> None:
+        await self._call(
+            self._stub.ReleaseLease,
+            pb.ReleaseLeaseRequest(pool=self._ref, lease_id=lease_id, token_ids=tokens),
+        )

@@ -1,0 +1,140 @@
+"""Continuous batching: which sequences run in the next forward, and what their tokens mean.
+
+Pure Python, no MLX and no RPC, so its policy is tested in milliseconds. Only the engine
+calls it, from the event loop.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from worker.sampling import Sampled
+from worker.sequence import Finish, Sequence, Status, StreamEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    """One sequence's share of a forward: tokens[start:start+len(token_ids)]."""
+
+    seq: Sequence
+    start: int
+    token_ids: list[int]
+    block_table: tuple[int, ...]
+    lease_id: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this forward computes through the last token, so it yields the next one."""
+        return self.start + len(self.token_ids) == self.seq.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    items: list[Scheduled]
+    copies: list[tuple[int, int]]  # copy-on-write pairs to apply before the forward
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(i.token_ids) for i in self.items)
+
+
+class Scheduler:
+    """Decodes first, then prefill chunks under a per-step token budget.
+
+    A long prompt is cut into chunks, so it never stalls running decodes for more than one
+    chunk. A sequence whose lease does not cover its next token waits for an extension.
+    """
+
+    def __init__(self, max_batch_size: int, max_step_tokens: int, max_context: int) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_step_tokens = max_step_tokens
+        self.max_context = max_context
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def admitted(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        self.running.append(seq)
+
+    def schedule(self) -> Step | None:
+        budget = self.max_step_tokens
+        items: list[Scheduled] = []
+        copies: list[tuple[int, int]] = []
+
+        def take(seq: Sequence, n: int) -> None:
+            start = seq.num_computed
+            assert seq.lease is not None
+            tokens = seq.tokens[start : start + n]
+            items.append(Scheduled(seq, start, tokens, tuple(seq.block_table), seq.lease.lease_id))
+            copies.extend(seq.pending_cow)
+            seq.pending_cow = ()
+
+        # Decodes first (one token each), then prefill chunks, oldest request first.
+        for seq in self.running:
+            if len(items) == self.max_batch_size or budget == 0:
+                break
+            if seq.to_compute == 1 and seq.capacity > seq.num_computed:
+                take(seq, 1)
+                budget -= 1
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if len(items) == self.max_batch_size or budget == 0:
+                break
+            if seq.to_compute > 1:
+                n = min(seq.to_compute, budget, seq.capacity - seq.num_computed)
+                if n > 0:
+                    take(seq, n)
+                    budget -= n
+        return Step(items, copies) if items else None
+
+    def postprocess(self, step: Step, sampled: list[Sampled | None]) -> list[Sequence]:
+        """Advances every scheduled sequence; streams new tokens; returns the finished."""
+        finished = []
+        for item, s in zip(step.items, sampled, strict=True):
+            seq = item.seq
+            if seq.lease is None or seq.lease.lease_id != item.lease_id or seq.aborted:
+                continue  # lost its lease or was cancelled while the forward ran
+            seq.num_computed = item.start + len(item.token_ids)
+            if s is None:
+                continue
+            seq.output.append(s.token)
+            finish = self._finish_reason(seq, s.token)
+            text, hit_stop = seq.text.add(s.token)
+            if hit_stop:
+                finish = Finish.STOP
+            if finish is not None:
+                text += "" if hit_stop else seq.text.finish()
+                seq.status = Status.FINISHED
+                finished.append(seq)
+            seq.out.put_nowait(StreamEvent([s.token], text, [s], finish))
+        if finished:
+            self.running = [s for s in self.running if s.status is Status.RUNNING]
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> Finish | None:
+        p = seq.params
+        if (token in seq.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return Finish.STOP
+        if len(seq.output) >= seq.max_tokens or seq.num_tokens >= self.max_context:
+            return Finish.LENGTH
+        return None
+
+    def youngest(self) -> Sequence | None:
+        """The preemption victim: the most recently arrived running sequence."""
+        return max(self.running, key=lambda s: s.arrival, default=None)
+
+    def requeue(self, seq: Sequence) -> None:
+        """A running sequence lost its lease (expired or fenced): recompute it later."""
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.drop_lease()
+        self.waiting.appendleft(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)

@@ -1,0 +1,155 @@
+"""One request inside the worker: its tokens, its lease, and what it has streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.lease_client import Lease
+from worker.sampling import RowSampler, Sampled, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # no lease: queued, deferred, or preempted
+    RUNNING = "running"  # holds a lease; prefilling or decoding
+    FINISHED = "finished"
+
+
+class Finish(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class StreamEvent:
+    """What the Generate handler sends: new tokens and text, or the end."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[Sampled]
+    finish: Finish | None = None
+    error: str = ""
+
+
+class TextStream:
+    """Incremental detokenization with stop strings.
+
+    mlx-lm's streaming detokenizer never splits a UTF-8 character. Text that could still be
+    the start of a stop string is held back until it cannot, so a stop string never leaks.
+    """
+
+    def __init__(self, detokenizer: Any, stop: tuple[str, ...], include_stop: bool) -> None:
+        self._detok = detokenizer
+        self._stop = stop
+        self._include_stop = include_stop
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._text = ""  # everything decoded so far
+        self._sent = 0  # characters of _text already emitted
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """Feeds one token; returns (text to emit now, whether a stop string was hit)."""
+        self._detok.add_token(token)
+        self._text += self._detok.last_segment
+        return self._scan(final=False)
+
+    def finish(self) -> str:
+        self._detok.finalize()
+        self._text += self._detok.last_segment
+        return self._scan(final=True)[0]
+
+    def _scan(self, final: bool) -> tuple[str, bool]:
+        if self._stop:
+            start = max(0, self._sent - self._holdback)
+            hits = [(i, s) for s in self._stop if (i := self._text.find(s, start)) >= 0]
+            if hits:
+                i, s = min(hits)
+                end = i + len(s) if self._include_stop else i
+                return self._emit(max(end, self._sent)), True
+        end = len(self._text) if final else len(self._text) - self._holdback
+        return self._emit(max(end, self._sent)), False
+
+    def _emit(self, end: int) -> str:
+        out = self._text[self._sent : end]
+        self._sent = end
+        return out
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's state. Only the engine (on the event loop) mutates it.
+
+    Token regions::
+
+        | prompt ........................ | output ......... |
+        |<-- cached -->|<-- computed -->| next forward computes tokens[num_computed:]
+        0                           num_computed            len(tokens)
+
+    Every token but the last sampled one has its KV in the pool once a step finishes; a
+    forward that computes through the last token yields the logits of the next one.
+    """
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    namespace: str
+    max_tokens: int
+    arrival: float
+    sampler: RowSampler
+    text: TextStream
+    eos_ids: frozenset[int]
+    out: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
+    output: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    lease: Lease | None = None
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    cached_tokens: int = -1  # of the first admission, for usage; -1 until admitted
+    pending_cow: tuple[tuple[int, int], ...] = ()
+    committed_tokens: int = 0
+    deferred_generation: int = -1  # commit generation when the cache service deferred us
+    aborted: bool = False
+    preemptions: int = 0
+    block_size: int = 0
+    admitted_tokens: int = 0  # tokens the current lease was acquired for
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def to_compute(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def capacity(self) -> int:
+        """Token slots the lease's block table covers."""
+        return len(self.block_table) * self.block_size
+
+    def admit(self, lease: Lease, block_size: int) -> None:
+        self.lease = lease
+        self.admitted_tokens = self.num_tokens
+        self.block_table = list(lease.block_table)
+        self.num_computed = lease.cached_tokens
+        self.pending_cow = lease.copy_on_write
+        self.committed_tokens = lease.cached_tokens // block_size * block_size
+        self.block_size = block_size
+        if self.cached_tokens < 0:
+            self.cached_tokens = lease.cached_tokens
+        self.status = Status.RUNNING
+        self.deferred_generation = -1
+
+    def drop_lease(self) -> None:
+        """Back to waiting without a lease (preempted, expired or fenced): the output so far
+        is kept and recomputed from whatever prefix the cache still holds."""
+        self.lease = None
+        self.block_table = []
+        self.num_computed = 0
+        self.pending_cow = ()
+        self.status = Status.WAITING

@@ -1,0 +1,138 @@
+"""worker.v1.Worker over gRPC: Generate (server streaming) and GetInfo.
+
+Bad input is answered INVALID_ARGUMENT before the request holds any block. A client that
+goes away (cancellation, disconnect) aborts the request and releases its lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvserve_proto.worker.v1 import worker_pb2 as pb
+from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
+from worker.engine import Engine
+from worker.sampling import InvalidRequest, SamplingParams
+from worker.sequence import Finish, Sequence, StreamEvent
+
+log = logging.getLogger(__name__)
+
+FINISH_REASON = {
+    Finish.STOP: pb.FINISH_REASON_STOP,
+    Finish.LENGTH: pb.FINISH_REASON_LENGTH,
+    Finish.ABORT: pb.FINISH_REASON_ABORT,
+}
+MAX_PROMPT_CHARS = 4_000_000
+
+
+def sampling_params(p: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p if p.top_p > 0 else 1.0,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        max_tokens=p.max_tokens,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty > 0 else 1.0,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+    )
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    def __init__(self, engine: Engine, worker_id: str, model_name: str) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.model_name = model_name
+
+    def _prompt(self, request: pb.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which == "prompt_token_ids":
+            return list(request.prompt_token_ids.ids)
+        if which == "prompt_text":
+            if len(request.prompt_text) > MAX_PROMPT_CHARS:
+                raise InvalidRequest(f"prompt_text is longer than {MAX_PROMPT_CHARS} characters")
+            return list(self.engine.tokenizer.encode(request.prompt_text))
+        raise InvalidRequest("the request has no prompt (prompt_token_ids or prompt_text)")
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            seq = self.engine.new_sequence(
+                request_id,
+                self._prompt(request),
+                sampling_params(request.sampling),
+                request.namespace,
+            )
+        except InvalidRequest as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            return
+        self.engine.submit(seq)
+        done = False
+        try:
+            while not done:
+                event = await seq.out.get()
+                if event.error:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
+                done = event.finish is not None
+                yield self._response(seq, event)
+        finally:
+            if not done:
+                log.info("request %s cancelled by the client", request_id)
+                self.engine.abort(seq)
+
+    def _response(self, seq: Sequence, event: StreamEvent) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(
+            request_id=seq.request_id,
+            token_ids=event.token_ids,
+            text=event.text,
+            worker_id=self.worker_id,
+            logprobs=[self._logprob(s) for s in event.logprobs if seq.params.logprobs],
+        )
+        if event.finish is not None:
+            resp.finish_reason = FINISH_REASON[event.finish]
+            resp.usage.CopyFrom(
+                pb.Usage(
+                    prompt_tokens=len(seq.prompt),
+                    cached_tokens=max(seq.cached_tokens, 0),
+                    completion_tokens=len(seq.output),
+                )
+            )
+        return resp
+
+    def _logprob(self, s) -> pb.TokenLogprob:
+        decode = self.engine.tokenizer.decode
+        return pb.TokenLogprob(
+            token_id=s.token,
+            logprob=s.logprob,
+            token=decode([s.token]),
+            top=[pb.TopLogprob(token_id=t, logprob=lp, token=decode([t])) for t, lp in s.top],
+        )
+
+    async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.WorkerInfo:
+        e = self.engine
+        running, waiting = e.load
+        return pb.WorkerInfo(
+            worker_id=self.worker_id,
+            model=self.model_name,
+            model_fingerprint=e.registration.model_fingerprint,
+            max_context=e.limits.max_context,
+            vocab_size=e.limits.vocab_size,
+            block_size=e.block_size,
+            num_blocks=e.registration.num_blocks,
+            free_blocks=max(0, e.registration.num_blocks - e.held_blocks),
+            running=running,
+            waiting=waiting,
+            prefilled_tokens=e.stats.prefilled_tokens,
+            generated_tokens=e.stats.generated_tokens,
+            preemptions=e.stats.preemptions,
+            requests_finished=e.stats.requests_finished,
+        )
