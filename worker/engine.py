@@ -78,6 +78,7 @@ class Engine:
         )
         self.stats = EngineStats()
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
+        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ())) | self.eos_ids
         self._work = asyncio.Event()
         self._admit = asyncio.Event()
         self._step_lock = asyncio.Lock()
@@ -159,7 +160,12 @@ class Engine:
             max_tokens=max_tokens,
             arrival=time.monotonic(),
             sampler=RowSampler(params),
-            text=TextStream(detok, params.stop, params.include_stop_str_in_output),
+            text=TextStream(
+                detok,
+                params.stop,
+                params.include_stop_str_in_output,
+                self.special_ids if params.skip_special_tokens else frozenset(),
+            ),
             eos_ids=self.eos_ids,
         )
 

@@ -38,6 +38,7 @@ class SamplingParams:
     logprobs: int = 0
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def validate(self, vocab_size: int) -> None:
         def bad(msg: str) -> InvalidRequest:

@@ -41,8 +41,15 @@ class TextStream:
     the start of a stop string is held back until it cannot, so a stop string never leaks.
     """
 
-    def __init__(self, detokenizer: Any, stop: tuple[str, ...], include_stop: bool) -> None:
+    def __init__(
+        self,
+        detokenizer: Any,
+        stop: tuple[str, ...],
+        include_stop: bool,
+        hidden: frozenset[int] = frozenset(),
+    ) -> None:
         self._detok = detokenizer
+        self._hidden = hidden  # special tokens left out of the text
         self._stop = stop
         self._include_stop = include_stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
@@ -51,6 +58,8 @@ class TextStream:
 
     def add(self, token: int) -> tuple[str, bool]:
         """Feeds one token; returns (text to emit now, whether a stop string was hit)."""
+        if token in self._hidden:
+            return "", False
         self._detok.add_token(token)
         self._text += self._detok.last_segment
         return self._scan(final=False)

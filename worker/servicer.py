@@ -42,6 +42,7 @@ def sampling_params(p: pb.SamplingParams) -> SamplingParams:
         logprobs=p.logprobs,
         repetition_penalty=p.repetition_penalty if p.repetition_penalty > 0 else 1.0,
         include_stop_str_in_output=p.include_stop_str_in_output,
+        skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
     )
 
 

@@ -1,0 +1,154 @@
+"""HTTP pass-through of the cache service's admin RPCs under /admin/cache/.
+
+The caller's own ``Authorization: Bearer <admin token>`` is forwarded as is: the cache
+service is the one place that checks it, and the gateway holds no admin power of its own
+to leak. Prefixes can be given as token ids, or as text (``prompt``) or chat ``messages``
+that the gateway tokenizes exactly as its OpenAI endpoints do, so an operator can pin a
+system prompt without computing its token ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.chat import template_messages
+from gateway.core import Gateway
+from gateway.errors import InvalidRequest
+from gateway.protocol import ChatMessage, TokenId, parse_json
+from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
+
+
+class PrefixBody(BaseModel):
+    """A pool and a prefix: ``token_ids``, or ``prompt`` text, or chat ``messages``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    pool: str = ""
+    namespace: str = ""
+    token_ids: list[TokenId] | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+
+
+class EvictBody(PrefixBody):
+    """Exactly one target: ``blocks`` (LRU), a prefix, or a whole ``namespace``."""
+
+    blocks: int | None = Field(None, ge=1)
+
+
+class FlushBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    pool: str = ""
+
+
+B = TypeVar("B", PrefixBody, EvictBody, FlushBody)
+
+
+def admin_router(gw: Gateway) -> APIRouter:
+    router = APIRouter(prefix="/admin/cache", tags=["admin"])
+
+    async def call(request: Request, method: str, message: Message) -> dict[str, Any]:
+        auth = request.headers.get("authorization", "")
+        resp = await gw.cache.call_admin(method, message, auth)
+        return MessageToDict(
+            resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+
+    async def body(request: Request, model: type[B]) -> B:
+        return parse_json(await request.body() or b"{}", model)
+
+    def tokens(b: PrefixBody, required: bool = True) -> list[int]:
+        given = [x is not None for x in (b.token_ids, b.prompt, b.messages)]
+        if sum(given) > 1 or (required and not any(given)):
+            raise InvalidRequest("give exactly one of token_ids, prompt or messages")
+        if b.token_ids is not None:
+            ids = list(b.token_ids)
+        elif b.prompt is not None:
+            ids = gw.tokenizer.encode(b.prompt)
+        elif b.messages is not None:
+            ids = gw.tokenizer.apply_chat_template(
+                template_messages(b.messages), add_generation_prompt=False
+            )
+        else:
+            return []
+        if not ids:
+            raise InvalidRequest("the prefix is empty")
+        return ids
+
+    def pool_of(b: PrefixBody | FlushBody) -> str:
+        if not b.pool:
+            raise InvalidRequest("pool is required (a worker id; see /admin/cache/stats)")
+        return b.pool
+
+    @router.get("/stats")
+    async def stats(request: Request, pool: str = "") -> dict[str, Any]:
+        """Per pool: blocks free / cached / referenced / pinned, hit rates, leases."""
+        return await call(request, "GetStats", pb.StatsRequest(pool_id=pool))
+
+    @router.get("/tree")
+    async def tree(
+        request: Request, pool: str, namespace: str = "", max_depth: int = 0
+    ) -> dict[str, Any]:
+        """One pool's radix index: nodes with token counts, blocks, refcounts, last use."""
+        req = pb.InspectTreeRequest(pool_id=pool, namespace=namespace, max_depth=max_depth)
+        return await call(request, "InspectTree", req)
+
+    @router.post("/lookup")
+    async def lookup(request: Request) -> dict[str, Any]:
+        """Dry-run match of a prompt on every pool (or one): cached tokens, blocks needed."""
+        b = await body(request, PrefixBody)
+        ids = tokens(b)
+        req = pb.LookupRequest(pool_id=b.pool, namespace=b.namespace, prompt_token_ids=ids)
+        return {**await call(request, "Lookup", req), "prompt_tokens": len(ids)}
+
+    @router.post("/evict")
+    async def evict(request: Request) -> dict[str, Any]:
+        """Evict ``blocks`` LRU blocks, a prefix, or every block of a ``namespace``."""
+        b = await body(request, EvictBody)
+        pool = pool_of(b)
+        ids = tokens(b, required=False)
+        if b.blocks is not None:
+            if ids:
+                raise InvalidRequest("give blocks or a prefix, not both")
+            req = pb.EvictRequest(pool_id=pool, num_blocks=b.blocks)
+        elif ids:
+            prefix = pb.PrefixRef(namespace=b.namespace, token_ids=ids)
+            req = pb.EvictRequest(pool_id=pool, prefix=prefix)
+        elif "namespace" in b.model_fields_set:
+            req = pb.EvictRequest(pool_id=pool, namespace=b.namespace)
+        else:
+            raise InvalidRequest("evict needs blocks, a prefix, or a namespace")
+        return await call(request, "Evict", req)
+
+    @router.post("/flush")
+    async def flush(request: Request) -> dict[str, Any]:
+        """Evict every unreferenced, unpinned block (of one pool, or all): safe under load."""
+        b = await body(request, FlushBody)
+        return await call(request, "Flush", pb.FlushRequest(pool_id=b.pool))
+
+    async def pin_call(request: Request, method: str) -> dict[str, Any]:
+        b = await body(request, PrefixBody)
+        prefix = pb.PrefixRef(namespace=b.namespace, token_ids=tokens(b))
+        return await call(request, method, pb.PinRequest(pool_id=pool_of(b), prefix=prefix))
+
+    @router.post("/pin")
+    async def pin(request: Request) -> dict[str, Any]:
+        """Protect a cached prefix from eviction (flush and LRU alike)."""
+        return await pin_call(request, "Pin")
+
+    @router.post("/unpin")
+    async def unpin(request: Request) -> dict[str, Any]:
+        return await pin_call(request, "Unpin")
+
+    @router.get("/check")
+    async def check(request: Request) -> dict[str, Any]:
+        """Verify the block accounting invariants of every pool."""
+        return await call(request, "CheckIntegrity", pb.CheckIntegrityRequest())
+
+    return router

@@ -1,0 +1,107 @@
+"""Client of the cache service: ``Route`` for the router, and the admin RPCs the HTTP admin
+pass-through forwards (with the caller's own bearer token)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import Message
+
+from gateway.errors import from_rpc_error
+from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
+from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+
+ROUTE_TIMEOUT_S = 2.0
+ADMIN_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRoute:
+    """One worker pool's answer to ``Route`` for one prompt."""
+
+    pool_id: str
+    worker_address: str
+    model: str
+    cached_tokens: int
+    free_blocks: int
+    evictable_blocks: int
+    live_leases: int
+    alive: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PoolBlocks:
+    """Block accounting of one pool from the admin ``GetStats``."""
+
+    pool_id: str
+    num_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    referenced_blocks: int
+    pinned_blocks: int
+    token_hit_rate: float
+    alive: bool
+
+
+class CacheClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        )
+        self.stub = pb_grpc.KVCacheServiceStub(self.channel)
+        self.admin = pb_grpc.KVCacheAdminStub(self.channel)
+
+    async def route(
+        self, namespace: str, prompt_token_ids: Sequence[int], model: str
+    ) -> list[PoolRoute]:
+        """Per pool serving ``model``, the cached prefix length of the prompt."""
+        req = pb.RouteRequest(namespace=namespace, prompt_token_ids=prompt_token_ids, model=model)
+        try:
+            resp = await self.stub.Route(req, timeout=ROUTE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, f"cache service {self.address}") from e
+        return [
+            PoolRoute(
+                p.pool_id,
+                p.worker_address,
+                p.model,
+                p.cached_tokens,
+                p.free_blocks,
+                p.evictable_blocks,
+                p.live_leases,
+                p.alive,
+            )
+            for p in resp.pools
+        ]
+
+    async def pool_blocks(self, admin_token: str) -> list[PoolBlocks]:
+        resp = await self.call_admin("GetStats", pb.StatsRequest(), f"Bearer {admin_token}")
+        assert isinstance(resp, pb.StatsResponse)
+        return [
+            PoolBlocks(
+                p.pool_id,
+                p.num_blocks,
+                p.free_blocks,
+                p.cached_blocks,
+                p.referenced_blocks,
+                p.pinned_blocks,
+                p.token_hit_rate,
+                p.alive,
+            )
+            for p in resp.pools
+        ]
+
+    async def call_admin(self, method: str, request: Message, authorization: str) -> Message:
+        """One ``KVCacheAdmin`` RPC with the given ``authorization`` header value."""
+        rpc = getattr(self.admin, method)
+        metadata = (("authorization", authorization),) if authorization else ()
+        try:
+            return await rpc(request, metadata=metadata, timeout=ADMIN_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, f"cache service {self.address}") from e
+
+    async def close(self) -> None:
+        await self.channel.close()

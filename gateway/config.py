@@ -1,0 +1,113 @@
+"""The gateway's one config object: flags, with KVGATEWAY_* environment defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.router import RoutingPolicy
+
+ENV_PREFIX = "KVGATEWAY_"
+DEFAULT_MODEL = "kvserve-tiny-llama"
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    # The cache service (Route, and admin pass-through).
+    cache_service: str = "127.0.0.1:50051"
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50050
+    # What the workers serve; the tokenizer and chat template come from it.
+    model: str = DEFAULT_MODEL
+    # The name clients put in "model"; empty: the model name itself.
+    served_model_name: str = ""
+    # Optional: lets the gateway read the cache service's per-pool stats for /metrics.
+    # The admin pass-through never uses it: it forwards the caller's own bearer token.
+    admin_token: str = ""
+    # Optional: require `Authorization: Bearer <key>` on /v1/*.
+    api_key: str = ""
+    # Worker addresses to use besides those registered with the cache service.
+    workers: tuple[str, ...] = ()
+    # 0: the model config's max_position_embeddings.
+    max_model_len: int = 0
+    max_body_bytes: int = 4 * 1024 * 1024
+    # Most choices per request (prompts x n).
+    max_choices: int = 16
+    # How often workers are polled for load and health (and unhealthy ones re-probed).
+    poll_interval_s: float = 2.0
+    min_match_tokens: int = RoutingPolicy().min_match_tokens
+    min_match_ratio: float = RoutingPolicy().min_match_ratio
+    overload_slack: int = RoutingPolicy().overload_slack
+    overload_ratio: float = RoutingPolicy().overload_ratio
+    log_level: str = "INFO"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def routing(self) -> RoutingPolicy:
+        return RoutingPolicy(
+            self.min_match_tokens, self.min_match_ratio, self.overload_slack, self.overload_ratio
+        )
+
+    @classmethod
+    def parser(cls) -> argparse.ArgumentParser:
+        d = cls()
+        p = argparse.ArgumentParser(
+            prog="python -m gateway",
+            description="The kvserve gateway: OpenAI-compatible HTTP and gRPC Generate. "
+            "Every flag also reads KVGATEWAY_<FLAG> (e.g. KVGATEWAY_HTTP_PORT).",
+        )
+        for name, kind, help in FLAGS:
+            default = ",".join(d.workers) if name == "workers" else getattr(d, name)
+            env = os.environ.get(ENV_PREFIX + name.upper(), str(default))
+            p.add_argument(
+                "--" + name.replace("_", "-"),
+                type=kind,
+                default=kind(env),
+                # Secrets are never echoed by --help, even when set in the environment.
+                help=help if default == "" or name in SECRETS else f"{help} (default: {default})",
+            )
+        return p
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None) -> GatewayConfig:
+        p = cls.parser()
+        a = p.parse_args(argv)
+        for name in ("max_body_bytes", "max_choices", "poll_interval_s"):
+            if getattr(a, name) <= 0:
+                p.error(f"--{name.replace('_', '-')} must be positive")
+        if min(a.overload_slack, a.overload_ratio, a.min_match_tokens, a.min_match_ratio) < 0:
+            p.error("--overload-* and --min-match-* must not be negative")
+        values = vars(a)
+        values["workers"] = tuple(w.strip() for w in a.workers.split(",") if w.strip())
+        return cls(**values)
+
+
+SECRETS = ("admin_token", "api_key")
+
+# Every flag: name (= config field), type, help. KVGATEWAY_<NAME> is its environment variable.
+FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("cache_service", str, "the cache service's address (Route, admin pass-through)"),
+    ("host", str, "address to listen on (0.0.0.0: every interface)"),
+    ("http_port", int, "OpenAI-compatible HTTP API port (0: any free port)"),
+    ("grpc_port", int, "gRPC Generate port (0: any free port)"),
+    ("model", str, "the workers' model: name, directory or Hugging Face id (tokenizer source)"),
+    ("served_model_name", str, "the name clients put in `model` (default: --model)"),
+    ("admin_token", str, "cache admin token, only to read pool stats for /metrics"),
+    ("api_key", str, "require `Authorization: Bearer <key>` on /v1/*"),
+    ("workers", str, "comma-separated worker addresses besides the registered ones"),
+    ("max_model_len", int, "context length (0: the model config's)"),
+    ("max_body_bytes", int, "largest accepted request body"),
+    ("max_choices", int, "most choices (prompts x n) per request"),
+    ("poll_interval_s", float, "how often workers are polled for load and health"),
+    ("min_match_tokens", int, "shortest cached prefix worth routing for"),
+    ("min_match_ratio", float, "... and at least this fraction of the prompt"),
+    ("overload_slack", int, "a worker is overloaded above min load + max(slack, ratio*min)"),
+    ("overload_ratio", float, "see --overload-slack"),
+    ("log_level", str, "DEBUG, INFO, WARNING or ERROR"),
+)

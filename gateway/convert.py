@@ -1,0 +1,129 @@
+"""Proto <-> domain conversions for the worker contract, each written once.
+
+Only this module, the worker client and the gRPC servicer import ``worker_pb2``.
+"""
+
+from __future__ import annotations
+
+from gateway.generation import (
+    Chunk,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from kvserve_proto.worker.v1 import worker_pb2 as pb
+
+_FINISH_TO_PB = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+
+
+def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        max_tokens=s.max_tokens,
+        stop=s.stop,
+        stop_token_ids=s.stop_token_ids,
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs,
+        repetition_penalty=s.repetition_penalty,
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        skip_special_tokens=s.skip_special_tokens,
+    )
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    """Wire defaults (all zero) mean greedy, no limits; kept as they are."""
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p or 1.0,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        skip_special_tokens=msg.skip_special_tokens
+        if msg.HasField("skip_special_tokens")
+        else True,
+    )
+
+
+def request_to_pb(r: GenerationRequest) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=r.request_id,
+        prompt_token_ids=pb.TokenIds(ids=r.prompt_token_ids),
+        sampling=sampling_to_pb(r.sampling),
+        namespace=r.namespace,
+    )
+
+
+def chunk_from_pb(msg: pb.GenerateResponse) -> Chunk:
+    return Chunk(
+        token_ids=tuple(msg.token_ids),
+        text=msg.text,
+        logprobs=tuple(
+            TokenLogprob(
+                lp.token_id,
+                lp.logprob,
+                lp.token,
+                tuple(TopLogprob(t.token_id, t.logprob, t.token) for t in lp.top),
+            )
+            for lp in msg.logprobs
+        ),
+        finish_reason=_FINISH_FROM_PB.get(msg.finish_reason),
+        usage=(
+            Usage(msg.usage.prompt_tokens, msg.usage.cached_tokens, msg.usage.completion_tokens)
+            if msg.HasField("usage")
+            else None
+        ),
+        worker_id=msg.worker_id,
+    )
+
+
+def chunk_to_pb(c: Chunk, request_id: str) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(
+        request_id=request_id,
+        token_ids=c.token_ids,
+        text=c.text,
+        logprobs=[
+            pb.TokenLogprob(
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                token=lp.token,
+                top=[
+                    pb.TopLogprob(token_id=t.token_id, logprob=t.logprob, token=t.token)
+                    for t in lp.top
+                ],
+            )
+            for lp in c.logprobs
+        ],
+        finish_reason=_FINISH_TO_PB[c.finish_reason],
+        worker_id=c.worker_id,
+    )
+    if c.usage is not None:
+        msg.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=c.usage.prompt_tokens,
+                cached_tokens=c.usage.cached_tokens,
+                completion_tokens=c.usage.completion_tokens,
+            )
+        )
+    return msg

@@ -1,0 +1,81 @@
+"""The gateway's parts, built from one config and shared by the HTTP and gRPC edges."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from gateway.cache_client import CacheClient
+from gateway.chat import ChatServing
+from gateway.completions import CompletionServing
+from gateway.config import GatewayConfig
+from gateway.dispatcher import Dispatcher
+from gateway.metrics import GatewayMetrics
+from gateway.openai_serving import OpenAIServing
+from gateway.poller import WorkerPoller
+from gateway.tokenizer import Tokenizer
+from gateway.worker_client import WorkerClients
+from gateway.worker_directory import WorkerDirectory
+
+
+@dataclass
+class Gateway:
+    config: GatewayConfig
+    tokenizer: Tokenizer
+    cache: CacheClient
+    clients: WorkerClients
+    directory: WorkerDirectory
+    metrics: GatewayMetrics
+    dispatcher: Dispatcher
+    poller: WorkerPoller
+    serving: OpenAIServing
+    completions: CompletionServing
+    chat: ChatServing
+    started_at: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def build(cls, config: GatewayConfig, tokenizer: Tokenizer | None = None) -> Gateway:
+        """Wire the parts (no I/O but loading the tokenizer; call inside an event loop)."""
+        tokenizer = tokenizer or Tokenizer.load(config.model, config.max_model_len)
+        cache = CacheClient(config.cache_service)
+        clients = WorkerClients()
+        directory = WorkerDirectory(config.workers)
+        metrics = GatewayMetrics(directory)
+        dispatcher = Dispatcher(
+            model=config.model,
+            cache=cache,
+            clients=clients,
+            directory=directory,
+            metrics=metrics,
+            policy=config.routing,
+        )
+        poller = WorkerPoller(
+            model=config.model,
+            cache=cache,
+            clients=clients,
+            directory=directory,
+            interval_s=config.poll_interval_s,
+            admin_token=config.admin_token,
+        )
+        serving = OpenAIServing(config, tokenizer, dispatcher)
+        return cls(
+            config,
+            tokenizer,
+            cache,
+            clients,
+            directory,
+            metrics,
+            dispatcher,
+            poller,
+            serving,
+            CompletionServing(serving),
+            ChatServing(serving),
+        )
+
+    def healthy_workers(self) -> int:
+        return sum(1 for w in self.directory.views() if w.healthy)
+
+    async def close(self) -> None:
+        await self.poller.stop()
+        await self.clients.close()
+        await self.cache.close()

@@ -1,0 +1,126 @@
+"""Sends one sequence to a worker and streams its chunks back: route, fail over, measure.
+
+Both edges (OpenAI HTTP and gRPC Generate) go through :meth:`Dispatcher.generate`, so routing,
+fail-over, health marks and metrics behave the same whichever way a request came in.
+
+Fail-over is only safe before the first chunk: once tokens reached the client, a retry on
+another worker would produce a second, different continuation. So a worker that cannot be
+reached (UNAVAILABLE) or has no room (RESOURCE_EXHAUSTED) before its first chunk is skipped
+for the next candidate of the route decision; after the first chunk its error ends the
+sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import replace
+
+from gateway.cache_client import CacheClient, PoolRoute
+from gateway.errors import (
+    GatewayError,
+    NoWorkerAvailable,
+    UpstreamError,
+    WorkersBusy,
+    WorkerUnavailable,
+)
+from gateway.generation import Chunk, GenerationRequest
+from gateway.metrics import GatewayMetrics
+from gateway.router import RouteDecision, RoutingPolicy, choose_worker
+from gateway.worker_client import WorkerClients
+from gateway.worker_directory import WorkerDirectory
+
+log = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        *,
+        model: str,
+        cache: CacheClient,
+        clients: WorkerClients,
+        directory: WorkerDirectory,
+        metrics: GatewayMetrics,
+        policy: RoutingPolicy,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.clients = clients
+        self.directory = directory
+        self.metrics = metrics
+        self.policy = policy
+
+    async def route(self, request: GenerationRequest) -> RouteDecision:
+        """Ask the cache service who holds the prompt's prefix; rank the workers."""
+        routes: list[PoolRoute]
+        try:
+            routes = await self.cache.route(request.namespace, request.prompt_token_ids, self.model)
+        except (WorkerUnavailable, UpstreamError) as e:
+            # Without the cache service no worker can lease blocks either, but a brief
+            # outage should cost cache affinity, not requests.
+            log.warning("Route failed (%s); routing by load over known workers", e)
+            routes = self.directory.known_routes()
+        decision = choose_worker(
+            self.directory.candidates(routes), len(request.prompt_token_ids), self.policy
+        )
+        if decision is None:
+            raise NoWorkerAvailable(f"no worker serving model {self.model!r} is registered")
+        return decision
+
+    async def generate(
+        self, request: GenerationRequest, arrival: float | None = None
+    ) -> AsyncGenerator[Chunk, None]:
+        """The sequence's chunks, tagged with the serving worker's id. ``arrival`` (a
+        ``time.perf_counter()`` value) is when the request reached the gateway, for TTFT."""
+        arrival = time.perf_counter() if arrival is None else arrival
+        decision = await self.route(request)
+        reason = str(decision.reason)
+        last_error: GatewayError | None = None
+        for candidate in decision.order:
+            address = candidate.address
+            started = False
+            self.directory.in_flight[address] += 1
+            try:
+                client = self.clients.get(address)
+                async with aclosing(client.generate(request)) as stream:
+                    last_token_at: float | None = None
+                    async for chunk in stream:
+                        if not started:
+                            started = True
+                            self.metrics.routed.labels(candidate.pool_id, reason).inc()
+                            if self.directory.mark_healthy(address):
+                                log.info("worker %s answers again", candidate.pool_id)
+                        if chunk.token_ids:
+                            now = time.perf_counter()
+                            self._observe_latency(len(chunk.token_ids), now, last_token_at, arrival)
+                            last_token_at = now
+                        if chunk.usage is not None:
+                            self.metrics.record_usage(candidate.pool_id, chunk.usage)
+                        yield replace(chunk, worker_id=candidate.pool_id)
+                return
+            except (WorkerUnavailable, WorkersBusy) as e:
+                if isinstance(e, WorkerUnavailable) and self.directory.mark_unhealthy(
+                    address, e.message
+                ):
+                    log.warning("worker %s marked unhealthy: %s", candidate.pool_id, e)
+                if started:
+                    raise
+                last_error = e
+                reason = "failover"
+                self.metrics.failovers.labels(candidate.pool_id, type(e).__name__).inc()
+            finally:
+                self.directory.in_flight[address] -= 1
+        if isinstance(last_error, WorkersBusy):
+            raise WorkersBusy("every worker is out of KV blocks; retry later")
+        raise NoWorkerAvailable(f"no worker could be reached (last error: {last_error})")
+
+    def _observe_latency(self, n: int, now: float, last: float | None, arrival: float) -> None:
+        """A chunk of ``n`` tokens arrived at ``now``; the previous one at ``last``."""
+        if last is None:
+            self.metrics.ttft.observe(now - arrival)
+            return  # tokens batched with the first one have no gap of their own
+        for _ in range(n):
+            self.metrics.itl.observe((now - last) / n)

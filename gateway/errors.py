@@ -1,0 +1,148 @@
+"""Typed errors of the gateway and the one table that maps them to HTTP and gRPC.
+
+Domain code raises these; the HTTP app renders them as OpenAI error bodies and the gRPC
+servicer aborts with the status code, both through :data:`ERROR_TABLE`, so a given failure
+reads the same on either edge.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import grpc
+
+
+class GatewayError(Exception):
+    """Base class: a request the gateway cannot serve. ``param`` names the offending field."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequest(GatewayError):
+    """The request is malformed or asks for something this server cannot do."""
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """Prompt (plus the requested completion) does not fit the model's context."""
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class RequestTooLarge(InvalidRequest):
+    """The HTTP body is over the configured limit (checked before it is parsed)."""
+
+
+class ModelNotFound(GatewayError):
+    """The request names a model this gateway does not serve."""
+
+    def __init__(self, model: str):
+        super().__init__(
+            f"The model `{model}` does not exist.", param="model", code="model_not_found"
+        )
+
+
+class NotFound(GatewayError):
+    """An unknown path or admin object (pool, prefix)."""
+
+
+class Unauthorized(GatewayError):
+    """An admin call without the right bearer token."""
+
+
+class WorkersBusy(GatewayError):
+    """Every worker refused the request for lack of room (RESOURCE_EXHAUSTED): retry later."""
+
+
+class NoWorkerAvailable(GatewayError):
+    """No worker serves the model, or none answered."""
+
+
+class WorkerUnavailable(GatewayError):
+    """One worker could not be reached. Internal: the dispatcher fails over to another and
+    only surfaces :class:`NoWorkerAvailable` when none is left."""
+
+
+class RequestAborted(GatewayError):
+    """The worker aborted the request (shutdown, lost lease) after it had started."""
+
+
+class UpstreamError(GatewayError):
+    """A worker or the cache service failed in a way the client cannot fix."""
+
+
+class ErrorMapping(NamedTuple):
+    http_status: int
+    openai_type: str
+    grpc_code: grpc.StatusCode
+
+
+ERROR_TABLE: dict[type[GatewayError], ErrorMapping] = {
+    ContextLengthExceeded: ErrorMapping(
+        400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT
+    ),
+    RequestTooLarge: ErrorMapping(413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
+    InvalidRequest: ErrorMapping(400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
+    ModelNotFound: ErrorMapping(404, "invalid_request_error", grpc.StatusCode.NOT_FOUND),
+    NotFound: ErrorMapping(404, "invalid_request_error", grpc.StatusCode.NOT_FOUND),
+    Unauthorized: ErrorMapping(401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED),
+    WorkersBusy: ErrorMapping(429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    NoWorkerAvailable: ErrorMapping(503, "service_unavailable", grpc.StatusCode.UNAVAILABLE),
+    WorkerUnavailable: ErrorMapping(503, "service_unavailable", grpc.StatusCode.UNAVAILABLE),
+    RequestAborted: ErrorMapping(503, "service_unavailable", grpc.StatusCode.ABORTED),
+    UpstreamError: ErrorMapping(502, "server_error", grpc.StatusCode.INTERNAL),
+}
+INTERNAL = ErrorMapping(500, "server_error", grpc.StatusCode.INTERNAL)
+
+
+def mapping_of(err: BaseException) -> ErrorMapping:
+    """The most specific table entry for ``err``; unknown exceptions are internal errors."""
+    for cls in type(err).__mro__:
+        if cls in ERROR_TABLE:
+            return ERROR_TABLE[cls]
+    return INTERNAL
+
+
+def openai_error_body(
+    message: str, error_type: str, *, param: str | None = None, code: str | int | None = None
+) -> dict[str, dict[str, object]]:
+    """The OpenAI error shape every 4xx/5xx of the HTTP API uses."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_body(err: BaseException) -> tuple[int, dict[str, dict[str, object]]]:
+    """HTTP status and OpenAI error body for any exception (internals are not leaked)."""
+    m = mapping_of(err)
+    if isinstance(err, GatewayError):
+        return m.http_status, openai_error_body(
+            err.message, m.openai_type, param=err.param, code=err.code
+        )
+    return m.http_status, openai_error_body("internal server error", m.openai_type)
+
+
+# Upstream gRPC status -> the gateway error a client sees (worker and cache service calls).
+FROM_GRPC: dict[grpc.StatusCode, type[GatewayError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthorized,
+    grpc.StatusCode.PERMISSION_DENIED: Unauthorized,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: WorkersBusy,
+    grpc.StatusCode.UNAVAILABLE: WorkerUnavailable,
+    grpc.StatusCode.ABORTED: RequestAborted,
+    grpc.StatusCode.FAILED_PRECONDITION: UpstreamError,
+}
+
+
+def from_rpc_error(err: grpc.aio.AioRpcError, what: str) -> GatewayError:
+    """The gateway error for a failed upstream call; ``what`` names the callee for messages."""
+    code = err.code()
+    details = err.details() or code.name
+    cls = FROM_GRPC.get(code, UpstreamError)
+    if cls in (InvalidRequest, NotFound, Unauthorized):
+        return cls(details)
+    return cls(f"{what}: {code.name}: {details}")

@@ -1,0 +1,106 @@
+"""The domain values of one generation, as the gateway sees it: what it asks a worker for and
+the chunks that come back. Plain frozen dataclasses: only ``convert`` knows the proto types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # eos, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled, or the worker lost the request's lease
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """What the worker samples with. Zero means "off" for top_k and min_p, as on the wire."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    # Always explicit here: the gateway resolves "as many as fit" before dispatch.
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    # Top-n alternatives per generated token; 0: no logprobs at all.
+    logprobs: int = 0
+    repetition_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One sequence to generate on one worker (an OpenAI request with n > 1 is several)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    # The cache salt: prefixes never match across namespaces.
+    namespace: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+    token: str
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    token: str
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One step's output for one sequence; the last chunk has ``finish_reason`` and ``usage``."""
+
+    token_ids: tuple[int, ...] = ()
+    # Text delta; never splits a UTF-8 character (the worker detokenizes).
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    worker_id: str = ""
+
+
+@dataclass(slots=True)
+class Completion:
+    """A whole sequence, accumulated from its chunks (non-streaming responses)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    worker_id: str = ""
+
+    def add(self, chunk: Chunk) -> None:
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        self.worker_id = chunk.worker_id or self.worker_id
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+        if chunk.usage is not None:
+            self.usage = chunk.usage

@@ -1,0 +1,98 @@
+"""The gRPC edge: the workers' own ``worker.v1.Worker`` service, served by the gateway.
+
+gRPC clients can use the gateway as their single address: ``Generate`` is routed (and
+failed over) exactly like the OpenAI endpoints, and ``GetInfo`` describes the whole fleet
+(blocks and load summed over the workers the gateway knows). A text prompt is tokenized here,
+since routing needs token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import replace
+
+import grpc
+
+from gateway import convert
+from gateway.core import Gateway
+from gateway.errors import GatewayError, InvalidRequest, mapping_of
+from gateway.generation import GenerationRequest
+from kvserve_proto.worker.v1 import worker_pb2 as pb
+from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
+
+GATEWAY_ID = "gateway"
+
+
+class GatewayWorkerServicer(pb_grpc.WorkerServicer):
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    def generation_request(self, request: pb.GenerateRequest) -> GenerationRequest:
+        tokenizer = self.gw.tokenizer
+        which = request.WhichOneof("prompt")
+        if which == "prompt_text":
+            ids = tokenizer.encode(request.prompt_text)
+        elif which == "prompt_token_ids":
+            ids = list(request.prompt_token_ids.ids)
+            tokenizer.check_token_ids(ids, "prompt_token_ids")
+        else:
+            raise InvalidRequest("the request has no prompt", param="prompt")
+        sampling = convert.sampling_from_pb(request.sampling)
+        if sampling.stop_token_ids:
+            tokenizer.check_token_ids(sampling.stop_token_ids, "stop_token_ids")
+        budget = tokenizer.completion_budget(len(ids), sampling.max_tokens or None)
+        return GenerationRequest(
+            request_id=request.request_id or f"grpc-{uuid.uuid4().hex}",
+            prompt_token_ids=tuple(ids),
+            sampling=replace(sampling, max_tokens=budget),
+            namespace=request.namespace,
+        )
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        arrival = time.perf_counter()
+        status = "OK"
+        try:
+            gen = self.generation_request(request)
+            async with aclosing(self.gw.dispatcher.generate(gen, arrival)) as stream:
+                async for chunk in stream:
+                    yield convert.chunk_to_pb(chunk, gen.request_id)
+        except GatewayError as e:
+            code = mapping_of(e).grpc_code
+            status = code.name
+            await context.abort(code, e.message)
+        except asyncio.CancelledError:  # the client went away: the worker call is cancelled
+            status = "CANCELLED"
+            raise
+        finally:
+            self.gw.metrics.requests.labels("grpc Generate", status).inc()
+            self.gw.metrics.request_latency.labels("grpc Generate").observe(
+                time.perf_counter() - arrival
+            )
+
+    async def GetInfo(
+        self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WorkerInfo:
+        info = pb.WorkerInfo(
+            worker_id=GATEWAY_ID,
+            model=self.gw.config.model_name,
+            max_context=self.gw.tokenizer.max_context,
+            vocab_size=self.gw.tokenizer.vocab_size,
+        )
+        for w in self.gw.directory.views():
+            if not w.healthy or w.load is None:
+                continue
+            load = w.load
+            info.block_size = info.block_size or load.block_size
+            info.num_blocks += load.num_blocks
+            info.free_blocks += load.free_blocks
+            info.running += load.running
+            info.waiting += load.waiting
+            info.preemptions += load.preemptions
+            info.requests_finished += load.requests_finished
+        return info

@@ -1,0 +1,285 @@
+"""The HTTP edge: OpenAI-compatible endpoints, health, metrics, admin pass-through.
+
+Every error leaves as an OpenAI error body (``{"error": {"message", "type", "param",
+"code"}}``) with a 4xx/5xx status, whatever raised it: a typed gateway error, a schema
+violation, an unknown path, an oversized body. Bodies are parsed here rather than by
+FastAPI's body binding, so a JSON body is accepted whatever Content-Type curl sent and every
+validation message has the same shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.admin_routes import admin_router
+from gateway.core import Gateway
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    RequestTooLarge,
+    Unauthorized,
+    error_body,
+    openai_error_body,
+)
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.openai_serving import Served
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    parse_json,
+)
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+CLIENT_CLOSED = 499  # nginx's code for "the client went away first"
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+def create_app(gw: Gateway) -> FastAPI:
+    app = FastAPI(
+        title="kvserve gateway",
+        summary="OpenAI-compatible API over a shared, paged, prefix-indexed KV cache",
+        version="0.1.0",
+    )
+    app.add_middleware(BodyLimit, max_bytes=gw.config.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=gw.metrics)
+    _install_error_handlers(app)
+    app.include_router(admin_router(gw))
+
+    def check_api_key(request: Request) -> None:
+        if not gw.config.api_key:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {gw.config.api_key}".encode()):
+            raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while at least one worker is healthy, 503 otherwise (load balancers stop
+        sending here)."""
+        workers = [
+            {
+                "worker": w.pool_id,
+                "address": w.address,
+                "healthy": w.healthy,
+                "reason": w.unhealthy_reason or None,
+                "in_flight": w.in_flight,
+                "running": w.load.running if w.load else None,
+                "waiting": w.load.waiting if w.load else None,
+            }
+            for w in gw.directory.views()
+        ]
+        ok = any(w["healthy"] for w in workers)
+        body = {"status": "ok" if ok else "no healthy worker", "model": gw.config.model_name}
+        return JSONResponse({**body, "workers": workers}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
+
+    def model_card() -> ModelCard:
+        return ModelCard(
+            id=gw.config.model_name,
+            created=gw.started_at,
+            root=gw.config.model,
+            max_model_len=gw.tokenizer.max_context,
+        )
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        check_api_key(request)
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> ModelCard:
+        check_api_key(request)
+        gw.serving.check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        check_api_key(request)
+        body = await parse_body(request, CompletionRequest)
+        return respond(await until_disconnected(request, gw.completions.create(body, arrival)))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        arrival = time.perf_counter()
+        check_api_key(request)
+        body = await parse_body(request, ChatCompletionRequest)
+        return respond(await until_disconnected(request, gw.chat.create(body, arrival)))
+
+    return app
+
+
+def respond(served: Served) -> Response:
+    if served.events is not None:
+        headers = {**served.headers, "cache-control": "no-cache", "x-accel-buffering": "no"}
+        return StreamingResponse(served.events, media_type="text/event-stream", headers=headers)
+    assert served.body is not None
+    return JSONResponse(served.body.model_dump(mode="json"), headers=served.headers)
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    return parse_json(await request.body(), model)
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it if the client disconnects first.
+
+    Cancelling the work cancels its worker calls, so a client that gives up on a long
+    non-streaming request frees the worker's batch slot and KV blocks at once. (Streaming
+    responses get the same from Starlette, which cancels the stream on disconnect.)
+    """
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        log.info("client disconnected; cancelling %s %s", request.method, request.url.path)
+        raise ClientDisconnected()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(GatewayError)
+    async def gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
+        status, body = error_body(exc)
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(ClientDisconnected)
+    async def disconnected(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        loc = [str(p) for p in errors[0]["loc"] if p not in ("body", "query", "path")]
+        param = ".".join(loc) or None
+        msg = f"{param}: {errors[0]['msg']}" if param else str(errors[0]["msg"])
+        body = openai_error_body(msg, "invalid_request_error", param=param)
+        return JSONResponse(body, status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        body = openai_error_body(str(exc.detail), kind, code=exc.status_code)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        status, body = error_body(exc)
+        return JSONResponse(body, status_code=status)
+
+
+class BodyLimit:
+    """Refuses request bodies over ``max_bytes`` (413) before anyone parses them: by the
+    Content-Length header when there is one, by counting the chunks when there is not."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        try:
+            declared = int(length) if length is not None else None
+        except ValueError:
+            await _send_error(send, InvalidRequest("invalid Content-Length header"))
+            return
+        if declared is not None and declared > self.max_bytes:
+            await _send_error(send, self._too_large())
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _too_large(self) -> RequestTooLarge:
+        return RequestTooLarge(
+            f"The request body is larger than {self.max_bytes} bytes.", code="request_too_large"
+        )
+
+
+async def _send_error(send: Send, err: GatewayError) -> None:
+    status, body = error_body(err)
+    await JSONResponse(body, status_code=status)({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+class RequestMetrics:
+    """Counts requests by endpoint and status and times them to the end of the response
+    (the last SSE event for streams)."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        endpoint = (
+            path if path in ENDPOINTS else "/admin" if path.startswith("/admin/") else "other"
+        )
+        start = time.perf_counter()
+        status: list[Any] = [CLIENT_CLOSED]
+
+        async def send_and_record(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status[0])).inc()
+            self.metrics.request_latency.labels(endpoint).observe(time.perf_counter() - start)

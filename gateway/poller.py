@@ -1,0 +1,90 @@
+"""Keeps the worker directory fresh: discovery, load, health, block stats.
+
+Every interval: ``Route`` with a one-token prompt lists every registered pool of the model
+(the cache service is the registry; no static worker list is needed), ``GetInfo`` on each
+worker reads its load and doubles as the health probe (a worker marked unhealthy is routed
+to again as soon as it answers), and with an admin token ``GetStats`` adds the pools' block
+accounting for /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from gateway.cache_client import CacheClient
+from gateway.errors import GatewayError, WorkerUnavailable
+from gateway.worker_client import WorkerClients
+from gateway.worker_directory import WorkerDirectory
+
+log = logging.getLogger(__name__)
+
+DISCOVERY_PROMPT = (0,)
+
+
+class WorkerPoller:
+    def __init__(
+        self,
+        *,
+        model: str,
+        cache: CacheClient,
+        clients: WorkerClients,
+        directory: WorkerDirectory,
+        interval_s: float,
+        admin_token: str = "",
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.clients = clients
+        self.directory = directory
+        self.interval_s = interval_s
+        self.admin_token = admin_token
+        self._task: asyncio.Task[None] | None = None
+
+    async def poll_once(self) -> None:
+        try:
+            self.directory.set_routes(await self.cache.route("", DISCOVERY_PROMPT, self.model))
+        except GatewayError as e:
+            log.warning("worker discovery failed (keeping the last view): %s", e)
+        addresses = self.directory.addresses()
+        await asyncio.gather(*(self._probe(a) for a in addresses))
+        if self.admin_token:
+            try:
+                self.directory.set_blocks(await self.cache.pool_blocks(self.admin_token))
+            except GatewayError as e:
+                log.debug("GetStats failed: %s", e)
+        await self.clients.retain(addresses)
+
+    async def _probe(self, address: str) -> None:
+        timeout = max(0.5, min(self.interval_s, 5.0))
+        marked = not self.directory.is_healthy(address)
+        try:
+            load = await self.clients.get(address).get_info(timeout, wait_for_ready=marked)
+        except WorkerUnavailable as e:
+            if self.directory.mark_unhealthy(address, e.message):
+                log.warning("worker at %s marked unhealthy: %s", address, e)
+            return
+        except GatewayError as e:  # slow or odd, but it answers: keep its mark as it is
+            log.debug("GetInfo on %s: %s", address, e)
+            return
+        self.directory.record_load(address, load)
+        if self.directory.mark_healthy(address):
+            log.info("worker %s at %s answers again", load.worker_id, address)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.poll_once()
+            except Exception:  # the poller must outlive any one bad round
+                log.exception("worker poll failed")
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

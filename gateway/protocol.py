@@ -1,0 +1,248 @@
+"""OpenAI request and response types (with the vLLM extensions clients expect).
+
+Requests are validated strictly: a wrong type is a 400, not a silent coercion of "5" to 5.
+Unknown fields are ignored (as vLLM does), so newer clients that send optional parameters
+this server does not know still work; known but unsupported ones are refused explicitly by
+the serving code with a message that names them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.errors import InvalidRequest
+
+INT64_MAX = 2**63 - 1
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_json(raw: bytes, model: type[M]) -> M:
+    """A JSON body as ``model``; any problem is an InvalidRequest naming the field."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise invalid_request(e) from None
+
+
+def invalid_request(e: ValidationError) -> InvalidRequest:
+    """The first validation error as an OpenAI-style message with ``param`` set.
+
+    A union field (``prompt``: text, texts, token ids or lists of them) fails once per
+    branch; the branch that got deepest says what is wrong (``prompt.1``: a negative token
+    id), and when none got past the type, the message lists the accepted types.
+    """
+    errors = e.errors(include_url=False)
+    err = errors[0]
+    if err["type"] == "json_invalid":
+        return InvalidRequest(f"The request body is not valid JSON: {err['msg']}")
+    if err["type"] == "model_type" or not err["loc"]:
+        return InvalidRequest("The request body must be a JSON object")
+    head = _fields(err["loc"])
+    n = len(head)
+    if n < len(err["loc"]) and not isinstance(err["loc"][n], int):  # a union's branch tag
+        branches: dict[str, list[Any]] = {}
+        for x in errors:
+            if len(x["loc"]) > n and _fields(x["loc"][:n]) == head:
+                tag = str(x["loc"][n]).replace("constrained-", "")
+                branches.setdefault(tag, []).append(x)
+        # The branch that got past the type check with the fewest complaints is closest.
+        closest = min(branches.values(), key=lambda xs: (len(_fields(xs[0]["loc"])) <= n, len(xs)))
+        if len(_fields(closest[0]["loc"])) > n:
+            err = closest[0]
+        else:
+            param = ".".join(head)
+            return InvalidRequest(
+                f"{param}: invalid value; expected one of {', '.join(branches)}", param=param
+            )
+    param = ".".join(_fields(err["loc"]))
+    return InvalidRequest(f"{param}: {err['msg']}", param=param)
+
+
+def _fields(loc: tuple[int | str, ...]) -> list[str]:
+    """The field names and list indices of an error location, without union type tags."""
+    return [str(p) for p in loc if isinstance(p, int) or _is_field_name(str(p))]
+
+
+def _is_field_name(part: str) -> bool:
+    return part.isidentifier() and part not in ("str", "int", "float", "bool", "list", "dict")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingRequest(_Request):
+    """Fields /v1/completions and /v1/chat/completions share."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=INT64_MAX)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extensions.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Prefixes are shared only between requests with the same salt (tenant isolation).
+    cache_salt: str | None = Field(None, max_length=256)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+
+class ChatMessage(BaseModel):
+    """Extra fields (tool_calls, tool_call_id, name, ...) are kept: templates may use them."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM extensions.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprobOut(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprobOut):
+    top_logprobs: list[TopLogprobOut] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvserve"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

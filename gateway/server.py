@@ -1,0 +1,115 @@
+"""Runs the gateway: the HTTP app on uvicorn and the gRPC server, side by side on one loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import grpc
+import uvicorn
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.config import GatewayConfig
+from gateway.core import Gateway
+from gateway.grpc_servicer import GatewayWorkerServicer
+from gateway.http_app import create_app
+from gateway.tokenizer import Tokenizer
+from kvserve_proto.worker.v1 import worker_pb2 as pb
+from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
+SHUTDOWN_GRACE_S = 5.0
+
+
+@dataclass
+class RunningGateway:
+    gateway: Gateway
+    http_address: str
+    grpc_address: str
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handlers: the process's main decides when to stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@contextlib.asynccontextmanager
+async def running(
+    config: GatewayConfig, tokenizer: Tokenizer | None = None
+) -> AsyncIterator[RunningGateway]:
+    """Starts both servers (port 0 picks a free one) and stops them on exit."""
+    gw = Gateway.build(config, tokenizer)
+    await gw.poller.poll_once()  # know the workers before the first request
+    gw.poller.start()
+
+    grpc_server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ]
+    )
+    pb_grpc.add_WorkerServicer_to_server(GatewayWorkerServicer(gw), grpc_server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+    reflection.enable_server_reflection(
+        (WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server
+    )
+    grpc_port = grpc_server.add_insecure_port(_address(config.host, config.grpc_port))
+    sock = _listen(config.host, config.http_port)
+    http = _Uvicorn(
+        uvicorn.Config(
+            create_app(gw),
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
+        )
+    )
+    http_task: asyncio.Task[None] | None = None
+    try:
+        await grpc_server.start()
+        for name in ("", WORKER_SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        http_task = asyncio.create_task(http.serve(sockets=[sock]))
+        while not http.started:
+            if http_task.done():
+                http_task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped during startup")
+            await asyncio.sleep(0.01)
+        yield RunningGateway(
+            gw,
+            _address(config.host, sock.getsockname()[1]),
+            _address(config.host, grpc_port),
+        )
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        if http_task is not None:
+            http.should_exit = True
+            await asyncio.gather(http_task, return_exceptions=True)
+        sock.close()
+        await grpc_server.stop(grace=SHUTDOWN_GRACE_S)
+        await gw.close()

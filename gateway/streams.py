@@ -1,0 +1,63 @@
+"""Async stream plumbing for responses: merging the chunk streams of a request's choices,
+and Server-Sent Events framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from typing import TypeVar
+
+T = TypeVar("T")
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: object) -> str:
+    """One SSE event carrying JSON (a pydantic model's dump or a plain dict)."""
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def merge(
+    streams: Sequence[AsyncGenerator[T, None]],
+) -> AsyncGenerator[tuple[int, T], None]:
+    """Items of all ``streams`` as they come, tagged with the stream's index.
+
+    The first error of any stream ends the merge with that error. Closing the merge (or
+    cancelling its consumer) cancels every stream still running, so each choice's worker
+    call is cancelled with it.
+    """
+    if len(streams) == 1:  # the common case, without tasks
+        async with aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
+    # (index, item) for an item; (index, None) when that stream ended; an error ends all.
+    queue: asyncio.Queue[tuple[int, T | None] | BaseException] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncGenerator[T, None]) -> None:
+        try:
+            async with aclosing(stream):
+                async for item in stream:
+                    await queue.put((i, item))
+            await queue.put((i, None))
+        except Exception as e:
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            got = await queue.get()
+            if isinstance(got, BaseException):
+                raise got
+            i, value = got
+            if value is None:
+                running -= 1
+                continue
+            yield i, value
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,134 @@
+"""The model's tokenizer as the gateway uses it: chat template, encode, context budget.
+
+The gateway tokenizes (rather than sending text to a worker) because the cache service's
+index is keyed by token ids: routing to the worker with the longest cached prefix needs the
+tokens before the worker is chosen. It loads the very tokenizer the workers load
+(``mlx_lm``'s loader over the same model directory), so both sides agree on every id.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import ContextLengthExceeded, InvalidRequest
+
+log = logging.getLogger(__name__)
+
+FALLBACK_CONTEXT = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenizer:
+    """Wraps a Hugging Face tokenizer (``mlx_lm``'s ``TokenizerWrapper`` or the plain one)."""
+
+    hf: Any
+    max_context: int
+    vocab_size: int
+
+    @classmethod
+    def load(cls, model: str, max_model_len: int = 0) -> Tokenizer:
+        """Tokenizer of ``model`` (a name ``worker.model_loader.resolve_model`` accepts)."""
+        from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+        from worker.model_loader import resolve_model
+
+        path = resolve_model(model)
+        config: dict[str, Any] = {}
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            log.warning("cannot read %s/config.json (%s); context defaults apply", path, e)
+        text_config = config.get("text_config", config)
+        context = max_model_len or int(
+            text_config.get("max_position_embeddings") or FALLBACK_CONTEXT
+        )
+        hf = load_tokenizer(path)
+        vocab = int(text_config.get("vocab_size") or len(hf._tokenizer))
+        return cls(hf, context, vocab)
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text as the workers tokenize a text prompt (the tokenizer's own special
+        tokens, e.g. a BOS, included)."""
+        return list(self.hf.encode(text))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self.hf.decode(list(token_ids)))
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Render the model's chat template and tokenize the result.
+
+        Rendered to text first, then encoded without adding special tokens (the template
+        writes its own BOS): this is what the model saw in training, and it does not depend
+        on the return type ``tokenize=True`` has in a given transformers version.
+        """
+        if getattr(self.hf, "chat_template", None) is None:
+            raise InvalidRequest(
+                "this model has no chat template; use /v1/completions", param="messages"
+            )
+        try:
+            text = self.hf.apply_chat_template(
+                list(messages),
+                tools=list(tools) if tools else None,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                **dict(template_kwargs or {}),
+            )
+        except Exception as e:  # jinja raises anything the template author chose
+            raise InvalidRequest(f"chat template failed: {e}", param="messages") from e
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def check_token_ids(self, token_ids: Sequence[int], param: str = "prompt") -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                param=param,
+            )
+
+    def completion_budget(
+        self,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        default: int | None = None,
+        prompt_param: str = "prompt",
+    ) -> int:
+        """How many tokens to generate, checked against the context (OpenAI's semantics).
+
+        An explicit ``max_tokens`` that does not fit is an error (a client asking for 100
+        tokens should not silently get 10); without one, ``default`` (or everything that
+        fits) is capped to the room left.
+        """
+        room = self.max_context - prompt_tokens
+        if prompt_tokens == 0:
+            raise InvalidRequest("the prompt is empty", param=prompt_param)
+        if room <= 0:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_context} tokens. "
+                f"However, your prompt has {prompt_tokens} tokens. Please reduce the length "
+                "of the prompt.",
+                param=prompt_param,
+            )
+        if max_tokens is None:
+            return room if default is None else min(default, room)
+        if max_tokens > room:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_context} tokens. "
+                f"However, you requested {prompt_tokens + max_tokens} tokens "
+                f"({prompt_tokens} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the length of the prompt or the completion.",
+                param="max_tokens",
+            )
+        return max_tokens

@@ -1,0 +1,93 @@
+"""`python -m kvserve_launch` (`make run`): the whole system on one machine until Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from types import FrameType
+
+from kvserve_launch.config import LaunchConfig
+from kvserve_launch.process import ChildFailed
+from kvserve_launch.system import System, launch
+
+
+def banner(s: System) -> str:
+    cfg = s.config
+    # A wildcard address is where the gateway listens, not an address to send requests to.
+    http = "http://" + s.http_address.replace("0.0.0.0", "localhost").replace("[::]", "localhost")
+    n = len(s.workers)
+    return f"""
+kvserve is up: {n} worker{"s" if n != 1 else ""} serving {cfg.model}
+
+  OpenAI API    {http}/v1        (health {http}/health, metrics {http}/metrics, docs {http}/docs)
+  gRPC          {s.grpc_address}            (worker.v1.Worker/Generate, the workers' own service)
+  cache service {s.cache_address}            admin token: {cfg.admin_token}
+
+Try:
+  curl {http}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{cfg.model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+
+  curl {http}/admin/cache/stats -H 'Authorization: Bearer {cfg.admin_token}'
+  python -m kvcache_service.admin --address {s.cache_address} --token {cfg.admin_token} stats
+
+Ctrl-C stops everything.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = LaunchConfig.from_args(argv)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        system = launch(cfg)
+    except ChildFailed as e:
+        print(f"kvserve: startup failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kvserve: interrupted during startup", file=sys.stderr)
+        return 130
+    signal.signal(signal.SIGINT, on_signal)
+    print(banner(system), flush=True)
+    pids = ",".join(str(c.pid) for c in system.children())
+    print(
+        f"KVSERVE_READY http={system.http_address} grpc={system.grpc_address} "
+        f"cache={system.cache_address} pids={pids}",
+        flush=True,
+    )
+    code = supervise(system, stop)
+    print("kvserve: stopping (gateway, workers, cache service) ...", file=sys.stderr, flush=True)
+    system.stop()
+    print("kvserve: stopped", file=sys.stderr, flush=True)
+    return code
+
+
+def supervise(system: System, stop: threading.Event) -> int:
+    """Wait for Ctrl-C/SIGTERM. A worker that dies is reported and the rest keep serving (the
+    gateway routes around it); without the gateway or the cache service nothing can, so their
+    exit stops everything with an error."""
+    reported: set[str] = set()
+    while not stop.wait(0.5):
+        for child in (system.gateway, system.cache):
+            if not child.running:
+                print(f"kvserve: {child.name} exited ({child.returncode})", file=sys.stderr)
+                return 1
+        for w in system.workers:
+            if not w.running and w.name not in reported:
+                reported.add(w.name)
+                left = sum(x.running for x in system.workers)
+                print(
+                    f"kvserve: {w.name} exited ({w.returncode}); {left} worker(s) still serving",
+                    file=sys.stderr,
+                )
+                if not left:
+                    return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

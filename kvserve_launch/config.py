@@ -1,0 +1,82 @@
+"""The launcher's one config object: flags, with KVSERVE_* environment defaults.
+
+Children inherit the launcher's environment, so a service's own variables configure it too:
+``KVWORKER_MAX_BATCH_SIZE=32 make run``. The launcher passes only the flags it must (where
+each process listens and finds the others), plus those set here explicitly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+ENV_PREFIX = "KVSERVE_"
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    workers: int = 1
+    model: str = "kvserve-tiny-llama"
+    # Where the gateway listens (0.0.0.0 to serve other machines or a container's host).
+    host: str = "127.0.0.1"
+    # Where the cache service and the workers listen: only the gateway and the admin CLI
+    # talk to them, so loopback unless the system spans machines.
+    internal_host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50050
+    cache_port: int = 50051
+    # Worker i listens on worker_base_port + i; 0: ephemeral ports (the gateway discovers
+    # workers through the cache service, so nobody needs to know them in advance).
+    worker_base_port: int = 0
+    # Empty: a random one, printed at startup.
+    admin_token: str = ""
+    # Per-worker KV pool; 0: the worker's own default (a memory budget, KVWORKER_*).
+    num_blocks: int = 0
+    block_size: int = 0
+    startup_timeout_s: float = 300.0
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None) -> LaunchConfig:
+        d = cls()
+        p = argparse.ArgumentParser(
+            prog="python -m kvserve_launch",
+            description="Start the cache service, N workers and the gateway on one machine; "
+            "Ctrl-C stops them all. Every flag also reads KVSERVE_<FLAG> "
+            "(e.g. KVSERVE_WORKERS=2).",
+        )
+        for name, kind, help in FLAGS:
+            default = getattr(d, name)
+            env = os.environ.get(ENV_PREFIX + name.upper(), str(default))
+            shown = help if name == "admin_token" else f"{help} (default: {default})"
+            p.add_argument("--" + name.replace("_", "-"), type=kind, default=kind(env), help=shown)
+        a = p.parse_args(argv)
+        if a.workers < 1:
+            p.error("--workers must be at least 1")
+        if a.num_blocks < 0 or a.block_size < 0:
+            p.error("--num-blocks and --block-size must not be negative")
+        return cls(**vars(a))
+
+    def with_admin_token(self) -> LaunchConfig:
+        """This config, with a random admin token if none was configured."""
+        return self if self.admin_token else replace(self, admin_token=secrets.token_urlsafe(18))
+
+
+FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("workers", int, "number of workers"),
+    ("model", str, "model name, directory or Hugging Face id"),
+    ("host", str, "the gateway's listen address (0.0.0.0: every interface)"),
+    ("internal_host", str, "the cache service's and the workers' listen address"),
+    ("http_port", int, "the gateway's HTTP port (0: any free port)"),
+    ("grpc_port", int, "the gateway's gRPC port (0: any free port)"),
+    ("cache_port", int, "the cache service's port (0: any free port)"),
+    ("worker_base_port", int, "worker i listens on this + i (0: any free ports)"),
+    ("admin_token", str, "admin bearer token (default: a random one, printed)"),
+    ("num_blocks", int, "KV blocks per worker (0: the worker's default)"),
+    ("block_size", int, "tokens per KV block (0: the worker's default)"),
+    ("startup_timeout_s", float, "how long each process may take to get ready"),
+    ("log_level", str, "DEBUG, INFO, WARNING or ERROR, for every process"),
+)

@@ -1,0 +1,170 @@
+"""The whole system as child processes: cache service, N workers, gateway.
+
+Start order follows the dependencies: the cache service first (workers register their pools
+with it), then the workers in parallel (each loads the model), then the gateway (it discovers
+the workers through the cache service). Stop order is the reverse, so no process outlives
+what it talks to and in-flight requests drain through the gateway first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvserve_launch.config import LaunchConfig
+from kvserve_launch.process import Child, Sink, print_sink
+
+DEFAULT_MODEL = "kvserve-tiny-llama"
+
+
+@dataclass
+class System:
+    config: LaunchConfig
+    cache: Child
+    workers: list[Child]
+    gateway: Child
+    cache_address: str
+    worker_addresses: list[str]
+    http_address: str
+    grpc_address: str
+
+    def children(self) -> list[Child]:
+        return [self.gateway, *self.workers, self.cache]
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        stop_all([self.gateway], grace_s)
+        stop_all(self.workers, grace_s)
+        stop_all([self.cache], grace_s)
+
+
+def stop_all(children: list[Child], grace_s: float) -> None:
+    """Stop several children at once (SIGTERM to all, then wait for each)."""
+    for child in children:
+        child.signal(signal.SIGTERM)
+    for child in children:
+        child.stop(grace_s)
+
+
+def cache_command(cfg: LaunchConfig, python: str = sys.executable) -> list[str]:
+    return [
+        python, "-m", "kvcache_service",
+        "--host", cfg.internal_host,
+        "--port", str(cfg.cache_port),
+        "--log-level", cfg.log_level,
+    ]  # fmt: skip
+
+
+def worker_command(
+    cfg: LaunchConfig, index: int, cache_address: str, python: str = sys.executable
+) -> list[str]:
+    port = cfg.worker_base_port + index if cfg.worker_base_port else 0
+    argv = [
+        python, "-m", "worker",
+        "--cache-service", cache_address,
+        "--host", cfg.internal_host,
+        "--port", str(port),
+        "--worker-id", f"worker-{index}",
+        "--model", cfg.model,
+        "--log-level", cfg.log_level,
+    ]  # fmt: skip
+    if cfg.num_blocks:
+        argv += ["--num-blocks", str(cfg.num_blocks)]
+    if cfg.block_size:
+        argv += ["--block-size", str(cfg.block_size)]
+    return argv
+
+
+def gateway_command(
+    cfg: LaunchConfig, cache_address: str, python: str = sys.executable
+) -> list[str]:
+    return [
+        python, "-m", "gateway",
+        "--cache-service", cache_address,
+        "--host", cfg.host,
+        "--http-port", str(cfg.http_port),
+        "--grpc-port", str(cfg.grpc_port),
+        "--model", cfg.model,
+        "--log-level", cfg.log_level,
+    ]  # fmt: skip
+
+
+def secret_env(cfg: LaunchConfig) -> dict[str, str]:
+    """The admin token travels in the environment, not on command lines that `ps` shows to
+    every user of the machine."""
+    return {
+        **os.environ,
+        "KVCACHE_ADMIN_TOKEN": cfg.admin_token,
+        "KVGATEWAY_ADMIN_TOKEN": cfg.admin_token,
+    }
+
+
+def worker_env() -> dict[str, str]:
+    """The environment workers start in: with the fast BLAS preloaded where one exists (the
+    worker would re-execute itself to get it; starting with it saves that restart)."""
+    from worker.blas import fast_blas_env
+
+    return fast_blas_env()
+
+
+def prepare_model(model: str, say: Callable[[str], None]) -> None:
+    """Create the embedded default model once, before N workers would race to."""
+    if model == DEFAULT_MODEL:
+        from worker.default_model import ensure_default_model
+
+        ensure_default_model(log=say)
+
+
+def launch(cfg: LaunchConfig, sink: Sink = print_sink, python: str = sys.executable) -> System:
+    """Start everything and wait until each process is ready; on failure stop what started."""
+    cfg = cfg.with_admin_token()
+    prepare_model(cfg.model, lambda line: sink("launch", line + "\n"))
+    started: list[Child] = []
+    timeout = cfg.startup_timeout_s
+    try:
+        cache = Child(
+            "cache",
+            cache_command(cfg, python),
+            ready_prefix="KVCACHE_READY",
+            env=secret_env(cfg),
+            sink=sink,
+        ).start()
+        started.append(cache)
+        cache_address = cache.wait_ready(timeout)
+        env = worker_env()
+        workers = [
+            Child(
+                f"worker-{i}",
+                worker_command(cfg, i, cache_address, python),
+                ready_prefix="WORKER_READY",
+                env=env,
+                sink=sink,
+            ).start()
+            for i in range(cfg.workers)
+        ]
+        started.extend(workers)
+        worker_addresses = [w.wait_ready(timeout) for w in workers]
+        gateway = Child(
+            "gateway",
+            gateway_command(cfg, cache_address, python),
+            ready_prefix="GATEWAY_READY",
+            env=secret_env(cfg),
+            sink=sink,
+        ).start()
+        started.append(gateway)
+        fields = dict(part.split("=", 1) for part in gateway.wait_ready(timeout).split())
+    except BaseException:
+        stop_all(list(reversed(started)), 5.0)
+        raise
+    return System(
+        cfg,
+        cache,
+        workers,
+        gateway,
+        cache_address,
+        worker_addresses,
+        fields["http"],
+        fields["grpc"],
+    )

@@ -1,0 +1,72 @@
+"""The real system as processes on loopback: cache service, two workers, gateway.
+
+Started once per test module through the launcher's own code (``kvserve_launch.system``),
+so these tests also prove the commands ``make run`` uses. Child logs are kept, not printed,
+and shown when a test fails; every process is stopped in teardown, whatever happened.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from kvserve_launch.config import LaunchConfig
+from kvserve_launch.system import System, launch
+
+ADMIN_TOKEN = "e2e-admin-token"
+STARTUP_TIMEOUT_S = 240.0
+
+
+class LogSink:
+    """Collects child output lines (thread-safe) for failure reports."""
+
+    def __init__(self) -> None:
+        self.lines: collections.deque[str] = collections.deque(maxlen=400)
+        self.lock = threading.Lock()
+
+    def __call__(self, name: str, line: str) -> None:
+        with self.lock:
+            self.lines.append(f"{name:<9}| {line.rstrip()}")
+
+    def dump(self) -> str:
+        with self.lock:
+            return "\n".join(self.lines)
+
+
+@pytest.fixture(scope="module")
+def logs() -> LogSink:
+    return LogSink()
+
+
+@pytest.fixture(scope="module")
+def system(logs: LogSink) -> Iterator[System]:
+    config = LaunchConfig(
+        workers=2,
+        host="127.0.0.1",
+        http_port=0,
+        grpc_port=0,
+        cache_port=0,
+        admin_token=ADMIN_TOKEN,
+        num_blocks=256,
+        startup_timeout_s=STARTUP_TIMEOUT_S,
+    )
+    try:
+        running = launch(config, sink=logs)
+    except Exception as e:
+        pytest.fail(f"the system did not start: {e}\n{logs.dump()}")
+    try:
+        yield running
+    finally:
+        running.stop(grace_s=10.0)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):  # type: ignore[no-untyped-def]
+    """Attach the processes' logs to a failing e2e test's report."""
+    report = yield
+    if report.failed and "logs" in getattr(item, "funcargs", {}):
+        report.sections.append(("kvserve process logs", item.funcargs["logs"].dump()))
+    return report

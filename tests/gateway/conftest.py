@@ -1,0 +1,79 @@
+"""Fixtures: a real in-process cache service, fake workers registered with it, and the real
+gateway (HTTP on uvicorn and gRPC) on loopback ports, all in the test's event loop."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+import httpx
+import pytest
+
+from gateway.config import GatewayConfig
+from gateway.server import RunningGateway, running
+from gateway.tokenizer import Tokenizer
+from kvcache_service.config import ServiceConfig
+from kvcache_service.server import RunningService
+from kvcache_service.server import running as running_cache
+from tests.gateway.fake_worker import MODEL, FakeWorker
+
+ADMIN_TOKEN = "test-admin-token"
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    """The embedded default model's tokenizer (made locally on first use; ~1 s to load)."""
+    return Tokenizer.load(MODEL)
+
+
+def gateway_config(cache_address: str, **overrides: object) -> GatewayConfig:
+    config = GatewayConfig(
+        cache_service=cache_address,
+        host="127.0.0.1",
+        http_port=0,
+        grpc_port=0,
+        model=MODEL,
+        admin_token=ADMIN_TOKEN,
+        poll_interval_s=0.2,
+        # The fakes use 4-token blocks: let a one-block match count.
+        min_match_tokens=4,
+    )
+    return replace(config, **overrides)  # type: ignore[arg-type]
+
+
+@dataclass
+class Stack:
+    cache: RunningService
+    workers: list[FakeWorker]
+    gateway: RunningGateway
+    http: httpx.AsyncClient
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.gateway.http_address}"
+
+    async def poll(self) -> None:
+        """Refresh the gateway's view of the workers now instead of waiting a poll."""
+        await self.gateway.gateway.poller.poll_once()
+
+
+@pytest.fixture
+async def cache() -> AsyncIterator[RunningService]:
+    config = ServiceConfig(host="127.0.0.1", port=0, admin_token=ADMIN_TOKEN)
+    async with running_cache(config) as svc:
+        yield svc
+
+
+@pytest.fixture
+async def stack(cache: RunningService, tokenizer: Tokenizer) -> AsyncIterator[Stack]:
+    workers = [await FakeWorker(f"w{i}", cache.address).start() for i in range(2)]
+    try:
+        async with (
+            running(gateway_config(cache.address), tokenizer) as gw,
+            httpx.AsyncClient(base_url=f"http://{gw.http_address}", timeout=10) as http,
+        ):
+            yield Stack(cache, workers, gw, http)
+    finally:
+        for w in workers:
+            await w.close()

@@ -1,0 +1,176 @@
+"""A fake worker for gateway tests: the real ``worker.v1.Worker`` contract without a model.
+
+It registers a pool with a real cache service and leases, commits and releases blocks for
+every prompt exactly as a worker would, so the cache service's ``Route`` answers are real and
+the gateway's routing can be tested against them. It "generates" a fixed text, one byte token
+per step (the default model's tokenizer is byte-level), optionally slowly, and can be told to
+fail or be stopped to test fail-over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvserve_proto.kvcache.v1 import kvcache_pb2 as kv
+from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as kv_grpc
+from kvserve_proto.worker.v1 import worker_pb2 as pb
+from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
+
+MODEL = "kvserve-tiny-llama"
+BLOCK_SIZE = 4
+# What every request "generates", one byte token a step, then a stop (an EOS).
+OUTPUT = "Hello from the fake worker! It has no model, only this one sentence to say."
+
+
+@dataclass
+class Behaviour:
+    """What the fake does on Generate; tests change it between requests."""
+
+    delay_s: float = 0.0
+    # Abort every Generate with this status before any output.
+    fail_with: grpc.StatusCode | None = None
+    fail_message: str = "fake failure"
+
+
+@dataclass
+class Record:
+    requests: list[pb.GenerateRequest] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+
+class FakeWorker(pb_grpc.WorkerServicer):
+    def __init__(self, worker_id: str, cache_address: str, num_blocks: int = 256) -> None:
+        self.worker_id = worker_id
+        self.cache_address = cache_address
+        self.num_blocks = num_blocks
+        self.behaviour = Behaviour()
+        self.record = Record()
+        self.running = 0
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+        self.port = 0
+        self._channel: grpc.aio.Channel | None = None
+        self._pool: kv.PoolRef | None = None
+
+    async def start(self, port: int = 0) -> FakeWorker:
+        self.server = grpc.aio.server()
+        pb_grpc.add_WorkerServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        self.address = f"127.0.0.1:{self.port}"
+        await self.server.start()
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.cache_address)
+            await self.register()
+        return self
+
+    async def register(self) -> None:
+        assert self._channel is not None
+        resp = await kv_grpc.KVCacheServiceStub(self._channel).RegisterPool(
+            kv.RegisterPoolRequest(
+                pool_id=self.worker_id,
+                model_fingerprint="fake",
+                layout=kv.PoolLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32"),
+                num_blocks=self.num_blocks,
+                block_size=BLOCK_SIZE,
+                worker_address=self.address,
+                model=MODEL,
+            )
+        )
+        self._pool = kv.PoolRef(pool_id=self.worker_id, incarnation=resp.incarnation)
+
+    async def stop(self) -> None:
+        """Stop serving (the pool stays registered, as when a worker process dies)."""
+        if self.server is not None:
+            await self.server.stop(grace=None)
+            self.server = None
+
+    async def close(self) -> None:
+        await self.stop()
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def _acquire(self, request: pb.GenerateRequest, prompt: list[int]) -> kv.Lease:
+        stub = kv_grpc.KVCacheServiceStub(self._channel)
+        while True:
+            resp = await stub.AcquireLease(
+                kv.AcquireLeaseRequest(
+                    pool=self._pool,
+                    namespace=request.namespace,
+                    prompt_token_ids=prompt,
+                    reserve_tokens=min(request.sampling.max_tokens, 2 * BLOCK_SIZE),
+                    allow_defer=True,
+                )
+            )
+            if resp.WhichOneof("result") == "lease":
+                return resp.lease
+            await asyncio.sleep(0.01)
+
+    async def Generate(self, request, context):
+        self.record.requests.append(request)
+        b = self.behaviour
+        if b.fail_with is not None:
+            await context.abort(b.fail_with, b.fail_message)
+        prompt = list(request.prompt_token_ids.ids)
+        lease = await self._acquire(request, prompt)
+        stub = kv_grpc.KVCacheServiceStub(self._channel)
+        out: list[int] = []
+        self.running += 1
+        try:
+            limit = request.sampling.max_tokens or len(OUTPUT)
+            n = min(limit, len(OUTPUT))
+            for i in range(n):
+                if b.delay_s:
+                    await asyncio.sleep(b.delay_s)
+                token = ord(OUTPUT[i])
+                out.append(token)
+                last = i == n - 1
+                msg = pb.GenerateResponse(
+                    request_id=request.request_id,
+                    token_ids=[token],
+                    text=chr(token),
+                    worker_id=self.worker_id,
+                )
+                if request.sampling.logprobs:
+                    top = [
+                        pb.TopLogprob(token_id=token + k, logprob=-0.5 - k, token=chr(token + k))
+                        for k in range(request.sampling.logprobs)
+                    ]
+                    msg.logprobs.append(
+                        pb.TokenLogprob(token_id=token, logprob=-0.5, token=chr(token), top=top)
+                    )
+                if last:
+                    length = n == limit
+                    msg.finish_reason = pb.FINISH_REASON_LENGTH if length else pb.FINISH_REASON_STOP
+                    msg.usage.CopyFrom(
+                        pb.Usage(
+                            prompt_tokens=len(prompt),
+                            cached_tokens=lease.cached_tokens,
+                            completion_tokens=len(out),
+                        )
+                    )
+                yield msg
+            self.record.finished.append(request.request_id)
+        except asyncio.CancelledError:
+            self.record.cancelled.append(request.request_id)
+            raise
+        finally:
+            self.running -= 1
+            await stub.ReleaseLease(
+                kv.ReleaseLeaseRequest(pool=self._pool, lease_id=lease.lease_id, token_ids=prompt)
+            )
+
+    async def GetInfo(self, request, context):
+        return pb.WorkerInfo(
+            worker_id=self.worker_id,
+            model=MODEL,
+            max_context=4096,
+            vocab_size=264,
+            block_size=BLOCK_SIZE,
+            num_blocks=self.num_blocks,
+            free_blocks=self.num_blocks,
+            running=self.running,
+        )

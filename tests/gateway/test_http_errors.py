@@ -1,0 +1,229 @@
+"""Bad input gets a 4xx with an OpenAI error body, and the gateway keeps serving.
+
+No worker is needed: the app runs on httpx's ASGI transport and the cache service address
+points at a closed port, so everything here is answered by the gateway itself.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from gateway.core import Gateway
+from gateway.http_app import create_app
+from gateway.tokenizer import Tokenizer
+from tests.gateway.conftest import gateway_config
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+async def client(tokenizer: Tokenizer) -> AsyncIterator[httpx.AsyncClient]:
+    config = gateway_config(f"127.0.0.1:{closed_port()}", max_body_bytes=64 * 1024)
+    gw = Gateway.build(config, tokenizer)
+    transport = httpx.ASGITransport(app=create_app(gw))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+        yield c
+    await gw.close()
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = None, code=None):
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] == (
+        "invalid_request_error" if status < 500 and status != 401 else err["type"]
+    )
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+async def test_malformed_json(client):
+    err = assert_error(await client.post("/v1/completions", content=b'{"prompt": "x",'), 400)
+    assert "JSON" in err["message"]
+
+
+@pytest.mark.parametrize("body", [b"[1, 2]", b'"text"', b"", b"null"])
+async def test_body_must_be_an_object(client, body):
+    assert_error(await client.post("/v1/chat/completions", content=body), 400)
+
+
+@pytest.mark.parametrize(
+    ("path", "patch", "param"),
+    [
+        ("/v1/completions", {"prompt": "x", "max_tokens": "abc"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "temperature": -0.1}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+        ("/v1/completions", {"prompt": 123}, "prompt"),
+        ("/v1/completions", {"prompt": [1, -5]}, "prompt.1"),
+        ("/v1/completions", {}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 99}, "logprobs"),
+        ("/v1/chat/completions", {**CHAT, "messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, None),
+        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -3}, "max_completion_tokens"),
+        ("/v1/chat/completions", {**CHAT, "stop_token_ids": ["a"]}, "stop_token_ids.0"),
+        ("/v1/chat/completions", {**CHAT, "seed": 2**70}, "seed"),
+    ],
+)
+async def test_schema_violations(client, path, patch, param):
+    assert_error(await client.post(path, json=patch), 400, param=param)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": [1, 99999]}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+        ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "stop": ""}, "stop"),
+        ("/v1/completions", {"prompt": ["a", "b"], "n": 9}, "n"),
+        ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, None),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, None),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0.content",
+        ),
+    ],
+)
+async def test_unsupported_or_empty(client, path, body, param):
+    assert_error(await client.post(path, json=body), 400, param=param)
+
+
+async def test_unknown_model_is_404(client):
+    err = assert_error(
+        await client.post("/v1/chat/completions", json={**CHAT, "model": "gpt-17"}),
+        404,
+        param="model",
+        code="model_not_found",
+    )
+    assert "gpt-17" in err["message"]
+    assert_error(await client.get("/v1/models/gpt-17"), 404, code="model_not_found")
+
+
+async def test_prompt_beyond_the_context(client, tokenizer):
+    long_prompt = "a" * (tokenizer.max_context + 10)
+    assert_error(
+        await client.post("/v1/completions", json={"prompt": long_prompt}),
+        400,
+        param="prompt",
+        code="context_length_exceeded",
+    )
+    err = assert_error(
+        await client.post(
+            "/v1/completions", json={"prompt": "abc", "max_tokens": tokenizer.max_context}
+        ),
+        400,
+        param="max_tokens",
+        code="context_length_exceeded",
+    )
+    assert str(tokenizer.max_context) in err["message"]
+    assert_error(
+        await client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": long_prompt}]},
+        ),
+        400,
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
+async def test_oversized_body_is_413(client):
+    big = json.dumps({"prompt": "x" * 100_000}).encode()
+    assert_error(await client.post("/v1/completions", content=big), 413, code="request_too_large")
+
+    async def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(100):
+            yield b" " * 1024
+
+    assert_error(await client.post("/v1/completions", content=chunks()), 413)
+
+
+async def test_unknown_path_and_method(client):
+    assert_error(await client.get("/v1/nothing"), 404)
+    assert_error(await client.get("/v1/completions"), 405)
+
+
+async def test_no_worker_is_503_and_the_gateway_keeps_serving(client):
+    resp = await client.post("/v1/chat/completions", json=CHAT)
+    assert resp.status_code == 503
+    assert resp.json()["error"]["type"] == "service_unavailable"
+    stream = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    assert stream.status_code == 503  # routing fails before the first event: a real status
+    health = await client.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "no healthy worker"
+    assert (await client.get("/v1/models")).status_code == 200
+    assert (await client.get("/metrics")).status_code == 200
+
+
+async def test_json_without_content_type_is_accepted(client):
+    # curl -d sends application/x-www-form-urlencoded; the body is still JSON.
+    resp = await client.post(
+        "/v1/completions",
+        content=b'{"prompt": "x", "max_tokens": -1}',
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
+    assert_error(resp, 400, param="max_tokens")
+
+
+async def test_models(client, tokenizer):
+    body = (await client.get("/v1/models")).json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == ["kvserve-tiny-llama"]
+    assert body["data"][0]["max_model_len"] == tokenizer.max_context
+    assert (await client.get("/v1/models/kvserve-tiny-llama")).json()["id"] == "kvserve-tiny-llama"
+
+
+async def test_api_key(tokenizer):
+    config = gateway_config(f"127.0.0.1:{closed_port()}", api_key="sk-test")
+    gw = Gateway.build(config, tokenizer)
+    transport = httpx.ASGITransport(app=create_app(gw))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+        err = assert_error(await c.get("/v1/models"), 401, code="invalid_api_key")
+        assert err["type"] == "authentication_error"
+        ok = await c.get("/v1/models", headers={"Authorization": "Bearer sk-test"})
+        assert ok.status_code == 200
+        assert (await c.get("/health")).status_code == 503  # health needs no key
+    await gw.close()
+
+
+async def test_admin_needs_a_pool_and_a_prefix(client):
+    assert_error(await client.post("/admin/cache/pin", json={"token_ids": [1, 2]}), 400)
+    assert_error(await client.post("/admin/cache/pin", json={"pool": "w0"}), 400)
+    assert_error(
+        await client.post("/admin/cache/lookup", json={"token_ids": [1], "prompt": "x"}), 400
+    )
+    assert_error(await client.post("/admin/cache/evict", json={"pool": "w0"}), 400)
+    assert_error(await client.post("/admin/cache/evict", json={"pool": "w0", "bogus": 1}), 400)
+    assert_error(await client.get("/admin/cache/tree"), 400, param="pool")
