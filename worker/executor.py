@@ -65,10 +65,23 @@ class ModelExecutor:
         return out
 
     def _run(self, job: _Job) -> list[Sampled]:
+        """Decodes and prefill chunks as two forwards (each is padded to its longest query),
+        then samples the rows that finished their tokens."""
         if job.copies:
             self.runner.copy_blocks(job.copies)
-        logits = self.runner.forward(job.inputs)
-        return sample_rows(logits, job.rows) if job.rows else []
+        wanted = {r[0]: r for r in job.rows}
+        out: dict[int, Sampled] = {}
+        decodes = [i for i, s in enumerate(job.inputs) if len(s.token_ids) == 1]
+        prefills = [i for i, s in enumerate(job.inputs) if len(s.token_ids) > 1]
+        for group in (decodes, prefills):
+            if not group:
+                continue
+            logits = self.runner.forward([job.inputs[i] for i in group])
+            rows = [(k, *wanted[i][1:]) for k, i in enumerate(group) if i in wanted]
+            sampled = sample_rows(logits, rows) if rows else []
+            for (k, *_), s in zip(rows, sampled, strict=True):
+                out[group[k]] = s
+        return [out[r[0]] for r in job.rows]
 
     def shutdown(self) -> None:
         """Waits for work in flight; the thread stays for the next runner of this process."""

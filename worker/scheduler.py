@@ -44,6 +44,8 @@ class Scheduler:
 
     A long prompt is cut into chunks, so it never stalls running decodes for more than one
     chunk. A sequence whose lease does not cover its next token waits for an extension.
+    The executor runs a step's decodes and its prefill chunks as two forwards: the batch is
+    padded to its longest query, and a decode padded to a 512-token chunk costs 512 tokens.
     """
 
     def __init__(self, max_batch_size: int, max_step_tokens: int, max_context: int) -> None:
@@ -80,14 +82,18 @@ class Scheduler:
             if seq.to_compute == 1 and seq.capacity > seq.num_computed:
                 take(seq, 1)
                 budget -= 1
+        # Prefill chunks run as one forward padded to the longest chunk, so the budget
+        # counts padded tokens: chunks x longest chunk.
+        chunks, longest = 0, 0
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if len(items) == self.max_batch_size or budget == 0:
+            if len(items) == self.max_batch_size:
                 break
             if seq.to_compute > 1:
-                n = min(seq.to_compute, budget, seq.capacity - seq.num_computed)
-                if n > 0:
-                    take(seq, n)
-                    budget -= n
+                n = min(seq.to_compute, seq.capacity - seq.num_computed, budget // (chunks + 1))
+                if n < 1 or (chunks + 1) * max(longest, n) > budget:
+                    break
+                take(seq, n)
+                chunks, longest = chunks + 1, max(longest, n)
         return Step(items, copies) if items else None
 
     def postprocess(self, step: Step, sampled: list[Sampled | None]) -> list[Sequence]:

@@ -1,0 +1,104 @@
+"""The scheduler's policy and the text stream, in pure Python (no model, no RPC)."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.lease_client import Lease
+from worker.model_loader import resolve_model
+from worker.sampling import RowSampler, Sampled, SamplingParams
+from worker.scheduler import Scheduler
+from worker.sequence import Finish, Sequence, TextStream
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from mlx_lm.tokenizer_utils import load
+
+    return load(resolve_model())
+
+
+def make_seq(tokenizer, n_prompt: int, arrival: float, blocks: int, **params) -> Sequence:
+    p = SamplingParams(**params)
+    seq = Sequence(
+        request_id=f"r{arrival}",
+        prompt=list(range(1, n_prompt + 1)),
+        params=p,
+        namespace="",
+        max_tokens=p.max_tokens or 100,
+        arrival=arrival,
+        sampler=RowSampler(p),
+        text=TextStream(tokenizer.detokenizer, p.stop, p.include_stop_str_in_output),
+        eos_ids=frozenset({257}),
+    )
+    seq.admit(Lease(int(arrival * 10), tuple(range(blocks)), 0, ()), BS)
+    return seq
+
+
+def test_decodes_first_then_padded_prefill_chunks(tokenizer) -> None:
+    s = Scheduler(max_batch_size=8, max_step_tokens=64, max_context=4096)
+    decoding = make_seq(tokenizer, 10, 0.0, 2)
+    decoding.num_computed = 9  # one token left: a decode
+    long_a = make_seq(tokenizer, 100, 1.0, 8)
+    long_b = make_seq(tokenizer, 100, 2.0, 8)
+    for seq in (decoding, long_a, long_b):
+        s.running.append(seq)
+    step = s.schedule()
+    assert step is not None
+    sizes = [(i.seq.request_id, len(i.token_ids)) for i in step.items]
+    # 63 tokens left after the decode, all to the oldest prompt.
+    assert sizes == [("r0.0", 1), ("r1.0", 63)]
+    long_a.num_computed = 90  # 10 left: a second chunk fits if both, padded, do (2 x 31)
+    step = s.schedule()
+    assert step is not None
+    sizes = [(i.seq.request_id, len(i.token_ids)) for i in step.items]
+    assert sizes == [("r0.0", 1), ("r1.0", 10), ("r2.0", 31)]
+
+
+def test_a_sequence_without_room_waits_for_its_extension(tokenizer) -> None:
+    s = Scheduler(max_batch_size=8, max_step_tokens=64, max_context=4096)
+    seq = make_seq(tokenizer, 16, 0.0, 1)
+    seq.num_computed = 16
+    seq.output = [5]  # token 17 needs a second block
+    s.running.append(seq)
+    assert s.schedule() is None
+    seq.block_table.append(7)
+    step = s.schedule()
+    assert step is not None and step.items[0].token_ids == [5]
+
+
+def test_postprocess_finishes_on_eos_stop_token_and_length(tokenizer) -> None:
+    s = Scheduler(max_batch_size=8, max_step_tokens=64, max_context=4096)
+    eos = make_seq(tokenizer, 4, 0.0, 1)
+    stop_id = make_seq(tokenizer, 4, 1.0, 1, stop_token_ids=(42,))
+    length = make_seq(tokenizer, 4, 2.0, 1, max_tokens=1)
+    ignore = make_seq(tokenizer, 4, 3.0, 1, ignore_eos=True)
+    s.running.extend([eos, stop_id, length, ignore])
+    step = s.schedule()
+    assert step is not None
+    done = s.postprocess(step, [Sampled(257), Sampled(42), Sampled(65), Sampled(257)])
+    assert done == [eos, stop_id, length]
+    assert s.running == [ignore]
+    events = [seq.out.get_nowait() for seq in (eos, stop_id, length)]
+    assert [e.finish for e in events] == [Finish.STOP, Finish.STOP, Finish.LENGTH]
+
+
+def test_text_stream_holds_back_a_possible_stop_string(tokenizer) -> None:
+    stream = TextStream(tokenizer.detokenizer, ("END",), include_stop=False)
+    out = []
+    for ch in b"abcEN":
+        text, hit = stream.add(ch)
+        assert not hit
+        out.append(text)
+    assert "".join(out) == "abc"  # "EN" may start "END"
+    text, hit = stream.add(ord("D"))
+    assert hit and text == ""
+
+
+def test_text_stream_never_splits_a_utf8_character(tokenizer) -> None:
+    stream = TextStream(tokenizer.detokenizer, (), include_stop=False)
+    pieces = [stream.add(b)[0] for b in "é€".encode()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + stream.finish() == "é€"
