@@ -70,7 +70,7 @@ class Scheduler:
         def take(seq: Sequence, n: int) -> None:
             start = seq.num_computed
             assert seq.lease is not None
-            tokens = seq.tokens[start : start + n]
+            tokens = seq.token_slice(start, n)
             items.append(Scheduled(seq, start, tokens, tuple(seq.block_table), seq.lease.lease_id))
             copies.extend(seq.pending_cow)
             seq.pending_cow = ()

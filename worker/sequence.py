@@ -128,6 +128,13 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """tokens[start:start + n] without building the whole list (a decode step per token)."""
+        p = len(self.prompt)
+        if start >= p:
+            return self.output[start - p : start - p + n]
+        return self.prompt[start : start + n] + self.output[: max(0, start + n - p)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)

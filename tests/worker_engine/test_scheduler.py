@@ -102,3 +102,11 @@ def test_text_stream_never_splits_a_utf8_character(tokenizer) -> None:
     pieces = [stream.add(b)[0] for b in "é€".encode()]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) + stream.finish() == "é€"
+
+
+def test_token_slice_matches_the_token_list(tokenizer) -> None:
+    seq = make_seq(tokenizer, 5, 0.0, 1)
+    seq.output = [50, 51, 52]
+    for start in range(8):
+        for n in range(1, 5):
+            assert seq.token_slice(start, n) == seq.tokens[start : start + n]
