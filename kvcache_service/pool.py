@@ -372,8 +372,7 @@ class PoolState:
 
     def check_integrity(self) -> list[str]:
         """Every invariant of the pool; an empty list when all hold."""
-        p = [f"pool {self.spec.pool_id!r}: {m}" for m in self._problems()]
-        return p
+        return [f"pool {self.spec.pool_id!r}: {m}" for m in self._problems()]
 
     def _problems(self) -> list[str]:
         problems = self.blocks.check_integrity() + self.index.check_integrity()

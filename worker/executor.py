@@ -14,7 +14,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
 
 from worker.forward_batch import SeqInput
 from worker.model_runner import ModelRunner
@@ -40,10 +39,6 @@ class ModelExecutor:
     def __init__(self, build: Callable[[], ModelRunner]) -> None:
         self._thread = mlx_thread()
         self.runner: ModelRunner = self._thread.submit(build).result()
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Runs fn on the model thread and waits (startup and tests only)."""
-        return self._thread.submit(fn, *args).result()
 
     async def run(self, step: Step) -> list[Sampled | None]:
         rows = []
