@@ -11,13 +11,13 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /app
 
 # Dependencies first, so that code edits do not reinstall them: empty stand-in packages let
-# `pip install .` resolve the dependencies from pyproject.toml alone. cmeel-openblas is a
-# preloadable OpenBLAS: MLX's CPU backend runs matmuls ~40x faster on it (worker/blas.py).
+# `pip install .` resolve the dependencies from pyproject.toml alone (they include the BLAS
+# libraries the worker probes and preloads: docs/blas.md).
 COPY pyproject.toml ./
 RUN mkdir -p kvcache_service worker gateway kvserve_proto kvserve_launch \
     && touch README.md kvcache_service/__init__.py worker/__init__.py gateway/__init__.py \
              kvserve_proto/__init__.py kvserve_launch/__init__.py \
-    && pip install . cmeel-openblas \
+    && pip install . \
     && pip uninstall -y kvserve \
     && rm -rf /app/*
 

@@ -1,42 +1,63 @@
-"""Run MLX's CPU backend on an optimized BLAS on Linux.
+"""Run MLX's CPU backend on a fast BLAS that works on *this* CPU, on Linux.
 
 The stock ``mlx[cpu]`` wheel links a bundled *reference* BLAS (``mlx_cpu.libs/libblas-*.so``):
-fp32 matmul runs at about 5 GFLOPS, roughly 40x slower than OpenBLAS on the same cores, and
-every prefill and decode step is matmul-bound. ``libmlx.so`` resolves ``cblas_sgemm`` and the
-LAPACK symbols dynamically, so an unprefixed OpenBLAS loaded *before* it (``LD_PRELOAD``) wins.
+fp32 matmul runs at 4-6 GFLOPS, 20-40x slower than an optimized BLAS on the same cores, and
+every prefill and decode step is matmul-bound. ``libmlx.so`` resolves ``cblas_sgemm`` (and the
+LAPACK symbols) dynamically, so an unprefixed BLAS loaded *before* it (``LD_PRELOAD``) wins.
 numpy's and scipy's OpenBLAS builds are symbol-prefixed (``scipy_cblas_sgemm``) and do not serve.
 
-The library comes from the ``cmeel-openblas`` wheel (``cmeel.prefix/lib/libopenblas.so.0``). It
-needs ``libgfortran.so.5``, which slim images lack; the wheels already installed here (mlx,
-numpy) vendor a renamed copy, so a symlink under the canonical name in a small shim directory on
-``LD_LIBRARY_PATH`` satisfies the loader. A system OpenBLAS (``apt install libopenblas0``) or an
-explicit ``KVSERVE_BLAS_LIB=/path/libopenblas.so`` also work.
+Not every build runs on every CPU: ``cmeel-openblas`` is built for one target (``SKYLAKEX`` on
+x86-64, ``NEOVERSEN2`` on arm64) and dies of SIGILL on CPUs without AVX-512 (or SVE). So the
+library is *chosen by measurement*, per machine. The candidates, in :func:`candidates`:
+
+- ``KVSERVE_BLAS_LIB=/path/lib.so``: the operator's choice, and then the only candidate;
+- a system OpenBLAS (``apt install libopenblas0-pthread``: Debian builds it ``DYNAMIC_ARCH``);
+- AOCL-BLAS (AMD's BLIS, from the ``aoclda`` wheel, a dependency on x86-64): kernels picked at
+  run time (zen2/3/4 kernels on AVX2 and AVX-512 CPUs of either vendor, generic C otherwise);
+- ``cmeel-openblas``: the fastest where its single target matches the CPU;
+- MKL (``libmkl_rt``), when the operator installed ``mkl`` into the environment.
+
+Each candidate is *probed* in a child process before anything is preloaded into a process that
+matters: the child preloads it, checks that MLX's ``cblas_sgemm`` resolves to it, compares a few
+products (square, skinny, transposed, vector) against numpy in float64, and times a prefill- and
+a decode-shaped product. A child killed by a signal (SIGILL on a missing instruction set), one
+that fails or computes wrong results is skipped; the fastest correct one wins; with none, MLX
+keeps its reference BLAS. One warning line says what failed and what it costs. The choice is
+cached per (CPU model and flags, candidate files, interpreter) in ``~/.cache/kvserve/blas``, so
+only the first start on a machine pays the probes (1-2 s each).
 
 ``LD_PRELOAD`` is read only when a process starts, so :func:`ensure_fast_blas` re-executes the
-current process once with the preload set (an environment marker stops loops), after checking
-in a throwaway child that the preload loads: a missing dependency of a preloaded library is fatal
-to the process, and a worker must rather run slowly than not at all. On macOS MLX uses Accelerate
-and nothing here does anything.
+current process once with the preload set (an environment marker stops loops). On macOS MLX
+uses Accelerate, and when MLX has a GPU the CPU BLAS is not on the model's path: nothing here
+does anything then.
 
-Environment: ``KVSERVE_FAST_BLAS=0`` turns the whole mechanism off; ``KVSERVE_BLAS_LIB`` names
-the library explicitly; ``KVSERVE_BLAS_THREADS=N`` sets OpenBLAS's thread count (unless
-``OPENBLAS_NUM_THREADS`` is set). OpenBLAS threads spin while they wait for each other: on a
-machine whose cores are shared with other busy processes, all-core BLAS fell from 240 to 11-20
-GFLOPS here while one thread kept 137, so colocated services on few cores want 1.
+Environment: ``KVSERVE_FAST_BLAS=0`` turns the mechanism off; ``KVSERVE_BLAS_LIB`` names the
+library; ``KVSERVE_BLAS_THREADS=N`` sets the chosen library's thread count (unless its own
+variable, e.g. ``OPENBLAS_NUM_THREADS``, is set); ``KVSERVE_BLAS_REPROBE=1`` ignores the cached
+choice; ``KVSERVE_BLAS_PROBE_PREFIX`` runs the probes under a command (``qemu-x86_64 -cpu
+Haswell`` shows what a CPU without AVX-512 would choose). BLAS threads spin while they wait: on
+a machine whose cores are shared with other busy processes, all-core OpenBLAS fell from 240 to
+11-20 GFLOPS here while one thread kept 137, so colocated services on few cores want 1.
 """
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import glob
+import hashlib
+import json
 import logging
 import os
+import platform
+import shlex
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -45,14 +66,56 @@ REEXEC_MARKER = "KVSERVE_BLAS_REEXEC"
 DISABLE_ENV = "KVSERVE_FAST_BLAS"
 LIB_ENV = "KVSERVE_BLAS_LIB"
 THREADS_ENV = "KVSERVE_BLAS_THREADS"
+REPROBE_ENV = "KVSERVE_BLAS_REPROBE"
+PROBE_PREFIX_ENV = "KVSERVE_BLAS_PROBE_PREFIX"
+
+# Bump when the probe or the candidate list changes meaning: old cached choices are ignored.
+PROBE_VERSION = 2
+PROBE_TIMEOUT_S = 120.0
+# What MLX's bundled reference BLAS does on these machines, for the warning's "what it costs".
+REFERENCE_GFLOPS = "4-6"
+
+_SIGNAL_MEANING = {
+    "SIGILL": "an instruction this CPU lacks: the library was built for another CPU",
+    "SIGSEGV": "a crash in the library",
+    "SIGBUS": "a crash in the library",
+    "SIGABRT": "the library aborted",
+    "SIGKILL": "killed, perhaps out of memory",
+}
 
 
 @dataclass(frozen=True, slots=True)
 class BlasLibrary:
-    """An OpenBLAS to preload and the extra library directories its dependencies need."""
+    """A BLAS to preload: its file, the directories its own dependencies need on
+    ``LD_LIBRARY_PATH``, variables it needs set, and the variable that sets its threads."""
 
+    name: str
     path: str
     library_dirs: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    threads_var: str = "OPENBLAS_NUM_THREADS"
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """What probing one candidate in a child process found."""
+
+    name: str
+    path: str
+    ok: bool
+    detail: str  # the library's own description when ok, else why it was rejected
+    gflops: float = 0.0  # fp32, over the probe's prefill- and decode-shaped products
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    chosen: BlasLibrary | None
+    results: tuple[ProbeResult, ...] = ()
+    cached: bool = False
+
+    @property
+    def failures(self) -> tuple[ProbeResult, ...]:
+        return tuple(r for r in self.results if not r.ok)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +125,11 @@ class BlasStatus:
     fast: bool
     library: str | None
     detail: str
+    threads_var: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+
+# -- candidates -------------------------------------------------------------------------------
 
 
 def _site_dirs() -> list[Path]:
@@ -71,18 +139,6 @@ def _site_dirs() -> list[Path]:
         if path.is_dir() and path not in seen:
             seen.append(path)
     return seen
-
-
-def _find_openblas() -> str | None:
-    explicit = os.environ.get(LIB_ENV)
-    if explicit:
-        return explicit if Path(explicit).exists() else None
-    for site in _site_dirs():
-        candidate = site / "cmeel.prefix" / "lib" / "libopenblas.so.0"
-        if candidate.exists():
-            return str(candidate)
-    system = ctypes.util.find_library("openblas")
-    return system  # a soname such as "libopenblas.so.0": ld.so searches the default paths
 
 
 def _needs_gfortran(lib_path: str) -> bool:
@@ -108,7 +164,7 @@ def _gfortran_shim_dirs() -> tuple[str, ...] | None:
         for libs in ("mlx_cpu.libs", "numpy.libs", "scipy.libs"):
             copies = sorted(glob.glob(str(site / libs / "libgfortran-*.so.5*")))
             if copies:
-                shim = _shim_dir()
+                shim = _cache_dir()
                 link = shim / "libgfortran.so.5"
                 if not (link.is_symlink() and os.readlink(link) == copies[0]):
                     tmp = shim / f".libgfortran.{os.getpid()}"
@@ -119,7 +175,7 @@ def _gfortran_shim_dirs() -> tuple[str, ...] | None:
     return None
 
 
-def _shim_dir() -> Path:
+def _cache_dir() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve" / "blas"
     try:
         base.mkdir(parents=True, exist_ok=True)
@@ -130,37 +186,73 @@ def _shim_dir() -> Path:
         return fallback
 
 
-def find_fast_blas() -> BlasLibrary | None:
-    """Locate a preloadable OpenBLAS on Linux, or None (macOS, disabled, or not installed)."""
-    if not sys.platform.startswith("linux") or os.environ.get(DISABLE_ENV) == "0":
-        return None
-    lib = _find_openblas()
-    if lib is None:
-        return None
+def _with_dependencies(name: str, path: str) -> BlasLibrary | None:
+    """The library with what its dependencies need (libgfortran), or None when unmet."""
     dirs: tuple[str, ...] = ()
-    if _needs_gfortran(lib):
+    if _needs_gfortran(path):
         shim = _gfortran_shim_dirs()
         if shim is None:
             return None
         dirs = shim
-    return BlasLibrary(path=lib, library_dirs=dirs)
+    return BlasLibrary(name, path, dirs)
 
 
-def fast_blas_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A copy of ``base`` (default ``os.environ``) that starts processes on the fast BLAS.
+def candidates() -> list[BlasLibrary]:
+    """Every preloadable BLAS this environment has, in the order ties are broken."""
+    explicit = os.environ.get(LIB_ENV)
+    if explicit:
+        lib = _with_dependencies(LIB_ENV, explicit) if Path(explicit).exists() else None
+        return [lib] if lib else []
+    found: list[BlasLibrary | None] = []
+    system = ctypes.util.find_library("openblas")
+    if system:  # a soname such as "libopenblas.so.0": ld.so searches the default paths
+        found.append(BlasLibrary("openblas (system)", system))
+    sites = _site_dirs()
+    for site in sites:
+        blis = sorted(glob.glob(str(site / "aoclda.libs" / "libblis-mt-*.so*")))
+        if blis:
+            found.append(
+                BlasLibrary(
+                    "aocl-blis",
+                    blis[0],
+                    (str(site / "aoclda.libs"),),
+                    threads_var="BLIS_NUM_THREADS",
+                )
+            )
+            break
+    for site in sites:
+        cmeel = site / "cmeel.prefix" / "lib" / "libopenblas.so.0"
+        if cmeel.exists():
+            found.append(_with_dependencies("cmeel-openblas", str(cmeel)))
+            break
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+        mkl = sorted(glob.glob(str(Path(prefix) / "lib" / "libmkl_rt.so.*")))
+        if mkl:
+            if (Path(mkl[0]).parent / "libiomp5.so").exists():
+                layer = "INTEL"
+            else:
+                layer = "GNU" if ctypes.util.find_library("gomp") else "SEQUENTIAL"
+            found.append(
+                BlasLibrary(
+                    "mkl",
+                    mkl[0],
+                    env=(("MKL_THREADING_LAYER", layer),),
+                    threads_var="MKL_NUM_THREADS",
+                )
+            )
+            break
+    return [lib for lib in found if lib is not None]
 
-    For launching workers, benchmarks and test runs as subprocesses. Unchanged where no
-    library is found or on macOS.
-    """
-    env = dict(os.environ if base is None else base)
-    lib = find_fast_blas()
-    if lib is None:
-        return env
-    if env.get(THREADS_ENV) and not env.get("OPENBLAS_NUM_THREADS"):
-        env["OPENBLAS_NUM_THREADS"] = env[THREADS_ENV]
-    preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
-    if lib.path not in preload:
-        env["LD_PRELOAD"] = ":".join([lib.path, *preload])
+
+def library_env(lib: BlasLibrary, base: Mapping[str, str]) -> dict[str, str]:
+    """A copy of ``base`` that starts processes with ``lib`` preloaded."""
+    env = dict(base)
+    for name, value in lib.env:
+        env.setdefault(name, value)
+    if env.get(THREADS_ENV) and not env.get(lib.threads_var):
+        env[lib.threads_var] = env[THREADS_ENV]
+    preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and p != lib.path]
+    env["LD_PRELOAD"] = ":".join([lib.path, *preload])
     if lib.library_dirs:
         paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
         env["LD_LIBRARY_PATH"] = ":".join(
@@ -169,27 +261,245 @@ def fast_blas_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def loaded_openblas() -> str | None:
-    """The path of an OpenBLAS mapped into this process, from /proc/self/maps, or None."""
+# -- probing ----------------------------------------------------------------------------------
+
+# Runs in a child with the candidate preloaded. Prints one JSON line; any crash is the parent's
+# evidence. The tolerance is relative to the product's scale: a wrong kernel is off by O(1).
+_PROBE = r"""
+import json, sys, time
+import numpy as np
+import mlx.core as mx
+sys.path.insert(0, sys.argv[2])
+from worker.blas import blas_provider, library_config
+
+provider = blas_provider()
+rng = np.random.default_rng(0)
+worst = 0.0
+for (m, k, n, ta, tb) in [(67, 129, 33, 0, 0), (256, 512, 384, 0, 1), (8, 512, 1024, 1, 0),
+                          (1, 300, 257, 0, 0), (64, 1000, 5, 1, 1)]:
+    a = rng.standard_normal((k, m) if ta else (m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if tb else (k, n)).astype(np.float32)
+    xa, xb = mx.array(a), mx.array(b)
+    got = np.array((xa.T if ta else xa) @ (xb.T if tb else xb))
+    ref = (a.T if ta else a).astype(np.float64) @ (b.T if tb else b).astype(np.float64)
+    worst = max(worst, float(np.abs(got - ref).max() / (np.abs(ref).max() + 1e-30)))
+flops, seconds = 0.0, 0.0
+for (m, k, n, reps) in [(256, 1024, 1024, 3), (8, 1024, 4096, 20)]:
+    a = mx.random.normal((m, k), key=mx.random.key(1))
+    b = mx.random.normal((k, n), key=mx.random.key(2))
+    mx.eval(a, b, a @ b)
+    start = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(a @ b)
+    seconds += time.perf_counter() - start
+    flops += 2.0 * m * k * n * reps
+print(json.dumps({"provider": provider, "config": library_config(), "error": worst,
+                  "gflops": flops / seconds / 1e9}))
+"""
+
+_TOLERANCE = 1e-4  # max |error| / max |product|: fp32 over K <= 1000 is ~1e-6
+
+
+def describe_signal(returncode: int) -> str:
+    """'killed by SIGILL (an instruction this CPU lacks: ...)' for a negative return code."""
     try:
-        maps = Path("/proc/self/maps").read_text()
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    meaning = _SIGNAL_MEANING.get(name)
+    return f"killed by {name}" + (f" ({meaning})" if meaning else "")
+
+
+def probe(lib: BlasLibrary, base_env: Mapping[str, str] | None = None) -> ProbeResult:
+    """Preloads ``lib`` into a throwaway child and checks that it is used, right and fast."""
+    env = library_env(lib, _clean(os.environ if base_env is None else base_env))
+    prefix = shlex.split(env.get(PROBE_PREFIX_ENV, ""))
+    root = str(Path(__file__).resolve().parents[1])
+    try:
+        done = subprocess.run(
+            [*prefix, sys.executable, "-c", _PROBE, lib.path, root],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return ProbeResult(lib.name, lib.path, False, f"no answer in {PROBE_TIMEOUT_S:.0f} s")
+    except OSError as err:
+        return ProbeResult(lib.name, lib.path, False, f"cannot run the probe: {err}")
+    if done.returncode < 0:
+        return ProbeResult(lib.name, lib.path, False, describe_signal(done.returncode))
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        return ProbeResult(lib.name, lib.path, False, f"failed: {last[:300]}")
+    try:
+        report = json.loads(lines[-1])
+    except ValueError:
+        return ProbeResult(lib.name, lib.path, False, f"unreadable probe output: {lines[-1]!r}")
+    if not report.get("provider"):
+        return ProbeResult(lib.name, lib.path, False, "loaded, but cblas_sgemm is not its own")
+    if not report["error"] <= _TOLERANCE:  # also catches NaN
+        return ProbeResult(
+            lib.name, lib.path, False, f"wrong results (relative error {report['error']:.2g})"
+        )
+    detail = report.get("config") or Path(report["provider"]).name
+    return ProbeResult(lib.name, lib.path, True, detail, float(report["gflops"]))
+
+
+def _clean(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k != REEXEC_MARKER}
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU model and its feature flags: a new machine (or a VM moved to another host
+    CPU) means a new choice."""
+    model = flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "CPU part") and not model:
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = value.strip()
     except OSError:
-        return None
-    for line in maps.splitlines():
-        fields = line.split()
-        if len(fields) >= 6 and "libopenblas" in Path(fields[5]).name:
-            return fields[5]
+        pass
+    return f"{platform.machine()}|{model}|{flags}|{os.cpu_count()}"
+
+
+def _cache_key(libs: Sequence[BlasLibrary], env: Mapping[str, str]) -> str:
+    parts = [str(PROBE_VERSION), sys.executable, _cpu_fingerprint(), env.get(PROBE_PREFIX_ENV, "")]
+    for lib in libs:
+        try:
+            st = os.stat(lib.path)
+            stamp = f"{st.st_size}:{st.st_mtime_ns}"
+        except OSError:
+            stamp = "-"
+        parts.append(f"{lib.name}|{lib.path}|{stamp}|{lib.library_dirs}|{lib.env}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+
+
+def select_blas(env: Mapping[str, str] | None = None, reprobe: bool | None = None) -> Selection:
+    """The fastest candidate that runs correctly on this CPU (cached), or none."""
+    env = os.environ if env is None else env
+    if not sys.platform.startswith("linux") or env.get(DISABLE_ENV) == "0":
+        return Selection(None)
+    libs = candidates()
+    if not libs:
+        return Selection(None)
+    if reprobe is None:
+        reprobe = env.get(REPROBE_ENV, "") not in ("", "0")
+    cache = _cache_dir() / f"choice-{_cache_key(libs, env)}.json"
+    by_path = {lib.path: lib for lib in libs}
+    if not reprobe:
+        try:
+            saved = json.loads(cache.read_text())
+            results = tuple(ProbeResult(**r) for r in saved["results"])
+            chosen = by_path.get(saved["chosen"]) if saved["chosen"] else None
+            return Selection(chosen, results, cached=True)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no (readable) cached choice: probe
+    results = tuple(probe(lib, env) for lib in libs)
+    good = [r for r in results if r.ok]
+    best = max(good, key=lambda r: r.gflops) if good else None  # max keeps the first of ties
+    selection = Selection(by_path[best.path] if best else None, results)
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(
+            json.dumps(
+                {"chosen": best.path if best else None, "results": [asdict(r) for r in results]}
+            )
+        )
+        tmp.replace(cache)
+    except OSError:
+        pass  # read-only cache: probe again next time
+    return selection
+
+
+def summary(selection: Selection) -> str | None:
+    """The one warning line: which candidates failed, why, and what the fallback costs."""
+    failed = "; ".join(f"{r.name} {r.detail}" for r in selection.failures)
+    if selection.chosen is None:
+        why = (
+            f" ({failed})" if failed else " (none installed: pip install aoclda or cmeel-openblas)"
+        )
+        return (
+            f"no fast BLAS runs on this CPU{why}: matmuls run on MLX's reference BLAS at "
+            f"{REFERENCE_GFLOPS} GFLOPS, prefill 20-40x slower"
+        )
+    if failed:
+        best = next(r for r in selection.results if r.path == selection.chosen.path)
+        return f"BLAS fallback: {failed}; using {best.name} ({best.gflops:.0f} GFLOPS in its probe)"
     return None
 
 
-def _preload_works(env: Mapping[str, str]) -> bool:
+# -- this process -----------------------------------------------------------------------------
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
+
+
+def blas_provider() -> str | None:
+    """The file of the ``cblas_sgemm`` this process resolves globally (what MLX calls), or
+    None when only MLX's privately linked reference BLAS has one."""
     try:
-        probe = subprocess.run(
-            [sys.executable, "-c", "pass"], env=dict(env), capture_output=True, timeout=60
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return probe.returncode == 0
+        scope = ctypes.CDLL(None)
+        addr = ctypes.cast(scope.cblas_sgemm, ctypes.c_void_p).value
+        dladdr = scope.dladdr
+    except (AttributeError, OSError):
+        return None
+    info = _DlInfo()
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    if not dladdr(addr, ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.path.realpath(os.fsdecode(info.dli_fname))
+
+
+def library_config() -> str | None:
+    """The loaded BLAS's own description (OpenBLAS's build config, BLIS's kernel set)."""
+    scope = ctypes.CDLL(None)
+    try:
+        scope.openblas_get_config.restype = ctypes.c_char_p
+        return str(scope.openblas_get_config().decode())
+    except AttributeError:
+        pass
+    try:
+        scope.bli_arch_query_id.restype = ctypes.c_int
+        scope.bli_arch_string.restype = ctypes.c_char_p
+        scope.bli_info_get_version_str.restype = ctypes.c_char_p
+        arch = scope.bli_arch_string(scope.bli_arch_query_id()).decode()
+        return f"{scope.bli_info_get_version_str().decode()} {arch} kernels"
+    except AttributeError:
+        pass
+    try:
+        buf = ctypes.create_string_buffer(256)
+        scope.MKL_Get_Version_String(buf, len(buf))
+        return buf.value.decode().strip()
+    except AttributeError:
+        return None
+
+
+def fast_blas_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``base`` (default ``os.environ``) that starts processes on the chosen BLAS.
+
+    For launching workers, benchmarks and test runs as subprocesses. Unchanged where no
+    library runs here, on macOS, or when disabled.
+    """
+    env = dict(os.environ if base is None else base)
+    selection = select_blas(env)
+    line = summary(selection)
+    if line:
+        logger.warning("%s", line)
+    if selection.chosen is None:
+        return env
+    return library_env(selection.chosen, env)
 
 
 def _reexec_argv() -> list[str] | None:
@@ -202,31 +512,55 @@ def _reexec_argv() -> list[str] | None:
     return [sys.executable, *orig[1:]]
 
 
+def _gpu_available() -> bool:
+    try:
+        import mlx.core as mx
+
+        return bool(mx.is_available(mx.gpu))
+    except Exception:  # an MLX without the call or without a backend: CPU it is
+        return False
+
+
+def _threads_var(path: str) -> str | None:
+    for lib in candidates():
+        if os.path.realpath(lib.path) == path or Path(lib.path).name in Path(path).name:
+            return lib.threads_var
+    name = Path(path).name
+    if "blis" in name:
+        return "BLIS_NUM_THREADS"
+    if "mkl" in name:
+        return "MKL_NUM_THREADS"
+    return "OPENBLAS_NUM_THREADS" if "openblas" in name else None
+
+
 def ensure_fast_blas() -> BlasStatus:
-    """Make this process run matmuls on OpenBLAS, re-executing it once if needed.
+    """Make this process run matmuls on the chosen BLAS, re-executing it once if needed.
 
     Call it first thing in a ``main()`` (before any threads or state that a restart would lose).
-    Returns (never re-executes) when the library is already loaded, on macOS, when disabled, when
-    nothing preloadable is installed, or when the preload fails to load; those cases warn.
+    Returns (never re-executes) when a BLAS is already preloaded, on macOS, on a GPU, when
+    disabled, or when no candidate runs here; the last warns with what it costs.
     """
     if sys.platform == "darwin":
         return BlasStatus(fast=True, library="Accelerate", detail="macOS: MLX uses Accelerate")
-    loaded = loaded_openblas()
+    loaded = blas_provider()
     if loaded:
-        return BlasStatus(fast=True, library=loaded, detail="OpenBLAS preloaded")
+        return BlasStatus(True, loaded, "preloaded", _threads_var(loaded))
     if os.environ.get(DISABLE_ENV) == "0":
-        return BlasStatus(fast=False, library=None, detail=f"disabled by {DISABLE_ENV}=0")
-    lib = find_fast_blas()
-    if lib is None:
-        return _warn("no preloadable OpenBLAS found (pip install cmeel-openblas)")
+        return BlasStatus(False, None, f"disabled by {DISABLE_ENV}=0")
+    if _gpu_available():
+        return BlasStatus(True, None, "MLX runs on the GPU: the CPU BLAS is not on its path")
     if os.environ.get(REEXEC_MARKER):
-        return _warn(f"{lib.path} was preloaded but is not mapped; running on reference BLAS")
+        return _warn("the chosen BLAS was preloaded but cblas_sgemm does not resolve to it")
     argv = _reexec_argv()
     if argv is None:
         return _warn("cannot restart an interactive or stdin session with LD_PRELOAD")
-    env = fast_blas_env()
-    if not _preload_works(env):
-        return _warn(f"preloading {lib.path} fails; running on reference BLAS")
+    selection = select_blas()
+    line = summary(selection)
+    if selection.chosen is None:
+        return _warn(line or "no preloadable BLAS")
+    if line:
+        logger.warning("%s", line)
+    env = library_env(selection.chosen, os.environ)
     env[REEXEC_MARKER] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
@@ -255,26 +589,35 @@ def measure_gflops(n: int = 512, repeats: int = 5) -> float:
 
 
 def describe(status: BlasStatus, gflops: float | None = None) -> str:
-    """One log line: which BLAS and how fast."""
+    """One log line: which BLAS, its build, threads, and how fast."""
     speed = f", fp32 matmul {gflops:.0f} GFLOPS" if gflops is not None else ""
-    name = Path(status.library).name if status.library else "reference BLAS"
-    threads = os.environ.get("OPENBLAS_NUM_THREADS", "all cores") if status.fast else "1"
-    return f"BLAS: {name} ({status.detail}, threads: {threads}){speed}"
+    if not status.fast or not status.library:
+        name = status.library or "MLX's reference BLAS"
+        return f"BLAS: {name} ({status.detail}){speed}"
+    config = library_config() if status.library != "Accelerate" else None
+    threads = os.environ.get(status.threads_var or "", "") or "all cores"
+    build = f", {config}" if config else ""
+    return f"BLAS: {Path(status.library).name} ({status.detail}{build}, threads: {threads}){speed}"
 
 
 def main(argv: list[str]) -> int:
-    """``python -m worker.blas``: report; ``python -m worker.blas run CMD...``: exec CMD on it."""
+    """``python -m worker.blas [--reprobe]``: probe, choose and report;
+    ``python -m worker.blas run CMD...``: exec CMD on the chosen BLAS."""
     if argv[:1] == ["run"]:
         cmd = argv[2:] if argv[1:2] == ["--"] else argv[1:]
         if not cmd:
             print("usage: python -m worker.blas run [--] CMD [ARGS...]", file=sys.stderr)
             return 2
         os.execvpe(cmd[0], cmd, fast_blas_env())
+    if "--reprobe" in argv and not os.environ.get(REEXEC_MARKER):
+        for result in select_blas(reprobe=True).results:
+            verdict = f"{result.gflops:.0f} GFLOPS" if result.ok else "rejected"
+            print(f"probe: {result.name}: {verdict}: {result.detail}")
     status = ensure_fast_blas()
     print(describe(status, measure_gflops()))
     return 0
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     raise SystemExit(main(sys.argv[1:]))

@@ -1,88 +1,266 @@
-"""The OpenBLAS preload: found, loadable, numerically right, and picked up by a re-exec."""
+"""The BLAS choice: probed in children, a crashing or wrong library survived, the winner used.
+
+Crashing and wrong libraries are real shared objects built here with the C compiler (their
+``cblas_sgemm`` raises SIGILL, or returns zeros); without a compiler the child's death is
+simulated with a probe prefix that kills it. Where qemu-user exists, the probes also run on an
+emulated CPU without AVX-512, where the single-target cmeel-openblas build really dies of SIGILL.
+"""
 
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from worker.blas import REEXEC_MARKER, fast_blas_env, find_fast_blas, measure_gflops
+from worker import blas
+from worker.blas import (
+    REEXEC_MARKER,
+    BlasLibrary,
+    ProbeResult,
+    Selection,
+    fast_blas_env,
+    library_env,
+    measure_gflops,
+    probe,
+    select_blas,
+    summary,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
-linux_with_openblas = pytest.mark.skipif(
-    find_fast_blas() is None, reason="Linux with a preloadable OpenBLAS only"
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD is Linux's")
+CHOSEN = select_blas().chosen if sys.platform.startswith("linux") else None
+with_fast_blas = pytest.mark.skipif(CHOSEN is None, reason="no fast BLAS runs here")
+
+_DROP = (
+    "LD_PRELOAD",
+    REEXEC_MARKER,
+    "OPENBLAS_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "KVSERVE_BLAS_THREADS",
+    "KVSERVE_BLAS_LIB",
+    "KVSERVE_BLAS_PROBE_PREFIX",
 )
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    drop = ("LD_PRELOAD", REEXEC_MARKER, "OPENBLAS_NUM_THREADS", "KVSERVE_BLAS_THREADS")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env = {k: v for k, v in os.environ.items() if k not in _DROP}
     env["PYTHONPATH"] = str(ROOT)
     return env | extra
 
 
-def _python(code: str, env: dict[str, str]) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+def _python(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
+
+
+_CORRECT = (
+    "import numpy as np, mlx.core as mx\n"
+    "from worker.blas import blas_provider\n"
+    "a = np.random.default_rng(0).standard_normal((300, 200)).astype(np.float32)\n"
+    "b = np.random.default_rng(1).standard_normal((200, 100)).astype(np.float32)\n"
+    "got = np.array(mx.array(a) @ mx.array(b))\n"
+    "print(blas_provider(), np.abs(got - a @ b).max() < 1e-3)\n"
+)
+
+_FAKE_BLAS = r"""
+#include <signal.h>
+#include <string.h>
+void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha,
+                 const float *a, int lda, const float *b, int ldb, float beta,
+                 float *c, int ldc) {
+#ifdef CRASH
+    raise(SIGILL);
+#endif
+    for (int i = 0; i < (order == 101 ? m : n); i++)
+        memset(c + (long)i * ldc, 0, sizeof(float) * (order == 101 ? n : m));
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_libs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, BlasLibrary]:
+    """A BLAS whose sgemm dies of SIGILL and one whose sgemm returns zeros, built here."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs a C compiler on Linux")
+    out = tmp_path_factory.mktemp("fakeblas")
+    (out / "fake.c").write_text(_FAKE_BLAS)
+    libs = {}
+    for name, flags in (("crash", ["-DCRASH"]), ("zeros", [])):
+        path = out / f"lib{name}blas.so"
+        subprocess.run(
+            [cc, "-shared", "-fPIC", "-O1", *flags, "-o", str(path), str(out / "fake.c")],
+            check=True,
+            capture_output=True,
+        )
+        libs[name] = BlasLibrary(f"fake-{name}", str(path))
+    return libs
+
+
+@pytest.fixture
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for name in _DROP:
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path
+
+
+# -- the chosen library ----------------------------------------------------------------------
+
+
+@with_fast_blas
+def test_chosen_blas_is_used_and_correct():
+    done = _python(fast_blas_env(_clean_env()), "-c", _CORRECT)
     assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+    provider, correct = done.stdout.split()
+    assert CHOSEN is not None and Path(provider) == Path(CHOSEN.path).resolve()
+    assert correct == "True"
 
 
-@linux_with_openblas
-def test_preloaded_openblas_is_used_and_correct():
-    code = (
-        "import numpy as np, mlx.core as mx\n"
-        "from worker.blas import loaded_openblas\n"
-        "a = np.random.default_rng(0).standard_normal((300, 200)).astype(np.float32)\n"
-        "b = np.random.default_rng(1).standard_normal((200, 100)).astype(np.float32)\n"
-        "got = np.array(mx.array(a) @ mx.array(b))\n"
-        "print(loaded_openblas() is not None, np.abs(got - a @ b).max() < 1e-3)\n"
-    )
-    assert _python(code, fast_blas_env(_clean_env())) == "True True"
+@with_fast_blas
+def test_thread_count_goes_to_the_chosen_librarys_variable():
+    assert CHOSEN is not None
+    env = library_env(CHOSEN, _clean_env(KVSERVE_BLAS_THREADS="1"))
+    assert env[CHOSEN.threads_var] == "1"
+    env = library_env(CHOSEN, _clean_env(KVSERVE_BLAS_THREADS="1", **{CHOSEN.threads_var: "2"}))
+    assert env[CHOSEN.threads_var] == "2"  # the library's own setting wins
 
 
-@linux_with_openblas
-def test_thread_count_setting():
-    env = fast_blas_env(_clean_env(KVSERVE_BLAS_THREADS="1"))
-    assert env["OPENBLAS_NUM_THREADS"] == "1"
-    env = fast_blas_env(_clean_env(KVSERVE_BLAS_THREADS="1", OPENBLAS_NUM_THREADS="2"))
-    assert env["OPENBLAS_NUM_THREADS"] == "2"  # an explicit OpenBLAS setting wins
-
-
-@linux_with_openblas
+@with_fast_blas
 def test_ensure_fast_blas_reexecutes_once():
-    code = "from worker.blas import ensure_fast_blas; print(ensure_fast_blas().fast)"
-    assert _python(code, _clean_env()) == "True"
+    code = (
+        "from worker.blas import ensure_fast_blas; s = ensure_fast_blas(); print(s.fast, s.library)"
+    )
+    done = _python(_clean_env(), "-c", code)
+    assert done.returncode == 0, done.stderr
+    fast, library = done.stdout.split()
+    assert CHOSEN is not None and fast == "True" and Path(library) == Path(CHOSEN.path).resolve()
 
 
 def test_disabled_or_looping_falls_back_with_a_warning():
     code = (
         "from worker.blas import ensure_fast_blas; s = ensure_fast_blas(); print(s.fast, s.detail)"
     )
-    out = _python(code, _clean_env(KVSERVE_FAST_BLAS="0"))
-    assert out.startswith("False disabled")
-    if sys.platform.startswith("linux") and find_fast_blas() is not None:
-        looped = _python(code, _clean_env(**{REEXEC_MARKER: "1"}))  # marker but no preload
-        assert looped.startswith("False")
+    done = _python(_clean_env(KVSERVE_FAST_BLAS="0"), "-c", code)
+    assert done.stdout.startswith("False disabled"), done.stderr
+    if CHOSEN is not None:
+        looped = _python(_clean_env(**{REEXEC_MARKER: "1"}), "-c", code)  # marker but no preload
+        assert looped.stdout.startswith("False"), looped.stderr
 
 
-@linux_with_openblas
-def test_module_launcher_keeps_python_dash_m():
-    done = subprocess.run(
-        [sys.executable, "-m", "worker.blas"],
-        env=_clean_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+@with_fast_blas
+def test_module_launcher_reports_the_library_and_its_speed():
+    done = _python(_clean_env(), "-m", "worker.blas")
     assert done.returncode == 0, done.stderr
-    assert "OpenBLAS preloaded" in done.stdout and "GFLOPS" in done.stdout
+    assert "preloaded" in done.stdout and "GFLOPS" in done.stdout
 
 
 def test_measure_gflops_is_positive():
     assert measure_gflops(n=64, repeats=1) > 0
+
+
+# -- crashing and wrong libraries ------------------------------------------------------------
+
+
+def test_probe_survives_a_child_killed_by_sigill(private_cache: Path):
+    """Simulated, so it runs on any CPU without a compiler: the probe's command dies of SIGILL."""
+    lib = BlasLibrary("doomed", "/nonexistent/libdoomed.so")
+    env = _clean_env(KVSERVE_BLAS_PROBE_PREFIX="sh -c 'kill -ILL $$'")
+    result = probe(lib, env)
+    assert not result.ok and result.detail.startswith("killed by SIGILL")
+    assert "instruction this CPU lacks" in result.detail
+
+
+def test_summary_says_why_and_what_it_costs():
+    good = BlasLibrary("good", "/x/libgood.so")
+    crashed = ProbeResult("bad", "/x/libbad.so", False, "killed by SIGILL (...)")
+    fine = ProbeResult("good", "/x/libgood.so", True, "cfg", 95.0)
+    line = summary(Selection(good, (crashed, fine)))
+    assert line is not None and "bad killed by SIGILL" in line and "using good (95 GFLOPS" in line
+    line = summary(Selection(None, (crashed,)))
+    assert line is not None and "reference BLAS" in line and "GFLOPS" in line and "SIGILL" in line
+    assert summary(Selection(good, (fine,))) is None  # nothing failed: nothing to warn about
+
+
+@linux
+def test_a_crashing_and_a_wrong_library_are_rejected(fake_libs, private_cache: Path):
+    crashed = probe(fake_libs["crash"], _clean_env())
+    assert not crashed.ok and crashed.detail.startswith("killed by SIGILL"), crashed
+    wrong = probe(fake_libs["zeros"], _clean_env())
+    assert not wrong.ok and wrong.detail.startswith("wrong results"), wrong
+
+
+@linux
+def test_selection_skips_a_crashing_library_for_one_that_works(
+    fake_libs, private_cache: Path, monkeypatch: pytest.MonkeyPatch
+):
+    real = [lib for lib in blas.candidates() if probe(lib, _clean_env()).ok]
+    if not real:
+        pytest.skip("no real BLAS works here to fall back to")
+    monkeypatch.setattr(
+        blas, "candidates", lambda: [fake_libs["crash"], fake_libs["zeros"], real[0]]
+    )
+    chosen = select_blas(_clean_env(), reprobe=True)
+    assert chosen.chosen == real[0]
+    assert [r.ok for r in chosen.results] == [False, False, True]
+    cached = select_blas(_clean_env())  # the second start reads the choice, probes nothing
+    assert cached.cached and cached.chosen == real[0]
+
+
+@linux
+def test_worker_process_survives_an_explicit_crashing_library(fake_libs, private_cache: Path):
+    """KVSERVE_BLAS_LIB names a library that dies: the process runs on, on reference BLAS."""
+    env = _clean_env(KVSERVE_BLAS_LIB=fake_libs["crash"].path, XDG_CACHE_HOME=str(private_cache))
+    done = _python(env, "-m", "worker.blas")
+    assert done.returncode == 0, done.stderr
+    assert "MLX's reference BLAS" in done.stdout and "GFLOPS" in done.stdout
+    assert "SIGILL" in done.stderr and "reference BLAS" in done.stderr
+    assert len([ln for ln in done.stderr.splitlines() if "WARNING" in ln]) == 1
+
+
+# -- a CPU without AVX-512 (emulated) ---------------------------------------------------------
+
+QEMU = shutil.which("qemu-x86_64") if platform.machine() == "x86_64" else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(QEMU is None, reason="needs qemu-user on x86-64 (apt install qemu-user)")
+def test_on_a_cpu_without_avx512_a_portable_blas_is_chosen_and_correct(private_cache: Path):
+    """qemu's Haswell has AVX2 and no AVX-512, like the AMD EPYC VMs where cmeel-openblas's
+    SKYLAKEX build died of SIGILL: the probe must reject it there and pick a library that runs."""
+    prefix = f"{QEMU} -cpu Haswell"
+    selection = select_blas(_clean_env(KVSERVE_BLAS_PROBE_PREFIX=prefix), reprobe=True)
+    by_name = {r.name: r for r in selection.results}
+    cmeel = by_name.get("cmeel-openblas")
+    if cmeel is not None and "SKYLAKEX" in _config(cmeel.path):
+        assert not cmeel.ok and "SIGILL" in cmeel.detail, cmeel
+    assert selection.chosen is not None, selection.results
+    env = library_env(selection.chosen, _clean_env())
+    emulated = subprocess.run(
+        [QEMU, "-cpu", "Haswell", sys.executable, "-c", _CORRECT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert emulated.returncode == 0, emulated.stderr[-2000:]
+    assert emulated.stdout.split()[-1] == "True"
+
+
+def _config(path: str) -> str:
+    lib = next(c for c in blas.candidates() if c.path == path)
+    code = "from worker.blas import library_config; print(library_config())"
+    return _python(library_env(lib, _clean_env()), "-c", code).stdout
