@@ -7,11 +7,22 @@ import logging
 import signal
 import sys
 
-from gateway.config import GatewayConfig
+from gateway.config import ENV_PREFIX, GatewayConfig
 from gateway.server import running
 from gateway.tokenizer import Tokenizer
+from kvserve_launch.startup import ModelUnavailable, StartupError, report, setting
 
 log = logging.getLogger("gateway")
+
+
+def load_tokenizer(config: GatewayConfig) -> Tokenizer:
+    try:
+        return Tokenizer.load(config.model, config.max_model_len)
+    except Exception as e:  # a bad --model should say so in one line, not a traceback
+        raise ModelUnavailable(
+            f"cannot load the tokenizer of {config.model!r}: {e}",
+            f"set {setting(ENV_PREFIX, 'model')}",
+        ) from e
 
 
 async def main(config: GatewayConfig, tokenizer: Tokenizer) -> None:
@@ -43,8 +54,6 @@ if __name__ == "__main__":
         stream=sys.stderr,
     )
     try:
-        tok = Tokenizer.load(cfg.model, cfg.max_model_len)
-    except Exception as e:  # a bad --model should say so in one line, not a traceback
-        log.error("cannot load the tokenizer of %r: %s", cfg.model, e)
-        sys.exit(2)
-    asyncio.run(main(cfg, tok))
+        asyncio.run(main(cfg, load_tokenizer(cfg)))
+    except StartupError as e:
+        sys.exit(report("gateway", e))

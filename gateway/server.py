@@ -14,11 +14,12 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.config import GatewayConfig
+from gateway.config import ENV_PREFIX, GatewayConfig
 from gateway.core import Gateway
 from gateway.grpc_servicer import GatewayWorkerServicer
 from gateway.http_app import create_app
 from gateway.tokenizer import Tokenizer
+from kvserve_launch.startup import EXCLUSIVE_PORT, add_port, listen_error
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 
@@ -46,9 +47,13 @@ class _Uvicorn(uvicorn.Server):
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        raise listen_error(host, port, e, ENV_PREFIX, "http_port") from e
     sock.setblocking(False)
     return sock
 
@@ -61,25 +66,28 @@ def _address(host: str, port: int) -> str:
 async def running(
     config: GatewayConfig, tokenizer: Tokenizer | None = None
 ) -> AsyncIterator[RunningGateway]:
-    """Starts both servers (port 0 picks a free one) and stops them on exit."""
-    gw = Gateway.build(config, tokenizer)
-    await gw.poller.poll_once()  # know the workers before the first request
-    gw.poller.start()
-
+    """Starts both servers (port 0 picks a free one) and stops them on exit. Raises
+    StartupError (``kvserve_launch.startup``) when a port cannot be bound, which it tries
+    before it starts anything else."""
     grpc_server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            EXCLUSIVE_PORT,
         ]
     )
+    grpc_port = add_port(grpc_server, config.host, config.grpc_port, ENV_PREFIX, "grpc_port")
+    sock = _listen(config.host, config.http_port)
+
+    gw = Gateway.build(config, tokenizer)
+    await gw.poller.poll_once()  # know the workers before the first request
+    gw.poller.start()
     pb_grpc.add_WorkerServicer_to_server(GatewayWorkerServicer(gw), grpc_server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
     reflection.enable_server_reflection(
         (WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server
     )
-    grpc_port = grpc_server.add_insecure_port(_address(config.host, config.grpc_port))
-    sock = _listen(config.host, config.http_port)
     http = _Uvicorn(
         uvicorn.Config(
             create_app(gw),

@@ -9,6 +9,7 @@ import sys
 
 from kvcache_service.config import ServiceConfig
 from kvcache_service.server import running
+from kvserve_launch.startup import StartupError, report
 
 log = logging.getLogger("kvcache_service")
 
@@ -37,4 +38,7 @@ if __name__ == "__main__":
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    asyncio.run(main(cfg))
+    try:
+        asyncio.run(main(cfg))
+    except StartupError as e:
+        sys.exit(report("kvcache_service", e))

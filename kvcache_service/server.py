@@ -13,8 +13,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvcache_service.authority import AuthorityConfig, CacheAuthority
-from kvcache_service.config import ServiceConfig
+from kvcache_service.config import ENV_PREFIX, ServiceConfig
 from kvcache_service.servicer import AdminServicer, KVCacheServicer
+from kvserve_launch.startup import EXCLUSIVE_PORT, add_port
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
@@ -49,7 +50,8 @@ async def _sweep(authority: CacheAuthority, interval_s: float) -> None:
 
 @contextlib.asynccontextmanager
 async def running(config: ServiceConfig) -> AsyncIterator[RunningService]:
-    """Starts the service (port 0 picks a free one) and stops it on exit."""
+    """Starts the service (port 0 picks a free one) and stops it on exit. Raises
+    StartupError (``kvserve_launch.startup``) when the port cannot be bound."""
     config = config.with_admin_token()
     authority = CacheAuthority(
         AuthorityConfig(
@@ -58,7 +60,9 @@ async def running(config: ServiceConfig) -> AsyncIterator[RunningService]:
             namespace_quota_blocks=config.namespace_quota_blocks,
         )
     )
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", 64 * 1024 * 1024), EXCLUSIVE_PORT]
+    )
     pb_grpc.add_KVCacheServiceServicer_to_server(KVCacheServicer(authority), server)
     pb_grpc.add_KVCacheAdminServicer_to_server(AdminServicer(authority, config.admin_token), server)
     health_servicer = health.aio.HealthServicer()
@@ -66,7 +70,7 @@ async def running(config: ServiceConfig) -> AsyncIterator[RunningService]:
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = add_port(server, config.host, config.port, ENV_PREFIX, "port")
     await server.start()
     for name in ("", *SERVICE_NAMES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

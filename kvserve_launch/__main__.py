@@ -8,7 +8,8 @@ import threading
 from types import FrameType
 
 from kvserve_launch.config import LaunchConfig
-from kvserve_launch.process import ChildFailed
+from kvserve_launch.diagnosis import describe_exit, hint
+from kvserve_launch.process import Child, ChildFailed
 from kvserve_launch.system import System, launch
 
 
@@ -74,19 +75,24 @@ def supervise(system: System, stop: threading.Event) -> int:
     while not stop.wait(0.5):
         for child in (system.gateway, system.cache):
             if not child.running:
-                print(f"kvserve: {child.name} exited ({child.returncode})", file=sys.stderr)
+                print(f"kvserve: {died(child)}", file=sys.stderr)
                 return 1
         for w in system.workers:
             if not w.running and w.name not in reported:
                 reported.add(w.name)
                 left = sum(x.running for x in system.workers)
-                print(
-                    f"kvserve: {w.name} exited ({w.returncode}); {left} worker(s) still serving",
-                    file=sys.stderr,
-                )
+                print(f"kvserve: {died(w)}; {left} worker(s) still serving", file=sys.stderr)
                 if not left:
                     return 1
     return 0
+
+
+def died(child: Child) -> str:
+    """``worker-0 killed by SIGKILL (killed unconditionally) (hint: ...)``."""
+    code = child.returncode
+    assert code is not None, "still running"
+    advice = hint(code, child.port_setting)
+    return f"{child.name} {describe_exit(code)}" + (f" (hint: {advice})" if advice else "")
 
 
 if __name__ == "__main__":

@@ -23,11 +23,38 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
+from kvserve_launch.diagnosis import describe_exit, hint
+
 Sink = Callable[[str, str], None]
 
 
+TAIL_LINES = 20  # of a failed child's output, in its error
+LINE_CHARS = 300  # a longer line is cut: one JSON blob must not bury the rest
+
+
 class ChildFailed(RuntimeError):
-    """A child exited, or did not get ready in time, during startup."""
+    """A child exited, or did not get ready in time, during startup: what happened (``killed
+    by SIGILL (illegal instruction)``), its last lines of output and, where one is known,
+    what to try."""
+
+    def __init__(self, name: str, what: str, tail: Sequence[str], hint: str | None = None):
+        self.name = name
+        self.what = what
+        self.tail = [line.rstrip() for line in tail if line.strip()][-TAIL_LINES:]
+        self.hint = hint
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        if not self.tail:
+            lines = [f"{self.name} {self.what}, and printed nothing."]
+        else:
+            lines = [f"{self.name} {self.what}. Its last output:"]
+            lines += [
+                f"    {x[:LINE_CHARS]}" + (" ..." if len(x) > LINE_CHARS else "") for x in self.tail
+            ]
+        if self.hint:
+            lines.append(f"  hint: {self.hint}")
+        return "\n".join(lines)
 
 
 def print_sink(name: str, line: str) -> None:
@@ -44,12 +71,15 @@ class Child:
         ready_prefix: str,
         env: Mapping[str, str] | None = None,
         sink: Sink = print_sink,
+        port_setting: str = "",
     ) -> None:
         self.name = name
         self.argv = list(argv)
         self.ready_prefix = ready_prefix
         self.env = dict(os.environ if env is None else env)
         self.sink = sink
+        # The flags that set this child's port(s), for the hint when it is taken.
+        self.port_setting = port_setting
         self.ready_line: str | None = None
         self._ready = threading.Event()
         self._tail: collections.deque[str] = collections.deque(maxlen=40)
@@ -99,12 +129,11 @@ class Child:
             if code is not None:
                 for t in self._threads:  # let the last lines of output arrive
                     t.join(1.0)
-                raise ChildFailed(
-                    f"{self.name} exited with code {code} before it was ready:\n"
-                    + "".join(self._tail)
-                )
+                what = f"failed before it was ready: {describe_exit(code)}"
+                raise ChildFailed(self.name, what, list(self._tail), hint(code, self.port_setting))
             if time.monotonic() > deadline:
-                raise ChildFailed(f"{self.name} was not ready after {timeout_s:.0f}s")
+                what = f"was not ready after {timeout_s:.0f}s"
+                raise ChildFailed(self.name, what, list(self._tail))
         assert self.ready_line is not None
         return self.ready_line[len(self.ready_prefix) :].strip()
 

@@ -14,8 +14,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserve_launch.config import LaunchConfig
+from kvserve_launch.config import ENV_PREFIX, LaunchConfig
 from kvserve_launch.process import Child, Sink, print_sink
+from kvserve_launch.startup import setting
 
 DEFAULT_MODEL = "kvserve-tiny-llama"
 
@@ -130,6 +131,7 @@ def launch(cfg: LaunchConfig, sink: Sink = print_sink, python: str = sys.executa
             ready_prefix="KVCACHE_READY",
             env=secret_env(cfg),
             sink=sink,
+            port_setting=setting(ENV_PREFIX, "cache_port"),
         ).start()
         started.append(cache)
         cache_address = cache.wait_ready(timeout)
@@ -141,6 +143,7 @@ def launch(cfg: LaunchConfig, sink: Sink = print_sink, python: str = sys.executa
                 ready_prefix="WORKER_READY",
                 env=env,
                 sink=sink,
+                port_setting=setting(ENV_PREFIX, "worker_base_port"),
             ).start()
             for i in range(cfg.workers)
         ]
@@ -152,6 +155,7 @@ def launch(cfg: LaunchConfig, sink: Sink = print_sink, python: str = sys.executa
             ready_prefix="GATEWAY_READY",
             env=secret_env(cfg),
             sink=sink,
+            port_setting=f"{setting(ENV_PREFIX, 'http_port')} / {setting(ENV_PREFIX, 'grpc_port')}",
         ).start()
         started.append(gateway)
         fields = dict(part.split("=", 1) for part in gateway.wait_ready(timeout).split())

@@ -490,9 +490,11 @@ def fast_blas_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     """A copy of ``base`` (default ``os.environ``) that starts processes on the chosen BLAS.
 
     For launching workers, benchmarks and test runs as subprocesses. Unchanged where no
-    library runs here, on macOS, or when disabled.
+    library runs here, on macOS, on a GPU, or when disabled.
     """
     env = dict(os.environ if base is None else base)
+    if env.get(DISABLE_ENV) == "0" or _gpu_available():
+        return env
     selection = select_blas(env)
     line = summary(selection)
     if line:

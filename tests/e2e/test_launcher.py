@@ -119,7 +119,7 @@ def test_child_ready_line_logs_and_stop():
 def test_child_that_exits_before_ready_reports_its_output():
     child = python_child("import sys; print('boom: bad flag', file=sys.stderr); sys.exit(2)")
     child.start()
-    with pytest.raises(ChildFailed, match="code 2") as e:
+    with pytest.raises(ChildFailed, match="exited with status 2") as e:
         child.wait_ready(30)
     assert "boom: bad flag" in str(e.value)
 
