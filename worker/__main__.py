@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 
+from kvserve_launch.startup import StartupError, report
 from worker.blas import describe, ensure_fast_blas, measure_gflops
 from worker.config import WorkerConfig
 from worker.server import running
@@ -35,10 +36,14 @@ if __name__ == "__main__":
     )
     blas = ensure_fast_blas()  # may re-exec this process with LD_PRELOAD set
     log.info(describe(blas, measure_gflops()))
-    asyncio.run(main(cfg))
+    try:
+        asyncio.run(main(cfg))
+        status = 0
+    except StartupError as e:
+        status = report("worker", e)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     # Everything is stopped. Skip C++ static destructors: MLX 0.32 sometimes aborts at exit
     # (status 134) after running on a thread other than the main one, as the model does here.
-    os._exit(0)
+    os._exit(status)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 ENV_PREFIX = "KVWORKER_"
+_OFF = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,18 +23,25 @@ class WorkerConfig:
     worker_id: str = ""
     model: str = "kvserve-tiny-llama"
     block_size: int = 32
-    # Pool size: a block count, or (when 0) a memory budget.
+    # Pool size, the first one set of: a block count, a memory budget, a fraction of the device
+    # memory free after the weights load. 0 everywhere: the device's default
+    # (worker.device_defaults: 256 MiB on CPU, half the free memory on a GPU).
     num_blocks: int = 0
-    kv_memory_mb: int = 256
+    kv_memory_mb: int = 0
+    kv_memory_fraction: float = 0.0
     # Continuous batching: sequences per step, and tokens per step (decodes + prefill chunks).
-    max_batch_size: int = 16
-    max_step_tokens: int = 256
+    # 0: the device's default (CPU 16 and 256, GPU 32 and 2048).
+    max_batch_size: int = 0
+    max_step_tokens: int = 0
     # Token slots leased beyond the prompt at admission, and how far ahead of need a running
     # sequence asks for its next block.
     reserve_tokens: int = 32
     extend_ahead_tokens: int = 8
     # Off: every request computes its whole prompt (benchmarks, debugging).
     prefix_caching: bool = True
+    # Run the engine's shapes once before registering, so no request pays for first-use
+    # kernel compilation and allocation (worker.warmup).
+    warmup: bool = True
     log_level: str = "INFO"
 
     @classmethod
@@ -42,6 +50,10 @@ class WorkerConfig:
 
         def env(name: str, default: object) -> str:
             return os.environ.get(ENV_PREFIX + name, str(default))
+
+        def env_on(name: str, default: bool) -> bool:
+            value = os.environ.get(ENV_PREFIX + name)
+            return default if value is None else value.lower() not in _OFF
 
         p = argparse.ArgumentParser(
             prog="python -m worker",
@@ -56,6 +68,11 @@ class WorkerConfig:
         p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", d.block_size)))
         p.add_argument("--num-blocks", type=int, default=int(env("NUM_BLOCKS", d.num_blocks)))
         p.add_argument("--kv-memory-mb", type=int, default=int(env("KV_MEMORY_MB", d.kv_memory_mb)))
+        p.add_argument(
+            "--kv-memory-fraction",
+            type=float,
+            default=float(env("KV_MEMORY_FRACTION", d.kv_memory_fraction)),
+        )
         p.add_argument(
             "--max-batch-size", type=int, default=int(env("MAX_BATCH_SIZE", d.max_batch_size))
         )
@@ -73,15 +90,20 @@ class WorkerConfig:
         p.add_argument(
             "--no-prefix-caching",
             action="store_true",
-            default=env("PREFIX_CACHING", "1").lower() in ("0", "false", "no", "off"),
+            default=env("PREFIX_CACHING", "1").lower() in _OFF,
+        )
+        p.add_argument(
+            "--warmup", action=argparse.BooleanOptionalAction, default=env_on("WARMUP", d.warmup)
         )
         p.add_argument("--log-level", default=env("LOG_LEVEL", d.log_level))
         a = p.parse_args(argv)
-        for name in ("block_size", "max_batch_size", "max_step_tokens"):
-            if getattr(a, name) < 1:
-                p.error(f"--{name.replace('_', '-')} must be positive")
-        if a.num_blocks < 0 or a.kv_memory_mb < 1:
-            p.error("--num-blocks must be >= 0 and --kv-memory-mb positive")
+        if a.block_size < 1:
+            p.error("--block-size must be positive")
+        for name in ("num_blocks", "kv_memory_mb", "max_batch_size", "max_step_tokens"):
+            if getattr(a, name) < 0:
+                p.error(f"--{name.replace('_', '-')} must be >= 0 (0: the device's default)")
+        if not 0.0 <= a.kv_memory_fraction <= 1.0:
+            p.error("--kv-memory-fraction must be in [0, 1] (0: the device's default)")
         return cls(
             cache_service=a.cache_service,
             host=a.host,
@@ -92,11 +114,13 @@ class WorkerConfig:
             block_size=a.block_size,
             num_blocks=a.num_blocks,
             kv_memory_mb=a.kv_memory_mb,
+            kv_memory_fraction=a.kv_memory_fraction,
             max_batch_size=a.max_batch_size,
             max_step_tokens=a.max_step_tokens,
             reserve_tokens=a.reserve_tokens,
             extend_ahead_tokens=a.extend_ahead_tokens,
             prefix_caching=not a.no_prefix_caching,
+            warmup=a.warmup,
             log_level=a.log_level,
         )
 

@@ -5,6 +5,11 @@ The step loop is schedule -> run -> postprocess. Around it, three small tasks ta
 cache service so it is never on the per-token path: admission (leases for waiting
 requests), the heartbeat (liveness, expired leases, re-registration), and per-step batched
 lease extensions issued ahead of need, whose RPC overlaps the forward.
+
+Liveness never waits for a step: the heartbeat has its own timer, and MLX releases the GIL
+while it computes, so the loop runs during a forward. What a forward can still do is hold the
+GIL (then no Python thread runs at all), so every step is also kept short: the step budget
+(worker/step_budget.py) caps its prefill tokens to a quarter of the lease TTL's worth of time.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from worker.lease_client import (
 from worker.sampling import InvalidRequest, RowSampler, SamplingParams
 from worker.scheduler import Scheduler, Step
 from worker.sequence import Finish, Sequence, Status, StreamEvent, TextStream
+from worker.step_budget import StepBudget
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +82,7 @@ class Engine:
         self.scheduler = Scheduler(
             limits.max_batch_size, limits.max_step_tokens, limits.max_context
         )
+        self.budget = StepBudget(limits.max_step_tokens, min_tokens=self.block_size)
         self.stats = EngineStats()
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ())) | self.eos_ids
@@ -111,7 +118,14 @@ class Engine:
         while True:
             try:
                 inc = await self.client.register(self.registration)
-                log.info("registered pool %r, incarnation %d", self.registration.pool_id, inc)
+                log.info(
+                    "registered pool %r, incarnation %d (lease TTL %.1fs, heartbeat every %.2fs)",
+                    self.registration.pool_id,
+                    inc,
+                    self.client.lease_ttl_s,
+                    self.client.heartbeat_interval_s,
+                )
+                self.budget.set_ttl(self.client.lease_ttl_s)
                 return
             except LeaseError as err:
                 log.warning("cannot register with the cache service (%s); retrying", err)
@@ -194,7 +208,7 @@ class Engine:
         while True:
             async with self._step_lock:
                 self._maybe_extend()
-                step = self.scheduler.schedule()
+                step = self.scheduler.schedule(self.budget.prefill_tokens())
                 if step is not None:
                     try:
                         await self._run_step(step)
@@ -207,7 +221,8 @@ class Engine:
             await self._work.wait()
 
     async def _run_step(self, step: Step) -> None:
-        sampled = await self.executor.run(step)
+        sampled, took = await self.executor.run(step)
+        self.budget.observe(took)
         finished = self.scheduler.postprocess(step, sampled)
         self._account(step, sampled)
         self._commit_prefill(step)
@@ -383,8 +398,22 @@ class Engine:
     # -- liveness -----------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
+        """Renews the pool's liveness on a fixed cadence (a fraction of the TTL the cache service
+        announced), never behind the step lock or a step: only a blocked event loop delays it,
+        and a beat that comes more than an interval late says so in the log."""
+        due = time.monotonic()
         while True:
-            await asyncio.sleep(self.client.heartbeat_interval_s)
+            interval = self.client.heartbeat_interval_s
+            due += interval
+            await asyncio.sleep(due - time.monotonic())
+            late = time.monotonic() - due
+            if late > interval:
+                log.warning(
+                    "heartbeat %.2fs late (lease TTL %.1fs): the event loop was blocked",
+                    late,
+                    self.client.lease_ttl_s,
+                )
+                due = time.monotonic()
             await self._heartbeat_once()
 
     async def _heartbeat_once(self) -> None:
@@ -407,7 +436,11 @@ class Engine:
 
     def _on_lease_error(self, err: LeaseError) -> None:
         if isinstance(err, Fenced):
-            if not self._recovering:
+            if err.incarnation != self.client.incarnation:
+                # Sent before the latest registration: registering again would fence off the
+                # new incarnation's calls in flight, and their answers would do it again.
+                log.debug("stale answer for incarnation %d: %s", err.incarnation, err)
+            elif not self._recovering:
                 self._spawn(self._recover(str(err)))
         elif isinstance(err, CacheUnavailable):
             log.warning("cache service unavailable: %s", err)

@@ -10,6 +10,7 @@ current thread" (tests start several workers in one process).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from worker.forward_batch import SeqInput
 from worker.model_runner import ModelRunner
 from worker.sampling import RowSampler, Sampled, sample_rows
 from worker.scheduler import Step
+from worker.step_budget import ForwardTime
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,43 +42,59 @@ class ModelExecutor:
         self._thread = mlx_thread()
         self.runner: ModelRunner = self._thread.submit(build).result()
 
-    async def run(self, step: Step) -> list[Sampled | None]:
+    async def run(self, step: Step) -> tuple[list[Sampled | None], ForwardTime]:
+        """The step's sampled tokens (None for rows that yield none) and how long its forwards
+        took on this thread (the engine's step-time budget learns from it)."""
         rows = []
         for i, item in enumerate(step.items):
             if item.samples:
                 seq = item.seq
                 history = seq.tokens if seq.sampler.processors else []
                 rows.append((i, seq.sampler, history, len(seq.output)))
-        job = _Job(
-            [SeqInput(i.token_ids, i.block_table, i.start) for i in step.items],
-            step.copies,
-            rows,
-        )
-        loop = asyncio.get_running_loop()
-        sampled = await loop.run_in_executor(self._thread, self._run, job)
+        inputs = [SeqInput(i.token_ids, i.block_table, i.start) for i in step.items]
+        sampled, took = await self._submit(_Job(inputs, step.copies, rows))
         out: list[Sampled | None] = [None] * len(step.items)
         for (i, *_), s in zip(rows, sampled, strict=True):
             out[i] = s
-        return out
+        return out, took
 
-    def _run(self, job: _Job) -> list[Sampled]:
+    async def run_batch(
+        self,
+        inputs: list[SeqInput],
+        copies: list[tuple[int, int]],
+        rows: list[tuple[int, RowSampler, list[int], int]],
+    ) -> list[Sampled]:
+        """One step as plain inputs (the warm-up drives it too): applies ``copies``, runs
+        ``inputs``, and samples ``rows`` (row, sampler, history, position) in their order."""
+        return (await self._submit(_Job(inputs, copies, rows)))[0]
+
+    async def _submit(self, job: _Job) -> tuple[list[Sampled], ForwardTime]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, self._run, job)
+
+    def _run(self, job: _Job) -> tuple[list[Sampled], ForwardTime]:
         """Decodes and prefill chunks as two forwards (each is padded to its longest query),
-        then samples the rows that finished their tokens."""
+        then samples the rows that finished their tokens. Each forward is timed with its
+        sampling: wall time on this thread is what the step costs, waits for the GIL included."""
         if job.copies:
             self.runner.copy_blocks(job.copies)
         wanted = {r[0]: r for r in job.rows}
         out: dict[int, Sampled] = {}
         decodes = [i for i, s in enumerate(job.inputs) if len(s.token_ids) == 1]
         prefills = [i for i, s in enumerate(job.inputs) if len(s.token_ids) > 1]
-        for group in (decodes, prefills):
+        seconds = [0.0, 0.0]
+        for g, group in enumerate((decodes, prefills)):
             if not group:
                 continue
+            start = time.perf_counter()
             logits = self.runner.forward([job.inputs[i] for i in group])
             rows = [(k, *wanted[i][1:]) for k, i in enumerate(group) if i in wanted]
             sampled = sample_rows(logits, rows) if rows else []
             for (k, *_), s in zip(rows, sampled, strict=True):
                 out[group[k]] = s
-        return [out[r[0]] for r in job.rows]
+            seconds[g] = time.perf_counter() - start
+        padded = len(prefills) * max((len(job.inputs[i].token_ids) for i in prefills), default=0)
+        return [out[r[0]] for r in job.rows], ForwardTime(seconds[0], seconds[1], padded)
 
     def shutdown(self) -> None:
         """Waits for work in flight; the thread stays for the next runner of this process."""

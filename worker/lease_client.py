@@ -14,6 +14,9 @@ from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
 RPC_TIMEOUT_S = 10.0
+# Heartbeats at most this share of the lease TTL apart, whatever interval the service suggests
+# (it suggests TTL/4): a late or lost heartbeat still leaves the next one well inside the TTL.
+HEARTBEAT_TTL_FRACTION = 0.25
 
 
 class LeaseError(Exception):
@@ -25,7 +28,15 @@ class NoRoom(LeaseError):
 
 
 class Fenced(LeaseError):
-    """The pool is unknown or our incarnation is fenced: register again."""
+    """The pool is unknown or our incarnation is fenced: register again.
+
+    `incarnation` is the one the call was made with. An answer to a call sent before the latest
+    registration is stale: the pool has already registered again, and must not do it twice.
+    """
+
+    def __init__(self, details: str, incarnation: int = 0) -> None:
+        super().__init__(details)
+        self.incarnation = incarnation
 
 
 class LeaseLost(LeaseError):
@@ -69,14 +80,14 @@ class PoolRegistration:
     dtype: str
 
 
-def _translate(err: grpc.aio.AioRpcError) -> LeaseError:
+def _translate(err: grpc.aio.AioRpcError, incarnation: int) -> LeaseError:
     code, details = err.code(), err.details() or ""
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return NoRoom(details)
     if code == grpc.StatusCode.FAILED_PRECONDITION or (
         code == grpc.StatusCode.INVALID_ARGUMENT and "unknown pool" in details
     ):
-        return Fenced(details)
+        return Fenced(details, incarnation)
     if code == grpc.StatusCode.NOT_FOUND:
         return LeaseLost(details)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -93,6 +104,7 @@ class LeaseClient:
         self._stub = pb_grpc.KVCacheServiceStub(self._channel)
         self.pool_id = ""
         self.incarnation = 0
+        self.lease_ttl_s = 0.0
         self.heartbeat_interval_s = 1.0
 
     async def close(self) -> None:
@@ -103,10 +115,11 @@ class LeaseClient:
         return pb.PoolRef(pool_id=self.pool_id, incarnation=self.incarnation)
 
     async def _call(self, method, request):
+        incarnation = self.incarnation
         try:
             return await method(request, timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as err:
-            raise _translate(err) from err
+            raise _translate(err, incarnation) from err
 
     async def register(self, reg: PoolRegistration) -> int:
         resp = await self._call(
@@ -128,7 +141,10 @@ class LeaseClient:
         )
         self.pool_id = reg.pool_id
         self.incarnation = resp.incarnation
-        self.heartbeat_interval_s = resp.heartbeat_interval_s
+        self.lease_ttl_s = resp.lease_ttl_s
+        ttl_share = resp.lease_ttl_s * HEARTBEAT_TTL_FRACTION
+        announced = (i for i in (resp.heartbeat_interval_s, ttl_share) if i > 0)
+        self.heartbeat_interval_s = min(announced, default=1.0)
         return resp.incarnation
 
     async def heartbeat(self) -> list[int]:

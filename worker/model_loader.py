@@ -50,12 +50,20 @@ def resolve_model(name_or_path: str | None = None) -> Path:
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path} has no config.json: not a model directory")
         return path
+    if _is_path(name_or_path):
+        raise ModelLoadError(f"model directory {path} does not exist")
     from mlx_lm.utils import _download  # mlx_lm.load's own resolution of hub ids
 
     try:
         return Path(_download(name_or_path))
     except Exception as e:  # the hub client raises many types; all mean "not available"
         raise ModelLoadError(f"cannot resolve model {name_or_path!r}: {e}") from e
+
+
+def _is_path(name: str) -> bool:
+    """A Hugging Face id is ``name`` or ``owner/name``; anything else names a directory (the
+    hub client would answer it with a puzzling "Repo id must be in the form ...")."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1
 
 
 def load_model(name_or_path: str | None = None, *, fp32_on_cpu: bool = True) -> LoadedModel:

@@ -62,7 +62,9 @@ class Scheduler:
         self.waiting.remove(seq)
         self.running.append(seq)
 
-    def schedule(self) -> Step | None:
+    def schedule(self, prefill_tokens: int | None = None) -> Step | None:
+        """The next step. `prefill_tokens` caps its padded prefill tokens below the step
+        budget (the engine's step-time budget: no step may outlast a fraction of the lease TTL)."""
         budget = self.max_step_tokens
         items: list[Scheduled] = []
         copies: list[tuple[int, int]] = []
@@ -84,6 +86,8 @@ class Scheduler:
                 budget -= 1
         # Prefill chunks run as one forward padded to the longest chunk, so the budget
         # counts padded tokens: chunks x longest chunk.
+        if prefill_tokens is not None:
+            budget = min(budget, prefill_tokens)
         chunks, longest = 0, 0
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if len(items) == self.max_batch_size:

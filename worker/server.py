@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -12,10 +12,13 @@ import mlx.core as mx
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvserve_launch.startup import EXCLUSIVE_PORT, ModelUnavailable, add_port, setting
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
-from worker.config import WorkerConfig
+from worker.config import ENV_PREFIX, WorkerConfig
+from worker.device_defaults import WorkerLimits, choose_limits, device_kind, free_memory
 from worker.engine import Engine, EngineLimits
+from worker.errors import ModelLoadError, UnsupportedModelError
 from worker.executor import ModelExecutor
 from worker.kv_pool import bytes_per_block
 from worker.lease_client import LeaseClient, PoolRegistration
@@ -23,6 +26,7 @@ from worker.model_loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner
 from worker.model_spec import probe
 from worker.servicer import WorkerServicer
+from worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -47,30 +51,54 @@ def _max_context(config: dict) -> int:
     return _max_context(text) if isinstance(text, dict) else 4096
 
 
-def build_executor(config: WorkerConfig, loaded: LoadedModel) -> ModelExecutor:
+def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExecutor, WorkerLimits]:
+    """The model thread with its runner and pool, and the limits the engine runs with: flags
+    where set, else the device's defaults (``worker.device_defaults``), sized on the model
+    thread once the weights are in memory."""
+    chosen: list[WorkerLimits] = []
+
     def build() -> ModelRunner:
         spec = probe(loaded.model)
-        if config.num_blocks:
-            return ModelRunner.create(
-                loaded.model, block_size=config.block_size, num_blocks=config.num_blocks
-            )
         per_block = bytes_per_block(spec.layers, config.block_size, spec.dtype)
-        num_blocks = max(1, config.kv_memory_mb * 2**20 // per_block)
-        return ModelRunner.create(loaded.model, block_size=config.block_size, num_blocks=num_blocks)
+        device = device_kind()
+        limits = choose_limits(device, free_memory(device), per_block, config)
+        log.info("%s", limits.describe(config.block_size, per_block))
+        chosen.append(limits)
+        return ModelRunner.create(
+            loaded.model, block_size=config.block_size, num_blocks=limits.num_blocks
+        )
 
-    return ModelExecutor(build)
+    executor = ModelExecutor(build)
+    return executor, chosen[0]
+
+
+@contextlib.contextmanager
+def model_errors_as_startup_errors(model: str) -> Iterator[None]:
+    """The worker's errors about its model, as the one startup failure they all are."""
+    hint = f"set {setting(ENV_PREFIX, 'model')}"
+    try:
+        yield
+    except ModelLoadError as e:
+        raise ModelUnavailable(str(e), hint) from e
+    except UnsupportedModelError as e:
+        raise ModelUnavailable(f"{model} cannot be served from a paged KV cache: {e}", hint) from e
 
 
 @contextlib.asynccontextmanager
 async def running(
     config: WorkerConfig, loaded: LoadedModel | None = None
 ) -> AsyncIterator[RunningWorker]:
-    """Loads the model (unless given), binds the port, registers the pool, serves."""
-    loaded = loaded or load_model(config.model)
-    executor = build_executor(config, loaded)
+    """Loads the model (unless given), binds the port, registers the pool, serves. Raises
+    StartupError (``kvserve_launch.startup``) for a model it cannot serve or a port it cannot
+    bind."""
+    with model_errors_as_startup_errors(config.model):
+        loaded = loaded or load_model(config.model)
+        executor, chosen = build_executor(config, loaded)
     runner = executor.runner
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", 64 * 1024 * 1024), EXCLUSIVE_PORT]
+    )
+    port = add_port(server, config.host, config.port, ENV_PREFIX, "port")
     worker_id = config.pool_id(port)
     address = config.address(port)
     layer = runner.spec.layers[0]
@@ -86,10 +114,11 @@ async def running(
         head_dim=layer.k_head_dim,
         dtype=str(runner.spec.dtype),
     )
+    max_context = _max_context(loaded.config)
     limits = EngineLimits(
-        max_batch_size=config.max_batch_size,
-        max_step_tokens=config.max_step_tokens,
-        max_context=_max_context(loaded.config),
+        max_batch_size=chosen.max_batch_size,
+        max_step_tokens=chosen.max_step_tokens,
+        max_context=max_context,
         vocab_size=runner.spec.vocab_size,
         reserve_tokens=config.reserve_tokens,
         extend_ahead_tokens=config.extend_ahead_tokens,
@@ -102,6 +131,16 @@ async def running(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
+    if config.warmup:
+        # Before registering: no lease exists yet, so the pool's blocks are free to write.
+        report = await warm_up(
+            executor,
+            loaded.tokenizer,
+            max_batch_size=limits.max_batch_size,
+            max_step_tokens=limits.max_step_tokens,
+            max_context=max_context,
+        )
+        log.info("%s", report.describe())
     await engine.start()
     await server.start()
     for name in ("", SERVICE_NAME):

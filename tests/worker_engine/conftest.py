@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
+from kvcache_service.authority import CacheAuthority
 from kvcache_service.config import ServiceConfig
 from kvcache_service.server import running as cache_running
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kpb
@@ -61,6 +63,7 @@ class System:
     stubs: list[pb_grpc.WorkerStub]
     stack: contextlib.AsyncExitStack
     model: LoadedModel
+    authority: CacheAuthority  # the in-process cache service's state, for tests that watch it
 
     async def add_worker(self, **overrides) -> pb_grpc.WorkerStub:
         config = dataclasses.replace(
@@ -89,15 +92,25 @@ class System:
         assert resp.ok, list(resp.problems)
 
 
-@pytest.fixture
-async def system(model: LoadedModel) -> AsyncIterator[System]:
-    config = ServiceConfig(port=0, admin_token=TOKEN, lease_ttl_s=30)
+@contextlib.asynccontextmanager
+async def started_system(model: LoadedModel, **service: Any) -> AsyncIterator[System]:
+    """A cache service (`service`: ServiceConfig overrides) and no worker yet."""
+    config = dataclasses.replace(
+        ServiceConfig(port=0, admin_token=TOKEN, lease_ttl_s=30), **service
+    )
     async with contextlib.AsyncExitStack() as stack:
         svc = await stack.enter_async_context(cache_running(config))
         channel = await stack.enter_async_context(grpc.aio.insecure_channel(svc.address))
-        s = System(svc.address, channel, kpb_grpc.KVCacheAdminStub(channel), [], [], stack, model)
+        admin = kpb_grpc.KVCacheAdminStub(channel)
+        s = System(svc.address, channel, admin, [], [], stack, model, svc.authority)
         yield s
         await s.check()  # every test ends with the block accounting intact
+
+
+@pytest.fixture
+async def system(model: LoadedModel) -> AsyncIterator[System]:
+    async with started_system(model) as s:
+        yield s
 
 
 def request(

@@ -57,6 +57,23 @@ def test_decodes_first_then_padded_prefill_chunks(tokenizer) -> None:
     assert sizes == [("r0.0", 1), ("r1.0", 10), ("r2.0", 31)]
 
 
+def test_the_step_time_budget_caps_prefill_not_decodes(tokenizer) -> None:
+    s = Scheduler(max_batch_size=8, max_step_tokens=64, max_context=4096)
+    decoding = make_seq(tokenizer, 10, 0.0, 2)
+    decoding.num_computed = 9
+    long_a = make_seq(tokenizer, 100, 1.0, 8)
+    long_b = make_seq(tokenizer, 100, 2.0, 8)
+    s.running += [decoding, long_a, long_b]
+    step = s.schedule(prefill_tokens=16)
+    assert step is not None
+    assert [(i.seq.request_id, len(i.token_ids)) for i in step.items] == [
+        ("r0.0", 1),
+        ("r1.0", 16),
+    ]
+    step = s.schedule(prefill_tokens=200)  # max_step_tokens stays the upper bound
+    assert step is not None and step.num_tokens == 64
+
+
 def test_a_sequence_without_room_waits_for_its_extension(tokenizer) -> None:
     s = Scheduler(max_batch_size=8, max_step_tokens=64, max_context=4096)
     seq = make_seq(tokenizer, 16, 0.0, 1)

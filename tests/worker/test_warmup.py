@@ -1,0 +1,75 @@
+"""The warm-up plan: the shapes it covers, and every step valid for the pool it runs on."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.forward_batch import ForwardBatch
+from worker.warmup import decode_sizes, plan
+
+
+def test_decode_sizes_double_up_to_the_batch_limit() -> None:
+    assert decode_sizes(16, 2048) == [1, 2, 4, 8, 16]
+    assert decode_sizes(12, 2048) == [1, 2, 4, 8, 12]
+    assert decode_sizes(1, 2048) == [1]
+    assert decode_sizes(32, 5) == [1, 2, 4, 5]  # never more sequences than blocks
+    many = decode_sizes(1024, 1 << 20)
+    assert len(many) == 8 and many[0] == 1 and many[-1] == 1024
+
+
+LIMITS = [
+    # block_size, num_blocks, max_batch_size, max_step_tokens, max_context
+    (32, 2048, 16, 256, 4096),  # the CPU defaults
+    (32, 90000, 32, 2048, 131072),  # the GPU defaults
+    (16, 256, 16, 64, 4096),  # the engine tests' workers
+    (16, 12, 16, 64, 4096),  # a pool smaller than a batch of two-block contexts
+    (8, 3, 4, 100, 4096),  # a pool smaller than a step
+    (1, 1, 1, 1, 2),  # everything at its minimum
+    (32, 64, 8, 512, 48),  # a context shorter than a step
+]
+
+
+@pytest.mark.parametrize(("bs", "blocks", "batch", "step", "context"), LIMITS)
+def test_every_step_fits_the_pool_and_the_limits(bs, blocks, batch, step, context) -> None:
+    steps = plan(
+        block_size=bs,
+        num_blocks=blocks,
+        max_batch_size=batch,
+        max_step_tokens=step,
+        max_context=context,
+        vocab_size=100,
+    )
+    assert not steps[0].is_decode or step == 1
+    assert any(s.is_decode for s in steps)
+    for s in steps:
+        # ForwardBatch checks block tables against the pool and that no two sequences of one
+        # step write the same slot; the engine's own steps pass the same checks.
+        ForwardBatch(list(s.inputs), bs, blocks)
+        assert len(s.inputs) <= max(1, min(batch, blocks)) or not s.is_decode
+        assert sum(len(i.token_ids) for i in s.inputs) <= step
+        assert all(i.end <= context for i in s.inputs)
+        assert all(0 <= t < 100 for i in s.inputs for t in i.token_ids)
+        assert len(s.samplers) == len(s.inputs)
+        for src, dst in s.copies:
+            assert src != dst and 0 <= src < blocks and 0 <= dst < blocks
+
+
+def test_the_default_plan_covers_prefill_decode_and_sampling() -> None:
+    steps = plan(
+        block_size=32,
+        num_blocks=2048,
+        max_batch_size=16,
+        max_step_tokens=256,
+        max_context=4096,
+        vocab_size=264,
+    )
+    prefills = [s for s in steps if not s.is_decode]
+    assert len(prefills[0].inputs[0].token_ids) == 256  # a chunk of the step size
+    assert any(i.start > 0 for s in prefills for i in s.inputs)  # a chunk after a context
+    assert any(s.copies for s in steps)
+    assert [len(s.inputs) for s in steps if s.is_decode] == [1, 2, 4, 8, 16]
+    params = {p for s in steps for p in s.samplers}
+    assert any(p.greedy for p in params)
+    assert any(p.temperature == 1.0 and p.seed is None and not p.top_k for p in params)
+    assert any(p.seed is not None and p.logprobs for p in params)
+    assert any(p.top_k and p.repetition_penalty != 1.0 for p in params)

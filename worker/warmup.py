@@ -1,0 +1,212 @@
+"""Warm start: run the shapes the engine will meet once, before the worker says it is ready.
+
+What a cold worker's first request paid for, measured on CPU (2-core x86, MLX 0.32.4): MLX's
+CPU backend compiles every fused graph of an ``mx.compile``'d function to C++ and builds it
+with the system compiler, 0.5-1 s a kernel: mlx-lm's ``swiglu`` in every Llama-style MLP, and
+the sampler chain (temperature scaling, random bits, uniform, categorical) for any request with
+a temperature. The shared objects are cached in ``$TMPDIR/mlx/<version>/cpu``, so a machine
+pays once per kernel, and a container with a fresh ``/tmp`` pays at every start: 3-4.6 s for
+the first chat completion after ``make run``, under 0.1 s for the next ones. The model forward itself,
+the tokenizer, the detokenizer and the cache-service channel cost milliseconds the first time.
+On an H200 (mlx-cuda, a 1B fp16 llama) the first request took 31 s against 0.4 s later:
+NVRTC compiles each kernel on first use (cached in ``$TMPDIR/mlx/<version>/ptx``), and
+cuDNN builds an attention graph for each new prefill shape (in memory only, 50-100 ms each).
+
+So the warm-up runs, on the model thread and through the executor's own step path: a prefill
+chunk of the step size, a batch of two prefill chunks (one continuing a context, an array
+mask, a copy-on-write copy), decodes at batch sizes 1, 2, 4, ... up to the batch limit, and
+sampling (greedy, temperature 1.0 -- the OpenAI default --, seeded with logprobs, top-k with a
+repetition penalty), then tokenizes and detokenizes a little text.
+
+It runs before the pool is registered with the cache service: no lease exists, so every block
+is free to scribble on. Only K/V contents change; which blocks are free is the cache service's
+to say, and it has not been told about the pool yet. Sequences of one forward get distinct
+blocks, as leases would.
+
+Not covered: mlx-lm's compiled samplers bake ``temperature``, ``top_p`` and ``min_p`` into the
+kernel as constants, so each new value compiles one more small kernel on first use (CPU: about
+0.5 s, once per machine); and on a GPU, prefill shapes other than the ones run here still build
+their cuDNN attention graph on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from worker.executor import ModelExecutor
+from worker.forward_batch import SeqInput
+from worker.sampling import RowSampler, SamplingParams
+from worker.sequence import TextStream
+
+log = logging.getLogger(__name__)
+
+MAX_DECODE_SIZES = 8
+WARMUP_TEXT = "Warm-up: the quick brown fox jumps over the lazy dog. 0123456789"
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupForward:
+    """One warm-up step: its sequences, copy-on-write pairs, and each row's sampling."""
+
+    inputs: tuple[SeqInput, ...]
+    copies: tuple[tuple[int, int], ...]
+    samplers: tuple[SamplingParams, ...]  # one per input: every row samples
+
+    @property
+    def is_decode(self) -> bool:
+        return all(len(s.token_ids) == 1 for s in self.inputs)
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupReport:
+    seconds: float
+    prefill_tokens: int
+    decode_sizes: tuple[int, ...]
+    forwards: int
+
+    def describe(self) -> str:
+        sizes = ",".join(map(str, self.decode_sizes)) or "none"
+        return (
+            f"warm-up: {self.forwards} steps (prefill chunk of {self.prefill_tokens} tokens, "
+            f"decode batches {sizes}, sampling, detokenizer) in {self.seconds:.2f} s"
+        )
+
+
+def samplers(vocab_size: int) -> tuple[SamplingParams, ...]:
+    """The sampling paths a request can take: batched greedy, temperature (the OpenAI default
+    1.0), seeded with logprobs, top-k with a repetition penalty (logits processors)."""
+    top_k = min(50, vocab_size - 1)
+    return (
+        SamplingParams(),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, seed=0, logprobs=5),
+        SamplingParams(temperature=1.0, top_k=top_k, repetition_penalty=1.1)
+        if top_k > 0
+        else SamplingParams(temperature=1.0, repetition_penalty=1.1),
+    )
+
+
+def decode_sizes(max_batch_size: int, num_blocks: int, most: int = MAX_DECODE_SIZES) -> list[int]:
+    """1, 2, 4, ... and the limit itself: at most ``most`` sizes, each sequence a block of its
+    own (a pool of n blocks never runs more than n sequences)."""
+    cap = max(1, min(max_batch_size, num_blocks))
+    sizes = [1 << k for k in range(cap.bit_length()) if 1 << k < cap] + [cap]
+    if len(sizes) > most:
+        # Keep the smallest and the largest; thin out the middle evenly.
+        picks = {round(i * (len(sizes) - 1) / (most - 1)) for i in range(most)}
+        sizes = [s for i, s in enumerate(sizes) if i in picks]
+    return sizes
+
+
+def plan(
+    *,
+    block_size: int,
+    num_blocks: int,
+    max_batch_size: int,
+    max_step_tokens: int,
+    max_context: int,
+    vocab_size: int,
+) -> list[WarmupForward]:
+    """The warm-up steps for these limits; every block table stays inside the pool, and no two
+    sequences of one step write the same block."""
+    bs = block_size
+    sampling = samplers(vocab_size)
+
+    def tokens(n: int, salt: int) -> list[int]:
+        return [(salt + 7 * i) % vocab_size for i in range(n)]
+
+    def rows(n: int) -> tuple[SamplingParams, ...]:
+        return tuple(sampling[i % len(sampling)] for i in range(n))
+
+    def blocks(n_tokens: int) -> int:
+        return max(1, -(-n_tokens // bs))
+
+    steps: list[WarmupForward] = []
+    # A prefill chunk of the step size, from an empty context.
+    chunk = max(1, min(max_step_tokens, max_context - 1, num_blocks * bs))
+    steps.append(
+        WarmupForward((SeqInput(tokens(chunk, 1), list(range(blocks(chunk))), 0),), (), rows(1))
+    )
+    # Two prefill chunks in one padded batch: one continues a one-block context (an array
+    # mask, keys read from the pool), after a copy-on-write copy into its first block.
+    la, lb = max(2, chunk // 2 - 1), max(2, chunk // 4 + 1)
+    need_a, need_b = blocks(bs + la), blocks(lb)
+    if la + lb <= max_step_tokens and bs + la < max_context and need_a + need_b <= num_blocks:
+        table_a = list(range(need_a))
+        table_b = list(range(need_a, need_a + need_b))
+        steps.append(
+            WarmupForward(
+                (SeqInput(tokens(la, 2), table_a, bs), SeqInput(tokens(lb, 3), table_b, 0)),
+                ((table_b[-1], table_a[0]),),
+                rows(2),
+            )
+        )
+    # Decodes at growing batch sizes, contexts of different lengths (array masks).
+    for size in decode_sizes(max_batch_size, num_blocks):
+        per_seq = 2 if 2 * size <= num_blocks and max_context > 2 * bs else 1
+        span = per_seq * bs - 1  # context lengths 0..span-1 fit per_seq blocks with the new token
+        seqs = []
+        for i in range(size):
+            start = min((1 + 5 * i) % max(1, span), max_context - 1)
+            table = list(range(i * per_seq, i * per_seq + blocks(start + 1)))
+            seqs.append(SeqInput(tokens(1, 4 + i), table, start))
+        steps.append(WarmupForward(tuple(seqs), (), rows(size)))
+    return steps
+
+
+async def warm_up(
+    executor: ModelExecutor,
+    tokenizer: Any,
+    *,
+    max_batch_size: int,
+    max_step_tokens: int,
+    max_context: int,
+) -> WarmupReport:
+    """Run :func:`plan` for ``executor``'s pool through the executor's step path, then the
+    tokenizer and a streaming detokenizer. Raises whatever a forward raises: a worker whose
+    model cannot run its own shapes should not say it is ready."""
+    runner = executor.runner
+    t0 = time.perf_counter()
+    steps = plan(
+        block_size=runner.block_size,
+        num_blocks=runner.num_blocks,
+        max_batch_size=max_batch_size,
+        max_step_tokens=max_step_tokens,
+        max_context=max_context,
+        vocab_size=runner.spec.vocab_size,
+    )
+    for step in steps:
+        rows = [
+            (i, RowSampler(p), list(s.token_ids), s.end)
+            for i, (s, p) in enumerate(zip(step.inputs, step.samplers, strict=True))
+        ]
+        t = time.perf_counter()
+        await executor.run_batch(list(step.inputs), list(step.copies), rows)
+        log.debug(
+            "warm-up step: %d sequences x %d tokens in %.2f s",
+            len(step.inputs),
+            max(len(s.token_ids) for s in step.inputs),
+            time.perf_counter() - t,
+        )
+    _warm_tokenizer(tokenizer)
+    return WarmupReport(
+        seconds=time.perf_counter() - t0,
+        prefill_tokens=len(steps[0].inputs[0].token_ids),
+        decode_sizes=tuple(len(s.inputs) for s in steps if s.is_decode),
+        forwards=len(steps),
+    )
+
+
+def _warm_tokenizer(tokenizer: Any) -> None:
+    """What the servicer and the engine call per request: encode (text prompts), streaming
+    detokenization (every token), decode (logprob tokens). Only ids the tokenizer made itself:
+    a model's vocabulary may be padded past the tokenizer's."""
+    ids = [int(t) for t in tokenizer.encode(WARMUP_TEXT)]
+    stream = TextStream(tokenizer.detokenizer, ("\n\n",), False)
+    for token in ids:
+        stream.add(token)
+    stream.finish()
+    tokenizer.decode(ids[:8])
