@@ -118,6 +118,8 @@ class Result:
 async def one(
     client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int
 ) -> tuple[float, int]:
+    """TTFT and output tokens of one streamed completion. A connection refused or reset before
+    any response (mlx_lm.server's listen backlog is 5) is retried, its time counted in TTFT."""
     body = {
         "model": model,  # both servers take the path they were started with
         "prompt": prompt,
@@ -127,19 +129,36 @@ async def one(
         "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
+    for attempt in range(20):
+        try:
+            return await _stream(client, url, body, start)
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError) as e:
+            if getattr(e, "started", False) or attempt == 19:
+                raise
+            await asyncio.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+async def _stream(
+    client: httpx.AsyncClient, url: str, body: dict, start: float
+) -> tuple[float, int]:
     ttft: float | None = None
     tokens = 0
     async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: {r.status_code} {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
-                ttft = time.perf_counter() - start
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+        try:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+                    ttft = time.perf_counter() - start
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        except httpx.HTTPError as e:
+            e.started = True  # type: ignore[attr-defined]  # mid-stream: not retried
+            raise
     return (ttft if ttft is not None else time.perf_counter() - start), tokens
 
 
@@ -187,12 +206,12 @@ def run_server(name: str, model: Path, ws: list[Workload]) -> tuple[float, dict[
         port = 18090
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--port", str(port)]
         cmd += ["--log-level", "WARNING"]
-        ready = "/v1/models"
+        ready = "/health"
     else:
         port = 18000
         cmd = [sys.executable, "-m", "kvserve_launch", "--model", str(model)]
         cmd += ["--http-port", str(port), "--grpc-port", "18050", "--cache-port", "18051"]
-        cmd += ["--log-level", "WARNING"]
+        cmd += ["--log-level", "WARNING", "--startup-timeout-s", "900"]
         ready = "/health"
     proc = start_server(cmd, ready, port, env)
     try:
