@@ -35,7 +35,8 @@ if __name__ == "__main__":
         stream=sys.stderr,
     )
     blas = ensure_fast_blas()  # may re-exec this process with LD_PRELOAD set
-    log.info(describe(blas, measure_gflops()))
+    # On a GPU the CPU BLAS is not on the model's path: say so, and measure nothing.
+    log.info(describe(blas, measure_gflops() if blas.library or not blas.fast else None))
     try:
         asyncio.run(main(cfg))
         status = 0

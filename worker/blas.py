@@ -593,9 +593,10 @@ def measure_gflops(n: int = 512, repeats: int = 5) -> float:
 def describe(status: BlasStatus, gflops: float | None = None) -> str:
     """One log line: which BLAS, its build, threads, and how fast."""
     speed = f", fp32 matmul {gflops:.0f} GFLOPS" if gflops is not None else ""
+    if status.fast and not status.library:
+        return f"BLAS: not used ({status.detail})"
     if not status.fast or not status.library:
-        name = status.library or "MLX's reference BLAS"
-        return f"BLAS: {name} ({status.detail}){speed}"
+        return f"BLAS: MLX's reference BLAS ({status.detail}){speed}"
     config = library_config() if status.library != "Accelerate" else None
     threads = os.environ.get(status.threads_var or "", "") or "all cores"
     build = f", {config}" if config else ""

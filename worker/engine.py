@@ -344,7 +344,10 @@ class Engine:
                     await self._admit.wait()
             self._admit.clear()
             if not self._recovering:
-                await self._admit_pass()
+                try:
+                    await self._admit_pass()
+                except Exception:  # a bug must not stop admission silently for good
+                    log.exception("admission pass failed; retrying")
 
     async def _admit_pass(self) -> None:
         """Leases for waiting requests, oldest first. A request the pool cannot hold yet
@@ -414,7 +417,10 @@ class Engine:
                     self.client.lease_ttl_s,
                 )
                 due = time.monotonic()
-            await self._heartbeat_once()
+            try:
+                await self._heartbeat_once()
+            except Exception:  # a bug here would let the pool's liveness lapse: keep beating
+                log.exception("heartbeat failed; retrying at the next beat")
 
     async def _heartbeat_once(self) -> None:
         try:

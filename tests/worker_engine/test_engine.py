@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from kvserve_proto.worker.v1 import worker_pb2 as pb
-from tests.worker_engine.conftest import BS, System, generate, request
+from tests.worker_engine.conftest import BS, System, generate, request, started_system
 
 VOCAB = 256  # the byte range of the embedded model's vocabulary
 
@@ -170,3 +170,38 @@ async def test_text_prompt_and_info(system: System) -> None:
     info = await stub.GetInfo(pb.GetInfoRequest())
     assert info.model == "kvserve-tiny-llama" and info.num_blocks == 256
     assert info.block_size == BS and info.generated_tokens == 6
+
+
+async def test_a_failing_admission_or_heartbeat_recovers(model, reference) -> None:
+    """An unexpected exception (a bug, not a cache service answer) in one admission pass or
+    one heartbeat is logged and retried: neither loop may stop for good, silently."""
+    async with started_system(model, lease_ttl_s=2.0) as system:  # heartbeats every 0.5 s
+        stub = await system.add_worker(warmup=False)
+        engine = system.workers[0].engine
+        faults = {"acquire": 1, "heartbeat": 2}
+        calls = {"heartbeat": 0}
+
+        def failing(name: str):
+            real = getattr(engine.client, name)
+
+            async def call(*args, **kwargs):
+                calls[name] = calls.get(name, 0) + 1
+                if faults[name]:
+                    faults[name] -= 1
+                    raise RuntimeError(f"injected {name} bug")
+                return await real(*args, **kwargs)
+
+            return call
+
+        engine.client.acquire = failing("acquire")  # type: ignore[method-assign]
+        engine.client.heartbeat = failing("heartbeat")  # type: ignore[method-assign]
+        p = prompt(40, 50)
+        got = await generate(stub, request(p, max_tokens=8))
+        assert got["tokens"] == reference(p, 8)[0]
+        assert faults["acquire"] == 0
+        incarnation = engine.client.incarnation
+        while calls["heartbeat"] < 4:  # two failed beats, then two that went through
+            await asyncio.sleep(0.1)
+        assert engine.client.incarnation == incarnation  # the pool never lapsed
+        assert not any(t.done() for t in engine._tasks)
+        await system.check()
