@@ -266,11 +266,11 @@ def library_env(lib: BlasLibrary, base: Mapping[str, str]) -> dict[str, str]:
 # Runs in a child with the candidate preloaded. Prints one JSON line; any crash is the parent's
 # evidence. The tolerance is relative to the product's scale: a wrong kernel is off by O(1).
 _PROBE = r"""
-import json, sys, time
+import json, sys
 import numpy as np
 import mlx.core as mx
 sys.path.insert(0, sys.argv[2])
-from worker.blas import blas_provider, library_config
+from worker.blas import blas_provider, library_config, matmul_seconds
 
 provider = blas_provider()
 rng = np.random.default_rng(0)
@@ -285,13 +285,7 @@ for (m, k, n, ta, tb) in [(67, 129, 33, 0, 0), (256, 512, 384, 0, 1), (8, 512, 1
     worst = max(worst, float(np.abs(got - ref).max() / (np.abs(ref).max() + 1e-30)))
 flops, seconds = 0.0, 0.0
 for (m, k, n, reps) in [(256, 1024, 1024, 3), (8, 1024, 4096, 20)]:
-    a = mx.random.normal((m, k), key=mx.random.key(1))
-    b = mx.random.normal((k, n), key=mx.random.key(2))
-    mx.eval(a, b, a @ b)
-    start = time.perf_counter()
-    for _ in range(reps):
-        mx.eval(a @ b)
-    seconds += time.perf_counter() - start
+    seconds += matmul_seconds(m, k, n, reps) * reps
     flops += 2.0 * m * k * n * reps
 print(json.dumps({"provider": provider, "config": library_config(), "error": worst,
                   "gflops": flops / seconds / 1e9}))
@@ -575,19 +569,24 @@ def _warn(detail: str) -> BlasStatus:
     return BlasStatus(fast=False, library=None, detail=detail)
 
 
-def measure_gflops(n: int = 512, repeats: int = 5) -> float:
-    """fp32 matmul throughput of MLX's CPU backend in GFLOPS, for the startup log line."""
+def matmul_seconds(m: int, k: int, n: int, repeats: int) -> float:
+    """Seconds of one fp32 ``(m, k) @ (k, n)`` on MLX's CPU backend, averaged over
+    ``repeats`` after one untimed run."""
     import mlx.core as mx
 
     with mx.stream(mx.cpu):
-        a = mx.random.normal((n, n), key=mx.random.key(0))
-        b = mx.random.normal((n, n), key=mx.random.key(1))
+        a = mx.random.normal((m, k), key=mx.random.key(1))
+        b = mx.random.normal((k, n), key=mx.random.key(2))
         mx.eval(a, b, a @ b)
         start = time.perf_counter()
         for _ in range(repeats):
             mx.eval(a @ b)
-        elapsed = (time.perf_counter() - start) / repeats
-    return 2 * n**3 / elapsed / 1e9
+        return (time.perf_counter() - start) / repeats
+
+
+def measure_gflops(n: int = 512, repeats: int = 5) -> float:
+    """fp32 matmul throughput of MLX's CPU backend in GFLOPS, for the startup log line."""
+    return 2 * n**3 / matmul_seconds(n, n, n, repeats) / 1e9
 
 
 def describe(status: BlasStatus, gflops: float | None = None) -> str:
