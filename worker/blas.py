@@ -52,6 +52,7 @@ import os
 import platform
 import shlex
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -141,14 +142,60 @@ def _site_dirs() -> list[Path]:
     return seen
 
 
-def _needs_gfortran(lib_path: str) -> bool:
-    """True if ``lib_path`` lists libgfortran.so.5 among its dependencies (ELF DT_NEEDED)."""
+def needed_libraries(lib_path: str) -> list[str]:
+    """The DT_NEEDED entries of a 64-bit little-endian ELF shared object (x86-64, arm64), read
+    from its dynamic section; [] for a file that is not one, or a bare soname of a system
+    library (whose dependencies are installed). The dynamic string table is found through the
+    program headers, not by position: patchelf (auditwheel) moves it to the end of the file."""
     try:
         with open(lib_path, "rb") as f:
-            head = f.read(8 << 20)  # .dynstr sits in the first loadable segment
+            data = f.read()
     except OSError:
-        return False  # a bare soname of a system library: its dependencies are installed
-    return b"libgfortran.so.5" in head
+        return []
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return []
+    phoff, phentsize, phnum = (
+        struct.unpack_from("<Q", data, 0x20)[0],
+        *struct.unpack_from("<HH", data, 0x36),
+    )
+    loads, dynamic = [], None
+    for k in range(phnum):
+        p_type, _, p_offset, p_vaddr, _, p_filesz = struct.unpack_from(
+            "<IIQQQQ", data, phoff + k * phentsize
+        )
+        if p_type == 1:  # PT_LOAD
+            loads.append((p_vaddr, p_offset, p_filesz))
+        elif p_type == 2:  # PT_DYNAMIC
+            dynamic = (p_offset, p_filesz)
+    if dynamic is None:
+        return []
+    needed, strtab = [], None
+    for off in range(dynamic[0], dynamic[0] + dynamic[1] - 15, 16):
+        tag, value = struct.unpack_from("<qQ", data, off)
+        if tag == 0:  # DT_NULL
+            break
+        if tag == 1:  # DT_NEEDED: an offset into the string table
+            needed.append(value)
+        elif tag == 5:  # DT_STRTAB: a virtual address
+            strtab = next((o + value - v for v, o, n in loads if v <= value < v + n), None)
+    if strtab is None:
+        return []
+    return [data[strtab + n : data.index(b"\0", strtab + n)].decode() for n in needed]
+
+
+def _needs_gfortran(lib_path: str) -> bool:
+    """True if ``lib_path`` lists libgfortran.so.5 among its dependencies."""
+    return "libgfortran.so.5" in needed_libraries(lib_path)
+
+
+def _vendored_dirs(lib_path: str) -> tuple[str, ...]:
+    """The library's own directory when a dependency of it lies there: wheels vendor their
+    dependencies next to the library under hashed names (``aoclda.libs/libomp-75ed4440.so``)
+    and not every library finds them through an RPATH."""
+    folder = Path(lib_path).parent
+    if any((folder / name).exists() for name in needed_libraries(lib_path)):
+        return (str(folder),)
+    return ()
 
 
 def _gfortran_shim_dirs() -> tuple[str, ...] | None:
@@ -186,15 +233,17 @@ def _cache_dir() -> Path:
         return fallback
 
 
-def _with_dependencies(name: str, path: str) -> BlasLibrary | None:
-    """The library with what its dependencies need (libgfortran), or None when unmet."""
-    dirs: tuple[str, ...] = ()
+def _with_dependencies(name: str, path: str, threads_var: str = "") -> BlasLibrary | None:
+    """The library with the directories its dependencies need (vendored next to it, or
+    libgfortran), or None when one cannot be met."""
+    dirs = _vendored_dirs(path)
+    threads_var = threads_var or _threads_var_for(path)
     if _needs_gfortran(path):
         shim = _gfortran_shim_dirs()
         if shim is None:
             return None
-        dirs = shim
-    return BlasLibrary(name, path, dirs)
+        dirs = (*dirs, *shim)
+    return BlasLibrary(name, path, dirs, threads_var=threads_var)
 
 
 def candidates() -> list[BlasLibrary]:
@@ -211,14 +260,7 @@ def candidates() -> list[BlasLibrary]:
     for site in sites:
         blis = sorted(glob.glob(str(site / "aoclda.libs" / "libblis-mt-*.so*")))
         if blis:
-            found.append(
-                BlasLibrary(
-                    "aocl-blis",
-                    blis[0],
-                    (str(site / "aoclda.libs"),),
-                    threads_var="BLIS_NUM_THREADS",
-                )
-            )
+            found.append(_with_dependencies("aocl-blis", blis[0]))
             break
     for site in sites:
         cmeel = site / "cmeel.prefix" / "lib" / "libopenblas.so.0"
@@ -517,16 +559,14 @@ def _gpu_available() -> bool:
         return False
 
 
-def _threads_var(path: str) -> str | None:
-    for lib in candidates():
-        if os.path.realpath(lib.path) == path or Path(lib.path).name in Path(path).name:
-            return lib.threads_var
+def _threads_var_for(path: str) -> str:
+    """The variable that sets the threads of the BLAS in file ``path``, by its kind."""
     name = Path(path).name
     if "blis" in name:
         return "BLIS_NUM_THREADS"
     if "mkl" in name:
         return "MKL_NUM_THREADS"
-    return "OPENBLAS_NUM_THREADS" if "openblas" in name else None
+    return "OPENBLAS_NUM_THREADS"
 
 
 def ensure_fast_blas() -> BlasStatus:
@@ -540,7 +580,7 @@ def ensure_fast_blas() -> BlasStatus:
         return BlasStatus(fast=True, library="Accelerate", detail="macOS: MLX uses Accelerate")
     loaded = blas_provider()
     if loaded:
-        return BlasStatus(True, loaded, "preloaded", _threads_var(loaded))
+        return BlasStatus(True, loaded, "preloaded", _threads_var_for(loaded))
     if os.environ.get(DISABLE_ENV) == "0":
         return BlasStatus(False, None, f"disabled by {DISABLE_ENV}=0")
     if _gpu_available():

@@ -264,3 +264,46 @@ def _config(path: str) -> str:
     lib = next(c for c in blas.candidates() if c.path == path)
     code = "from worker.blas import library_config; print(library_config())"
     return _python(library_env(lib, _clean_env()), "-c", code).stdout
+
+
+@linux
+def test_an_explicit_library_finds_its_vendored_dependencies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Wheels vendor a library's dependencies next to it under hashed names, with no RPATH
+    (aoclda.libs/libomp-75ed4440.so): KVSERVE_BLAS_LIB pointing there must still load. The
+    names come from the ELF dynamic section, wherever patchelf moved its string table."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler")
+    (tmp_path / "dep.c").write_text("int vendored_dep(void) { return 7; }\n")
+    (tmp_path / "user.c").write_text(
+        "int vendored_dep(void); int user(void) { return vendored_dep(); }\n"
+    )
+    dep = tmp_path / "libdep-0123abcd.so"
+    user = tmp_path / "libuser.so"
+    soname = f"-Wl,-soname,{dep.name}"  # as auditwheel names a vendored copy
+    subprocess.run(
+        [cc, "-shared", "-fPIC", soname, "-o", str(dep), str(tmp_path / "dep.c")], check=True
+    )
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-o", str(user), str(tmp_path / "user.c"), str(dep)],
+        check=True,
+    )
+    assert dep.name in blas.needed_libraries(str(user))
+    assert blas.needed_libraries(str(tmp_path / "dep.c")) == []  # not an ELF file
+    monkeypatch.setenv("KVSERVE_BLAS_LIB", str(user))
+    (lib,) = blas.candidates()
+    assert lib.library_dirs == (str(tmp_path),)
+    env = library_env(lib, _clean_env())
+    done = _python(env, "-c", "import ctypes; print(ctypes.CDLL(None).user())")
+    assert done.returncode == 0 and done.stdout.strip() == "7", done.stderr
+
+
+@linux
+def test_every_candidate_found_here_is_described_completely():
+    """Each candidate's own dependencies resolve (the probe's child can load it)."""
+    for lib in blas.candidates():
+        env = library_env(lib, _clean_env())
+        done = _python(env, "-c", "pass")
+        assert done.returncode == 0, (lib, done.stderr)
