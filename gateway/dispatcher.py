@@ -8,6 +8,12 @@ another worker would produce a second, different continuation. So a worker that 
 reached (UNAVAILABLE) or has no room (RESOURCE_EXHAUSTED) before its first chunk is skipped
 for the next candidate of the route decision; after the first chunk its error ends the
 sequence.
+
+Only UNAVAILABLE marks a worker unhealthy: the channel could not reach it (or it is shutting
+down). A worker that answers is up, whatever it answers: INTERNAL (a bug hit one request),
+INVALID_ARGUMENT or RESOURCE_EXHAUSTED end or redirect that request, never the worker's turn
+in the rotation. INTERNAL does not fail over either: the same model on another worker would
+most likely fail the same way.
 """
 
 from __future__ import annotations

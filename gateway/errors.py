@@ -7,9 +7,12 @@ reads the same on either edge.
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import grpc
+
+log = logging.getLogger(__name__)
 
 
 class GatewayError(Exception):
@@ -75,6 +78,12 @@ class UpstreamError(GatewayError):
     """A worker or the cache service failed in a way the client cannot fix."""
 
 
+class UpstreamInternalError(UpstreamError):
+    """A worker (or the cache service) answered INTERNAL: a bug hit this one request, the
+    server is up. HTTP 500; no fail-over and no health mark (only a worker that cannot be
+    reached is marked). The details stay in the gateway's log."""
+
+
 class ErrorMapping(NamedTuple):
     http_status: int
     openai_type: str
@@ -94,6 +103,7 @@ ERROR_TABLE: dict[type[GatewayError], ErrorMapping] = {
     NoWorkerAvailable: ErrorMapping(503, "service_unavailable", grpc.StatusCode.UNAVAILABLE),
     WorkerUnavailable: ErrorMapping(503, "service_unavailable", grpc.StatusCode.UNAVAILABLE),
     RequestAborted: ErrorMapping(503, "service_unavailable", grpc.StatusCode.ABORTED),
+    UpstreamInternalError: ErrorMapping(500, "server_error", grpc.StatusCode.INTERNAL),
     UpstreamError: ErrorMapping(502, "server_error", grpc.StatusCode.INTERNAL),
 }
 INTERNAL = ErrorMapping(500, "server_error", grpc.StatusCode.INTERNAL)
@@ -125,6 +135,8 @@ def error_body(err: BaseException) -> tuple[int, dict[str, dict[str, object]]]:
 
 
 # Upstream gRPC status -> the gateway error a client sees (worker and cache service calls).
+# Only WorkerUnavailable (UNAVAILABLE: the channel could not reach the worker, or it is shutting
+# down) marks a worker unhealthy; see gateway.dispatcher.
 FROM_GRPC: dict[grpc.StatusCode, type[GatewayError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
     grpc.StatusCode.OUT_OF_RANGE: InvalidRequest,
@@ -135,6 +147,7 @@ FROM_GRPC: dict[grpc.StatusCode, type[GatewayError]] = {
     grpc.StatusCode.UNAVAILABLE: WorkerUnavailable,
     grpc.StatusCode.ABORTED: RequestAborted,
     grpc.StatusCode.FAILED_PRECONDITION: UpstreamError,
+    grpc.StatusCode.INTERNAL: UpstreamInternalError,
 }
 
 
@@ -145,4 +158,7 @@ def from_rpc_error(err: grpc.aio.AioRpcError, what: str) -> GatewayError:
     cls = FROM_GRPC.get(code, UpstreamError)
     if cls in (InvalidRequest, NotFound, Unauthorized):
         return cls(details)
+    if cls is UpstreamInternalError:
+        log.warning("%s: INTERNAL: %s", what, details)
+        return cls("The server had an internal error while processing the request.")
     return cls(f"{what}: {code.name}: {details}")

@@ -6,7 +6,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvcache_service.errors import FencedIncarnation, InvalidArgument, UnknownPool
+from kvcache_service.errors import (
+    FencedIncarnation,
+    InvalidArgument,
+    UnknownPool,
+    UnregisteredPool,
+)
 from kvcache_service.ids import BlockId, LeaseId, Namespace, PoolId, Tokens
 from kvcache_service.leases import Deferral, Grant
 from kvcache_service.pool import Lookup, PoolSpec, PoolState
@@ -192,7 +197,9 @@ class CacheAuthority:
     def _pool(self, pool_id: PoolId, incarnation: int) -> PoolState:
         """The caller's pool, fenced by incarnation; the call renews its liveness."""
         self.expire_due()
-        pool = self.get_pool(pool_id)
+        pool = self.pools.get(pool_id)
+        if pool is None:
+            raise UnregisteredPool(f"pool {pool_id!r} is not registered; register it")
         if incarnation != pool.incarnation:
             raise FencedIncarnation(
                 f"pool {pool_id!r} incarnation {incarnation} is fenced off "

@@ -9,21 +9,31 @@ class InvalidArgument(CacheError):
     """The request itself is malformed: empty or negative tokens, bad sizes."""
 
 
-class UnknownPool(InvalidArgument):
-    """No pool registered under that id."""
+class NotFound(CacheError):
+    """An admin target (a pool, a prefix to pin, unpin or evict) is not there."""
+
+
+class UnknownPool(NotFound):
+    """An admin call names a pool that is not registered."""
 
 
 class UnknownLease(CacheError):
     """The lease does not exist: never granted, released, or expired."""
 
 
-class FencedIncarnation(CacheError):
+class MustRegister(CacheError):
+    """A pool's call cannot be served until the pool registers (again): every lease it held
+    is void. The one answer a worker acts on by re-registering (FAILED_PRECONDITION), whichever
+    of the two reasons below it is."""
+
+
+class UnregisteredPool(MustRegister):
+    """A worker's call names a pool this service does not know: it restarted and forgot it."""
+
+
+class FencedIncarnation(MustRegister):
     """The caller names an incarnation older than the pool's current one."""
 
 
 class OutOfBlocks(CacheError):
     """Not enough free or evictable blocks, even after eviction. Queue and retry."""
-
-
-class NotFound(CacheError):
-    """An admin target (a prefix to pin, unpin or evict) is not in the index."""

@@ -18,8 +18,8 @@ from kvcache_service import convert
 from kvcache_service.authority import CacheAuthority, as_tokens
 from kvcache_service.errors import (
     CacheError,
-    FencedIncarnation,
     InvalidArgument,
+    MustRegister,
     NotFound,
     OutOfBlocks,
     UnknownLease,
@@ -30,12 +30,15 @@ from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+# What each code means to the caller, so a client acts on the code and never parses details:
+# FAILED_PRECONDITION is "register (again)": the pool is unknown (this service restarted) or
+# the call's incarnation is fenced off; every lease of the caller is void either way.
 STATUS_OF: dict[type[CacheError], grpc.StatusCode] = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,  # includes UnknownPool
-    UnknownLease: grpc.StatusCode.NOT_FOUND,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    FencedIncarnation: grpc.StatusCode.FAILED_PRECONDITION,
-    OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,  # a bug or bad input: do not retry
+    UnknownLease: grpc.StatusCode.NOT_FOUND,  # the lease expired or was released
+    NotFound: grpc.StatusCode.NOT_FOUND,  # an admin target (pool, prefix) is not there
+    MustRegister: grpc.StatusCode.FAILED_PRECONDITION,  # unregistered pool, fenced incarnation
+    OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,  # queue and retry
 }
 
 Req = TypeVar("Req")

@@ -22,6 +22,14 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from worker.errors import (
+    CacheRejected,
+    Cancelled,
+    InvalidRequest,
+    ShuttingDown,
+    StepFailed,
+    WorkerError,
+)
 from worker.executor import ModelExecutor
 from worker.lease_client import (
     CacheUnavailable,
@@ -34,7 +42,7 @@ from worker.lease_client import (
     PoolRegistration,
     Rejected,
 )
-from worker.sampling import InvalidRequest, RowSampler, SamplingParams
+from worker.sampling import RowSampler, SamplingParams
 from worker.scheduler import Scheduler, Step
 from worker.sequence import Finish, Sequence, Status, StreamEvent, TextStream
 from worker.step_budget import StepBudget
@@ -107,7 +115,7 @@ class Engine:
         for task in self._tasks:
             task.cancel()
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            self._end(seq, Finish.ABORT, "worker shutting down")
+            self._end(seq, ShuttingDown("the worker is shutting down"))
         if self._extension is not None:
             self._extension.cancel()
         await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
@@ -190,17 +198,19 @@ class Engine:
     def abort(self, seq: Sequence) -> None:
         """Client went away: drop the request, release what it holds."""
         if seq.status is not Status.FINISHED:
-            self._end(seq, Finish.ABORT, "")
+            self._end(seq, Cancelled("cancelled by the client"))
 
-    def _end(self, seq: Sequence, finish: Finish, error: str) -> None:
-        seq.aborted = finish is Finish.ABORT
+    def _end(self, seq: Sequence, error: WorkerError) -> None:
+        """Ends a request that did not finish: releases its lease (publishing the tokens whose
+        KV it wrote, seq.num_computed) and streams the typed reason."""
+        seq.aborted = True
         was_running = seq.lease is not None
         self.scheduler.remove(seq)
         if was_running:
             self._release(seq)
         if seq.status is not Status.FINISHED:
             seq.status = Status.FINISHED
-            seq.out.put_nowait(StreamEvent([], "", [], finish, error))
+            seq.out.put_nowait(StreamEvent([], "", [], Finish.ABORT, error))
 
     # -- the step loop ------------------------------------------------------------------------
 
@@ -213,9 +223,8 @@ class Engine:
                     try:
                         await self._run_step(step)
                     except Exception as err:  # a bug must not wedge every other request
-                        log.exception("step failed; aborting its %d requests", len(step.items))
-                        for item in step.items:
-                            self._end(item.seq, Finish.ABORT, f"internal error: {err}")
+                        log.exception("step failed; ending its %d requests", len(step.items))
+                        self._fail_step(step, err)
                     continue
             self._work.clear()
             await self._work.wait()
@@ -225,10 +234,27 @@ class Engine:
         self.budget.observe(took)
         finished = self.scheduler.postprocess(step, sampled)
         self._account(step, sampled)
+        # Publishing comes last, once nothing of the step can raise any more: a step that
+        # fails before this line has sent no commit, and _fail_step releases without its KV.
         self._commit_prefill(step)
         for seq in finished:
             self.stats.requests_finished += 1
             self._release(seq)
+
+    def _fail_step(self, step: Step, err: Exception) -> None:
+        """A step raised (a model bug, bad logits, a bookkeeping bug): its requests end with
+        INTERNAL, every other request and the worker go on. Whatever the step wrote to the
+        pool (all, some, or wrong K/V) is never published: each sequence is rolled back to
+        the tokens computed before the step, so its release commits only blocks earlier steps
+        wrote, and the step's blocks go back to the free list unindexed. Without the rollback,
+        a failure after postprocess (which advances num_computed) made the release commit the
+        failed step's blocks, and later requests reused them."""
+        error = StepFailed(f"internal error in a model step: {type(err).__name__}: {err}")
+        for item in step.items:
+            seq = item.seq
+            if seq.lease is not None and seq.lease.lease_id == item.lease_id:
+                seq.num_computed = min(seq.num_computed, item.start)
+            self._end(seq, error)
 
     def _account(self, step: Step, sampled: list) -> None:
         self.stats.steps += 1
@@ -370,7 +396,7 @@ class Engine:
             except NoRoom:
                 return
             except Rejected as err:
-                self._end(seq, Finish.ABORT, f"cache service rejected the request: {err}")
+                self._end(seq, CacheRejected(f"the cache service rejected the lease: {err}"))
                 continue
             except LeaseError as err:
                 self._on_lease_error(err)

@@ -1,13 +1,43 @@
-"""Typed errors of the worker core; the servicer maps them to gRPC status codes in one table."""
+"""Typed errors of the worker core; the servicer maps them to gRPC status codes in one table
+(``worker.servicer.STATUS_OF``)."""
 
 
 class WorkerError(Exception):
     """Base class of every error the worker core raises on bad input or configuration."""
 
 
+# -- how a request ends when it does not finish (each has one status code) ----------------------
+
+
+class InvalidRequest(WorkerError, ValueError):
+    """A request the worker refuses: INVALID_ARGUMENT, before it holds any block."""
+
+
+class Cancelled(WorkerError):
+    """The client cancelled the call or went away (CANCELLED; nobody reads the answer)."""
+
+
+class ShuttingDown(WorkerError):
+    """The worker is stopping: try another worker (UNAVAILABLE)."""
+
+
+class StepFailed(WorkerError):
+    """A model step raised: a bug, not the request's fault. Its requests end with INTERNAL and
+    the worker keeps serving; nothing the step wrote is published to the cache."""
+
+
+class CacheRejected(WorkerError):
+    """The cache service refused the request's lease as malformed (INVALID_ARGUMENT there): the
+    worker validated it first, so this is a worker bug (INTERNAL)."""
+
+
+# -- errors of the model path and of startup -----------------------------------------------------
+
+
 class BatchError(WorkerError, ValueError):
     """A forward batch is malformed: empty input, a block table that does not cover the
-    sequence, a block id outside the pool, two sequences writing one slot (INVALID_ARGUMENT)."""
+    sequence, a block id outside the pool, two sequences writing one slot. The engine builds
+    every batch itself, so inside a step this is a bug: the step fails (StepFailed)."""
 
 
 class PoolConfigError(WorkerError, ValueError):

@@ -28,7 +28,8 @@ class NoRoom(LeaseError):
 
 
 class Fenced(LeaseError):
-    """The pool is unknown or our incarnation is fenced: register again.
+    """FAILED_PRECONDITION: the pool is unknown (the service restarted) or our incarnation is
+    fenced: register again.
 
     `incarnation` is the one the call was made with. An answer to a call sent before the latest
     registration is stale: the pool has already registered again, and must not do it twice.
@@ -80,18 +81,23 @@ class PoolRegistration:
     dtype: str
 
 
+# The cache service's codes (kvcache.proto) -> what the engine does about them. Decided by the
+# code alone: details are for logs, never parsed.
+_ERROR_OF: dict[grpc.StatusCode, type[LeaseError]] = {
+    grpc.StatusCode.RESOURCE_EXHAUSTED: NoRoom,
+    grpc.StatusCode.FAILED_PRECONDITION: Fenced,
+    grpc.StatusCode.NOT_FOUND: LeaseLost,
+    grpc.StatusCode.INVALID_ARGUMENT: Rejected,
+}
+
+
 def _translate(err: grpc.aio.AioRpcError, incarnation: int) -> LeaseError:
     code, details = err.code(), err.details() or ""
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return NoRoom(details)
-    if code == grpc.StatusCode.FAILED_PRECONDITION or (
-        code == grpc.StatusCode.INVALID_ARGUMENT and "unknown pool" in details
-    ):
+    cls = _ERROR_OF.get(code)
+    if cls is Fenced:
         return Fenced(details, incarnation)
-    if code == grpc.StatusCode.NOT_FOUND:
-        return LeaseLost(details)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return Rejected(details)
+    if cls is not None:
+        return cls(details)
     return CacheUnavailable(f"{code.name}: {details}")
 
 

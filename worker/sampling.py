@@ -14,14 +14,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from worker.errors import WorkerError
+from worker.errors import InvalidRequest
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
-
-
-class InvalidRequest(WorkerError, ValueError):
-    """A request the worker refuses: INVALID_ARGUMENT, before it holds any block."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from worker.errors import WorkerError
 from worker.lease_client import Lease
 from worker.sampling import RowSampler, Sampled, SamplingParams
 
@@ -20,18 +21,19 @@ class Status(enum.Enum):
 class Finish(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
-    ABORT = "abort"
+    ABORT = "abort"  # ended by the worker or the client; the event's error says why
 
 
 @dataclass(slots=True)
 class StreamEvent:
-    """What the Generate handler sends: new tokens and text, or the end."""
+    """What the Generate handler sends: new tokens and text, or the end. An ABORT carries the
+    typed reason; the servicer turns it into a status code (worker.servicer.STATUS_OF)."""
 
     token_ids: list[int]
     text: str
     logprobs: list[Sampled]
     finish: Finish | None = None
-    error: str = ""
+    error: WorkerError | None = None
 
 
 class TextStream:

@@ -1,7 +1,8 @@
 """worker.v1.Worker over gRPC: Generate (server streaming) and GetInfo.
 
 Bad input is answered INVALID_ARGUMENT before the request holds any block. A client that
-goes away (cancellation, disconnect) aborts the request and releases its lease.
+goes away (cancellation, disconnect) aborts the request and releases its lease. Every other
+way a request ends early is a typed error (worker.errors) that STATUS_OF turns into a code.
 """
 
 from __future__ import annotations
@@ -15,10 +16,40 @@ import grpc
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker.engine import Engine
-from worker.sampling import InvalidRequest, SamplingParams
+from worker.errors import (
+    CacheRejected,
+    Cancelled,
+    InvalidRequest,
+    ShuttingDown,
+    StepFailed,
+    WorkerError,
+)
+from worker.sampling import SamplingParams
 from worker.sequence import Finish, Sequence, StreamEvent
 
 log = logging.getLogger(__name__)
+
+# How a request that does not finish ends, as the status code its caller acts on. The gateway
+# fails over on UNAVAILABLE (and marks the worker unhealthy) and on RESOURCE_EXHAUSTED; anything
+# else ends the request there. So one request's failure must never read UNAVAILABLE: a step
+# that raised is INTERNAL, and the worker keeps serving. There is no RESOURCE_EXHAUSTED row:
+# a request the pool cannot hold yet waits in the queue (admission control), it is not refused.
+STATUS_OF: dict[type[WorkerError], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    Cancelled: grpc.StatusCode.CANCELLED,
+    ShuttingDown: grpc.StatusCode.UNAVAILABLE,
+    StepFailed: grpc.StatusCode.INTERNAL,
+    CacheRejected: grpc.StatusCode.INTERNAL,
+}
+
+
+def status_of(err: WorkerError) -> grpc.StatusCode:
+    """The table's code for ``err`` (its most specific class); INTERNAL for anything else."""
+    for cls in type(err).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]
+    return grpc.StatusCode.INTERNAL
+
 
 FINISH_REASON = {
     Finish.STOP: pb.FINISH_REASON_STOP,
@@ -74,15 +105,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 request.namespace,
             )
         except InvalidRequest as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            await context.abort(status_of(err), str(err))
             return
         self.engine.submit(seq)
         done = False
         try:
             while not done:
                 event = await seq.out.get()
-                if event.error:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
+                if event.error is not None:
+                    await context.abort(status_of(event.error), str(event.error))
                 done = event.finish is not None
                 yield self._response(seq, event)
         finally:

@@ -30,9 +30,10 @@ class Behaviour:
     """What the fake does on Generate; tests change it between requests."""
 
     delay_s: float = 0.0
-    # Abort every Generate with this status before any output.
+    # Abort every Generate with this status, after `fail_after` tokens (0: before any output).
     fail_with: grpc.StatusCode | None = None
     fail_message: str = "fake failure"
+    fail_after: int = 0
 
 
 @dataclass
@@ -112,7 +113,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
     async def Generate(self, request, context):
         self.record.requests.append(request)
         b = self.behaviour
-        if b.fail_with is not None:
+        if b.fail_with is not None and not b.fail_after:
             await context.abort(b.fail_with, b.fail_message)
         prompt = list(request.prompt_token_ids.ids)
         lease = await self._acquire(request, prompt)
@@ -123,6 +124,8 @@ class FakeWorker(pb_grpc.WorkerServicer):
             limit = request.sampling.max_tokens or len(OUTPUT)
             n = min(limit, len(OUTPUT))
             for i in range(n):
+                if b.fail_with is not None and i == b.fail_after:
+                    await context.abort(b.fail_with, b.fail_message)
                 if b.delay_s:
                     await asyncio.sleep(b.delay_s)
                 token = ord(OUTPUT[i])

@@ -229,6 +229,54 @@ async def test_worker_errors_map_to_http(stack: Stack):
     assert resp.json()["error"]["message"] == "the prompt does not fit this pool"
 
 
+async def test_an_internal_error_is_500_and_the_worker_stays_in_rotation(stack: Stack):
+    """A worker that answers INTERNAL (a bug hit one request) is up: the request fails with an
+    OpenAI-shaped 500, without fail-over, and the worker is not marked unhealthy."""
+    for w in stack.workers:
+        w.behaviour.fail_with = grpc.StatusCode.INTERNAL
+        w.behaviour.fail_message = "internal error in a model step: RuntimeError: boom"
+    resp = await stack.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert resp.status_code == 500
+    error = resp.json()["error"]
+    assert error["type"] == "server_error" and "boom" not in error["message"]
+    assert sum(len(w.record.requests) for w in stack.workers) == 1  # no fail-over
+    assert not stack.gateway.gateway.directory.unhealthy
+    health = (await stack.http.get("/health")).json()
+    assert all(w["healthy"] for w in health["workers"])
+
+    # Mid-stream (a step failed while decoding): the stream ends with an error event; the
+    # worker still is not marked.
+    for w in stack.workers:
+        w.behaviour.fail_after = 2
+    body = {"prompt": "x", "max_tokens": 8, "stream": True}
+    async with stack.http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        events = [
+            json.loads(line[6:])
+            for line in [ln async for ln in resp.aiter_lines()]
+            if line.startswith("data: {")
+        ]
+    assert events[-1]["error"]["type"] == "server_error"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == OUTPUT[:2]
+    assert not stack.gateway.gateway.directory.unhealthy
+
+    for w in stack.workers:
+        w.behaviour.fail_with = None
+    resp = await stack.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert resp.status_code == 200
+
+    # A gRPC client of the gateway gets INTERNAL too.
+    for w in stack.workers:
+        w.behaviour.fail_with, w.behaviour.fail_after = grpc.StatusCode.INTERNAL, 0
+    async with grpc.aio.insecure_channel(stack.gateway.grpc_address) as channel:
+        req = pb.GenerateRequest(prompt_text="x", sampling=pb.SamplingParams(max_tokens=2))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in pb_grpc.WorkerStub(channel).Generate(req):
+                pass
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert not stack.gateway.gateway.directory.unhealthy
+
+
 async def test_stream_disconnect_cancels_the_worker_request(stack: Stack):
     for w in stack.workers:
         w.behaviour.delay_s = 0.05

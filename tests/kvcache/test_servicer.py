@@ -168,8 +168,16 @@ async def test_error_codes(client: Client) -> None:
     code = grpc.StatusCode
     await expect_code(code.INVALID_ARGUMENT, client.acquire(pool, [1, -2, 3]))
     await expect_code(code.INVALID_ARGUMENT, client.acquire(pool, []))
+    # A pool the service does not know (it restarted): register again, a code, not a message.
     ghost = pb.PoolRef(pool_id="nope", incarnation=pool.incarnation)
-    assert "unknown pool" in await expect_code(code.INVALID_ARGUMENT, client.acquire(ghost, [1]))
+    await expect_code(code.FAILED_PRECONDITION, client.acquire(ghost, [1]))
+    await expect_code(
+        code.FAILED_PRECONDITION, client.kv.Heartbeat(pb.HeartbeatRequest(pool=ghost))
+    )
+    # An admin call naming an unknown pool: its target is not there.
+    await expect_code(
+        code.NOT_FOUND, client.admin.GetStats(pb.StatsRequest(pool_id="nope"), metadata=AUTH)
+    )
     await expect_code(code.INVALID_ARGUMENT, client.register("bad", num_blocks=0))
     await expect_code(code.INVALID_ARGUMENT, client.register("bad", block_size=0))
     release = pb.ReleaseLeaseRequest(pool=pool, lease_id=12345)
@@ -281,7 +289,7 @@ async def test_admin_operations(client: Client) -> None:
     stats = (await client.admin.GetStats(pb.StatsRequest(), metadata=AUTH)).pools[0]
     assert stats.free_blocks == 32 and stats.evicted_blocks == 6
     await expect_code(
-        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
         client.admin.InspectTree(pb.InspectTreeRequest(pool_id="nope"), metadata=AUTH),
     )
 
