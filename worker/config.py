@@ -42,6 +42,9 @@ class WorkerConfig:
     # Run the engine's shapes once before registering, so no request pays for first-use
     # kernel compilation and allocation (worker.warmup).
     warmup: bool = True
+    # Check the paged path against mlx-lm's dense path on a small batch at startup and refuse a
+    # model whose logits differ (worker.self_check).
+    self_check: bool = True
     log_level: str = "INFO"
 
     @classmethod
@@ -95,6 +98,11 @@ class WorkerConfig:
         p.add_argument(
             "--warmup", action=argparse.BooleanOptionalAction, default=env_on("WARMUP", d.warmup)
         )
+        p.add_argument(
+            "--self-check",
+            action=argparse.BooleanOptionalAction,
+            default=env_on("SELF_CHECK", d.self_check),
+        )
         p.add_argument("--log-level", default=env("LOG_LEVEL", d.log_level))
         a = p.parse_args(argv)
         if a.block_size < 1:
@@ -121,6 +129,7 @@ class WorkerConfig:
             extend_ahead_tokens=a.extend_ahead_tokens,
             prefix_caching=not a.no_prefix_caching,
             warmup=a.warmup,
+            self_check=a.self_check,
             log_level=a.log_level,
         )
 

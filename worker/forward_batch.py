@@ -62,6 +62,7 @@ class ForwardBatch:
         "ends",
         "key_blocks",
         "last_index",
+        "mask_rank",
         "offset",
         "query_len",
         "query_lens",
@@ -75,9 +76,14 @@ class ForwardBatch:
         "write_slots",
     )
 
-    def __init__(self, seqs: Sequence[SeqInput], block_size: int, num_blocks: int) -> None:
+    def __init__(
+        self, seqs: Sequence[SeqInput], block_size: int, num_blocks: int, mask_rank: int = 4
+    ) -> None:
         if not seqs:
             raise BatchError("a forward needs at least one sequence")
+        self.mask_rank = mask_rank
+        """Dims of an array mask: 4 ``[B, 1, N, L]``, 5 ``[B, 1, 1, N, L]`` for models that
+        apply it to grouped-query scores ``[B, kv_heads, rep, N, L]`` (``ModelSpec.mask_rank``)."""
         self.block_size = bs = block_size
         self.trash_block = num_blocks
         self.size = len(seqs)
@@ -143,7 +149,8 @@ class ForwardBatch:
         return self.query_len == 1
 
     def mask(self, window_size: int | None = None, return_array: bool = False) -> Any:
-        """The attention mask for mlx-lm: None, "causal" or bool ``[B, 1, N, L]``.
+        """The attention mask for mlx-lm: None, "causal" or bool ``[B, 1, N, L]`` (``[B, 1, 1,
+        N, L]`` at ``mask_rank`` 5).
 
         A sliding window (gemma3's local layers) is applied here: its blocks stay in the pool
         and are gathered, the mask hides what is outside the window.
@@ -165,7 +172,9 @@ class ForwardBatch:
         allowed = k_pos <= q_pos[:, :, None]
         if window_size is not None:
             allowed &= k_pos > q_pos[:, :, None] - window_size
-        return mx.array(allowed[:, None])
+        return mx.array(
+            allowed.reshape(self.size, *(1,) * (self.mask_rank - 3), *allowed.shape[1:])
+        )
 
     def block_rows(self, n_kv_heads: int, blocks_per_head: int) -> mx.array:
         """Row ids ``[B * heads, key_blocks]`` into a pool viewed as ``[heads * blocks_per_head,

@@ -115,7 +115,7 @@ class ModelRunner:
 
     def _run(self, seqs: Sequence[SeqInput]) -> tuple[ForwardBatch, mx.array]:
         self._check_tokens(seqs)
-        batch = ForwardBatch(seqs, self.pool.block_size, self.pool.num_blocks)
+        batch = ForwardBatch(seqs, self.pool.block_size, self.pool.num_blocks, self.spec.mask_rank)
         caches = [
             PagedLayerCache(batch, self.pool, layer, self.block_attention, self._streams)
             for layer in range(self.pool.num_layers)

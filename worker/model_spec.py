@@ -1,9 +1,21 @@
-"""What the pool needs to know about a model: per-layer KV shapes, dtype, vocabulary size.
+"""What the pool needs to know about a model: per-layer KV shapes, dtype, vocabulary size,
+and the layout its attention applies a batched mask in.
 
 Read from the model itself rather than from its config: mlx-lm families name their fields
 differently (``head_dim`` may be absent, MLA layers store latents whose key and value widths
-differ), so :func:`probe` runs one lazy forward on recording caches. MLX evaluates lazily and the
+differ), so :func:`probe` runs lazy forwards on recording caches. MLX evaluates lazily and the
 probe only reads shapes, so nothing is computed.
+
+The mask layout. A batch of different-length sequences needs a per-sequence mask, and one mask
+array is shared by every layer of a forward. Most attention layers (SDPA, and the hand-written
+ones of olmo, gear, ...) apply it to scores ``[B, heads, N, L]``, so it must be ``[B, 1, N, L]``.
+gemma2 (and phi3small's block-sparse layers) reshape queries to ``[B, kv_heads, rep, N, L]`` for
+grouped-query attention, where ``[B, 1, N, L]`` lines the batch axis up against the kv-head axis:
+with as many sequences as kv heads it broadcasts and silently mixes sequences, otherwise it
+fails. Those need ``[B, 1, 1, N, L]``, which in turn breaks 4-D scores. mlx-lm's own
+``BatchKVCache`` hands out ``[B, 1, N, L]`` and is wrong for gemma2 too (measured: logits off by
+7-14 with two left-padded sequences), so no layout fits every family; the probe finds the rank
+that fits this model (:func:`mask_rank`) and refuses a model none fits.
 """
 
 from __future__ import annotations
@@ -34,21 +46,46 @@ class ModelSpec:
     layers: tuple[LayerSpec, ...]
     dtype: mx.Dtype
     vocab_size: int
+    mask_rank: int = 4
+    """Rank of the attention scores the model applies a batched mask to: 4 (``[B, heads, N,
+    L]``) or 5 (``[B, kv_heads, rep, N, L]``); the batch's mask is ``[B, 1, ..., 1, N, L]``."""
+
+
+MASK_RANKS = (4, 5)
+# The batched probe's shape: a batch size (prime, above any kv-head count the probe saw) and a
+# query length and context that differ from it and each other, so that a mask in the wrong
+# layout cannot line up with some head axis by coincidence and broadcast silently.
+_PROBE_QUERIES, _PROBE_CONTEXT = 3, 5
 
 
 class _RecordingCache:
-    """Answers the cache protocol for a one-token forward and records what each layer writes."""
+    """Answers the cache protocol like a paged batch whose ``context - N`` earlier positions are
+    zeros, with an array mask of ``mask_rank`` dims, and records what each layer writes."""
 
-    def __init__(self) -> None:
+    def __init__(self, batch: int = 1, context: int = 0, mask_rank: int | None = None) -> None:
+        self.batch = batch
+        self.context = context
+        self.mask_rank = mask_rank
         self.offset = 0
         self.seen: tuple[mx.array, mx.array] | None = None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.seen = (keys, values)
+        before = self.context - keys.shape[2]
+        if before > 0:
+            pad = (keys.shape[0], keys.shape[1], before)
+            keys = mx.concatenate([mx.zeros((*pad, keys.shape[3]), keys.dtype), keys], axis=2)
+            values = mx.concatenate(
+                [mx.zeros((*pad, values.shape[3]), values.dtype), values], axis=2
+            )
         return keys, values
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
-        return mx.ones((1, 1, n, n), dtype=mx.bool_) if return_array else None
+        if self.mask_rank is None:
+            return mx.ones((1, 1, n, n), dtype=mx.bool_) if return_array else None
+        # An array whatever the model asked for: a padded batch always gets one.
+        shape = (self.batch, *(1,) * (self.mask_rank - 3), n, self.context)
+        return mx.ones(shape, dtype=mx.bool_)
 
 
 def probe(model: nn.Module) -> ModelSpec:
@@ -75,4 +112,39 @@ def probe(model: nn.Module) -> ModelSpec:
         dtype = dtype or keys.dtype
     if dtype is None:
         raise UnsupportedModelError("model has no attention layers")
-    return ModelSpec(layers=tuple(layers), dtype=dtype, vocab_size=logits.shape[-1])
+    vocab_size = logits.shape[-1]
+    rank = mask_rank(model, len(caches), vocab_size, max(s.n_kv_heads for s in layers))
+    return ModelSpec(layers=tuple(layers), dtype=dtype, vocab_size=vocab_size, mask_rank=rank)
+
+
+def _batch_size(above: int) -> int:
+    b = max(above + 1, 7)
+    while any(b % d == 0 for d in range(2, int(b**0.5) + 1)):
+        b += 1
+    return b
+
+
+def mask_rank(model: nn.Module, num_layers: int, vocab_size: int, max_kv_heads: int) -> int:
+    """The first of :data:`MASK_RANKS` whose batched mask ``[B, 1, ..., N, L]`` every layer
+    accepts: a lazy forward of a padded batch with a context must give logits ``[B, N,
+    vocab]``. A mask in the wrong layout fails there, in a broadcast or a later reshape, since
+    ``B`` matches no head axis. Raises UnsupportedModelError if no layout fits (layers that
+    disagree, as phi3small's dense and block-sparse ones do)."""
+    b, n, context = _batch_size(max_kv_heads), _PROBE_QUERIES, _PROBE_CONTEXT
+    tokens = mx.zeros((b, n), dtype=mx.int32)
+    errors = []
+    for rank in MASK_RANKS:
+        caches = [_RecordingCache(b, context, rank) for _ in range(num_layers)]
+        for c in caches:
+            c.offset = context - n
+        try:
+            shape = tuple(model(tokens, cache=caches).shape)
+        except Exception as e:  # a shape error from inside the model, of any type
+            errors.append(f"{rank}-D: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            continue
+        if shape == (b, n, vocab_size):
+            return rank
+        errors.append(f"{rank}-D: logits of shape {shape}")
+    raise UnsupportedModelError(
+        "no batched attention mask fits every layer (" + "; ".join(errors) + ")"
+    )

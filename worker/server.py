@@ -25,6 +25,7 @@ from worker.lease_client import LeaseClient, PoolRegistration
 from worker.model_loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner
 from worker.model_spec import probe
+from worker.self_check import check_paged_parity
 from worker.servicer import WorkerServicer
 from worker.warmup import warm_up
 
@@ -54,7 +55,9 @@ def _max_context(config: dict) -> int:
 def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExecutor, WorkerLimits]:
     """The model thread with its runner and pool, and the limits the engine runs with: flags
     where set, else the device's defaults (``worker.device_defaults``), sized on the model
-    thread once the weights are in memory."""
+    thread once the weights are in memory. Unless ``config.self_check`` is off, the paged path
+    is checked against mlx-lm's dense path first (``worker.self_check``); a model that fails
+    raises UnsupportedModelError."""
     chosen: list[WorkerLimits] = []
 
     def build() -> ModelRunner:
@@ -64,9 +67,15 @@ def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExec
         limits = choose_limits(device, free_memory(device), per_block, config)
         log.info("%s", limits.describe(config.block_size, per_block))
         chosen.append(limits)
-        return ModelRunner.create(
+        runner = ModelRunner.create(
             loaded.model, block_size=config.block_size, num_blocks=limits.num_blocks
         )
+        if config.self_check:
+            # Before registering: no lease exists yet, so the pool's blocks are free to write.
+            result = check_paged_parity(loaded.model, runner=runner)
+            log.info("%s", result.describe())
+            result.raise_if_failed()
+        return runner
 
     executor = ModelExecutor(build)
     return executor, chosen[0]

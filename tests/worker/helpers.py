@@ -65,6 +65,24 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "rope_local_base_freq": 10000.0,
         "rope_theta": 1e6,
     },
+    # Grouped-query attention on 5-D scores [B, kv_heads, rep, N, L] (mask rank 5), softcapped.
+    "gemma2": {
+        **_COMMON,
+        "model_type": "gemma2",
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    },
+    "gemma2_kv1": {
+        **_COMMON,
+        "model_type": "gemma2",
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    },
 }
 FAMILIES = tuple(CONFIGS)
 
@@ -79,7 +97,8 @@ def tiny_model(family: str, seed: int = 0) -> nn.Module:
     params = []
     for name, value in tree_flatten(model.parameters()):
         if name.endswith("norm.weight"):
-            new = np.ones(value.shape) if family != "gemma3" else np.zeros(value.shape)
+            # gemma norms scale by 1 + weight
+            new = np.zeros(value.shape) if family.startswith("gemma") else np.ones(value.shape)
         elif "embed_tokens" in name:
             new = rng.standard_normal(value.shape) * EMB_STD
         else:

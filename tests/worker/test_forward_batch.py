@@ -11,6 +11,7 @@ from tests.worker.helpers import tiny_model
 from worker.errors import BatchError
 from worker.forward_batch import ForwardBatch, SeqInput
 from worker.model_runner import ModelRunner
+from worker.model_spec import probe
 
 BS = 4
 NUM_BLOCKS = 16
@@ -84,3 +85,18 @@ def test_mask_matches_brute_force(shape, window):
             for k in range(batch.key_len):
                 allowed = k <= q and (window is None or k > q - window)
                 assert mask[i, 0, j, k] == allowed
+
+
+def test_a_rank_5_mask_puts_the_batch_first_for_grouped_query_scores():
+    """gemma2 applies the mask to ``[B, kv_heads, rep, N, L]``: a 4-D ``[B, 1, N, L]`` would
+    line the batch up with the kv heads."""
+    seqs = [SeqInput([1, 2, 3], [0, 1], 2), SeqInput([1], [2], 0)]
+    four = ForwardBatch(seqs, BS, NUM_BLOCKS)
+    five = ForwardBatch(seqs, BS, NUM_BLOCKS, mask_rank=5)
+    assert five.mask().shape == (2, 1, 1, 3, 8)
+    assert np.array_equal(np.array(five.mask())[:, 0], np.array(four.mask()))
+
+
+@pytest.mark.parametrize(("family", "rank"), [("llama", 4), ("gemma3", 4), ("gemma2", 5)])
+def test_the_probe_finds_the_mask_layout(family, rank):
+    assert probe(tiny_model(family)).mask_rank == rank

@@ -1,12 +1,14 @@
 """The paged path against mlx-lm's dense KVCache path: same greedy tokens, logits within 1e-4.
 
-Every scenario runs for llama, qwen2, qwen3, mistral and gemma3 (sliding-window layers) on tiny
-fp32 models, block size 8 so that prompts span several blocks, with decode attention served
+Every scenario runs for llama, qwen2, qwen3, mistral, gemma3 (sliding-window layers) and gemma2
+with two and one kv heads (grouped-query attention on 5-D scores ``[B, kv_heads, rep, N, L]``,
+which needs a 5-D mask) on tiny fp32 models, block size 8 so that prompts span several blocks, with decode attention served
 from the pool blocks (the CPU default). ``test_reference_path`` repeats the batched and
 copy-on-write scenarios on the gather-then-SDPA reference path and
 ``test_block_attention_split_over_streams`` with attention split over three MLX streams;
 ``test_default_block_size``
-one scenario at block size 32, and ``test_corrupted_block_table_is_detected`` shows that the
+one scenario at block size 32, ``test_batches_of_one_two_three`` batches as small as the
+kv-head counts (where a mask in the wrong layout broadcasts silently), and ``test_corrupted_block_table_is_detected`` shows that the
 comparison catches a wrong block table.
 """
 
@@ -151,6 +153,33 @@ def test_evicted_sequence_resumes_from_cached_blocks(model):
     assert max_diff(first[0], dense_x.logits) <= TOL
     assert max_diff(first[1], dense_y.step(token_y)) <= TOL
     assert decode_together(runner, [resumed, y], [dense_x, dense_y], STEPS) <= TOL
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_batches_of_one_two_three(model, size):
+    """1-3 sequences of different lengths; the last joins with its prefill in the same forward
+    as the others' decodes. With as many sequences as kv heads a mask of the wrong layout lines
+    the batch up with the heads and mixes sequences without an error (gemma2 did)."""
+    ps = prompts(np.random.default_rng(8), 7, 19, 12)[:size]
+    runner = _runner(model)
+    seqs = [PagedSeq.fresh(p, _blocks(10 * i, 9)) for i, p in enumerate(ps)]
+    dense = [DenseSeq(model, p) for p in ps]
+    *early, last = seqs
+    worst = 0.0
+    if early:
+        first = runner.forward([s.take() for s in early])
+        worst = decode_together(runner, early, dense[:-1], 3, list(first))
+        tokens = [int(mx.argmax(d.logits)) for d in dense[:-1]]
+        for s, t in zip(early, tokens, strict=True):
+            s.push(t)
+        mixed = runner.forward([s.take() for s in seqs])  # decodes and a prefill
+        want = [d.step(t) for d, t in zip(dense, tokens, strict=False)] + [dense[-1].logits]
+        for got, ref in zip(mixed, want, strict=True):
+            assert int(mx.argmax(got)) == int(mx.argmax(ref)), "greedy tokens diverged"
+            worst = max(worst, max_diff(got, ref))
+    else:
+        worst = max_diff(runner.forward([last.take()])[0], dense[0].logits)
+    assert max(worst, decode_together(runner, seqs, dense, 8)) <= TOL
 
 
 @pytest.mark.parametrize("scenario", ["batch", "copy_on_write"])

@@ -1,0 +1,103 @@
+"""The startup self-check: the paged path against mlx-lm's dense path on one small batch.
+
+A worker refuses, with a one-line reason, a model whose paged path gives other logits than
+mlx-lm's own; here the paged path is broken on purpose (padding left unmasked, or gemma2's
+masks in the 4-D layout it had before ``ModelSpec.mask_rank``) to show that the check notices.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvserve_launch.startup import ModelUnavailable
+from tests.worker.helpers import FAMILIES, TOL, tiny_model
+from worker import model_spec
+from worker.config import WorkerConfig
+from worker.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from worker.forward_batch import ForwardBatch
+from worker.model_loader import LoadedModel, load_model
+from worker.model_runner import ModelRunner
+from worker.self_check import check_paged_parity
+from worker.server import build_executor, running
+
+
+@pytest.fixture(scope="module")
+def default_model(tmp_path_factory) -> LoadedModel:
+    path = ensure_default_model(tmp_path_factory.mktemp("models") / DEFAULT_MODEL_NAME, log=print)
+    return load_model(str(path))
+
+
+def _ignore_padding(monkeypatch) -> None:
+    """A paged path that forgets its padding: the mask a batch of equal sequences would get."""
+    monkeypatch.setattr(
+        ForwardBatch,
+        "_build_mask",
+        lambda self, window_size, return_array: None if self.query_len == 1 else "causal",
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_test_family_passes(family):
+    result = check_paged_parity(tiny_model(family))
+    assert result.ok and result.max_diff <= TOL, result.describe()
+
+
+def test_unmasked_padding_is_caught():
+    model = tiny_model("llama")
+    assert check_paged_parity(model).ok
+    with pytest.MonkeyPatch.context() as m:
+        _ignore_padding(m)
+        result = check_paged_parity(model)
+    assert not result.ok and result.max_diff > 1.0
+    assert "differ from mlx-lm's dense path by" in result.reason
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma2_kv1"])
+def test_gemma2_with_4d_masks_is_caught(family, monkeypatch):
+    """What gemma2 got before: 3 sequences against 2 kv heads fail to broadcast, against 1 kv
+    head the scores grow a second batch axis and a reshape fails."""
+    monkeypatch.setattr(model_spec, "mask_rank", lambda *args: 4)
+    result = check_paged_parity(tiny_model(family))
+    assert not result.ok
+    assert result.reason.startswith("the paged self-check forward failed: ValueError: [")
+    assert "\n" not in result.reason
+
+
+def test_the_default_model_passes_at_startup(default_model, caplog):
+    caplog.set_level(logging.INFO, logger="worker.server")
+    executor, _ = build_executor(WorkerConfig(num_blocks=64), default_model)
+    executor.shutdown()
+    (line,) = [r.getMessage() for r in caplog.records if "self-check" in r.getMessage()]
+    assert line.startswith("self-check passed:") and "max logit diff" in line, line
+
+
+async def test_a_broken_paged_path_is_refused_at_startup(default_model, monkeypatch):
+    _ignore_padding(monkeypatch)
+    config = WorkerConfig(model=str(default_model.path), port=0, num_blocks=64)
+    with pytest.raises(ModelUnavailable) as e:
+        async with running(config, default_model):
+            pass
+    line = e.value.line("worker")
+    assert "\n" not in line
+    assert "cannot be served from a paged KV cache: the paged path's logits differ" in line
+
+
+def test_the_check_can_be_turned_off(default_model, monkeypatch):
+    _ignore_padding(monkeypatch)
+    executor, _ = build_executor(WorkerConfig(num_blocks=64, self_check=False), default_model)
+    executor.shutdown()
+    monkeypatch.setenv("KVWORKER_SELF_CHECK", "0")
+    assert not WorkerConfig.from_args([]).self_check
+    assert WorkerConfig.from_args(["--self-check"]).self_check
+    monkeypatch.delenv("KVWORKER_SELF_CHECK")
+    assert WorkerConfig.from_args([]).self_check
+    assert not WorkerConfig.from_args(["--no-self-check"]).self_check
+
+
+def test_a_pool_too_small_for_the_batch_gets_one_of_its_own():
+    model = tiny_model("qwen2")
+    runner = ModelRunner.create(model, block_size=4, num_blocks=3)
+    result = check_paged_parity(model, runner=runner)
+    assert result.ok and result.max_diff <= TOL
