@@ -68,6 +68,7 @@ class _RecordingCache:
         self.mask_rank = mask_rank
         self.offset = 0
         self.seen: tuple[mx.array, mx.array] | None = None
+        self.windows: set[int] = set()  # sliding windows the model asked this cache's mask for
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.seen = (keys, values)
@@ -81,6 +82,8 @@ class _RecordingCache:
         return keys, values
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        if window_size is not None:
+            self.windows.add(window_size)
         if self.mask_rank is None:
             return mx.ones((1, 1, n, n), dtype=mx.bool_) if return_array else None
         # An array whatever the model asked for: a padded batch always gets one.
@@ -112,9 +115,29 @@ def probe(model: nn.Module) -> ModelSpec:
         dtype = dtype or keys.dtype
     if dtype is None:
         raise UnsupportedModelError("model has no attention layers")
+    _check_windows(caches, dense)
     vocab_size = logits.shape[-1]
     rank = mask_rank(model, len(caches), vocab_size, max(s.n_kv_heads for s in layers))
     return ModelSpec(layers=tuple(layers), dtype=dtype, vocab_size=vocab_size, mask_rank=rank)
+
+
+def _check_windows(caches: list[_RecordingCache], dense: list[Any]) -> None:
+    """Refuse a model whose sliding-window mask lets a query see more keys than its own dense
+    cache keeps. The paged pool keeps every key and applies the mask; mlx-lm's rotating cache
+    keeps ``max_size`` and drops the rest, so the two agree only when the mask's window is at
+    most ``max_size``. Where it is wider (plamo3 asks for ``window_size + 1`` with a cache of
+    ``window_size``), mlx-lm's own output depends on how the prompt was chunked (a decode sees
+    ``max_size`` keys, a later query of a prefill chunk one more), so no paged result can match
+    it: serving such a model would be silently different, so it is refused."""
+    for index, (cache, reference) in enumerate(zip(caches, dense, strict=True)):
+        if not isinstance(reference, RotatingKVCache):
+            continue
+        wider = sorted(w for w in cache.windows if w > reference.max_size)
+        if wider:
+            raise UnsupportedModelError(
+                f"layer {index} masks a sliding window of {wider[-1]} keys but its mlx-lm cache "
+                f"keeps {reference.max_size}: mlx-lm's output then depends on prompt chunking"
+            )
 
 
 def _batch_size(above: int) -> int:
