@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench_models import save_model  # noqa: E402
 
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kpb  # noqa: E402
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as kpb_grpc  # noqa: E402
@@ -41,7 +42,6 @@ TOKEN = "bench"
 def make_model(directory: Path, layers: int, hidden: int) -> Path:
     """A random Llama with the default model's byte-level tokenizer."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm.models.llama import Model, ModelArgs
 
     base = ensure_default_model()
@@ -55,16 +55,9 @@ def make_model(directory: Path, layers: int, hidden: int) -> Path:
         head_dim=64,
         max_position_embeddings=4096,
     )
-    directory.mkdir(parents=True, exist_ok=True)
     mx.random.seed(0)
     model = Model(ModelArgs.from_dict(config))
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(directory / "model.safetensors"), weights)
-    (directory / "config.json").write_text(json.dumps(config))
-    for f in base.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, directory / f.name)
-    params = sum(v.size for v in weights.values())
+    params = save_model(directory, model, config, base)
     print(f"# model: {layers} layers, hidden {hidden}, {params / 1e6:.0f}M parameters, fp32")
     return directory
 

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -39,6 +38,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_models import save_model  # noqa: E402
+
 from worker.blas import fast_blas_env  # noqa: E402
 from worker.default_model import SPECIAL_TOKENS, ensure_default_model  # noqa: E402
 
@@ -48,7 +49,7 @@ MODEL_NAME = "bench-llama"
 def make_model(directory: Path, layers: int, hidden: int, dtype: str) -> Path:
     """A random Llama (untied head, special tokens' logits zero) with the byte tokenizer."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
+    from mlx.utils import tree_map
     from mlx_lm.models.llama import Model, ModelArgs
 
     base = ensure_default_model()
@@ -64,20 +65,13 @@ def make_model(directory: Path, layers: int, hidden: int, dtype: str) -> Path:
         tie_word_embeddings=False,
         torch_dtype=dtype,
     )
-    directory.mkdir(parents=True, exist_ok=True)
     mx.random.seed(0)
     model = Model(ModelArgs.from_dict(config))
     model.update(tree_map(lambda p: p.astype(getattr(mx, dtype)), model.parameters()))
     specials = len(SPECIAL_TOKENS)
     head = model.lm_head.weight
     model.lm_head.weight = mx.concatenate([head[:-specials], mx.zeros_like(head[-specials:])])
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(directory / "model.safetensors"), weights)
-    (directory / "config.json").write_text(json.dumps(config))
-    for f in base.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, directory / f.name)
-    params = sum(v.size for v in weights.values())
+    params = save_model(directory, model, config, base)
     print(f"# model: llama, {layers} layers, hidden {hidden}, {params / 1e6:.0f}M params, {dtype}")
     return directory
 
