@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -85,6 +85,8 @@ class ModelRunner:
             attention_streams=attention_streams,
         )
 
+    kind = "paged"
+
     @property
     def block_size(self) -> int:
         return self.pool.block_size
@@ -93,6 +95,13 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
+    def describe(self) -> str:
+        return "runner: paged"
+
+    def retain(self, keys: Collection[int]) -> None:
+        """Nothing to drop: a sequence's K/V lives in leased blocks, which the cache service
+        frees, not in the runner."""
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Apply copy-on-write pairs ``(src, dst)`` of new leases, before their first forward."""
         self.pool.copy_blocks(pairs)
@@ -100,6 +109,12 @@ class ModelRunner:
     def forward(self, seqs: Sequence[SeqInput]) -> mx.array:
         """Run ``seqs`` as one batch; return evaluated fp32 logits ``[B, vocab]`` at each
         sequence's last new token."""
+        groups = self._groups(seqs)
+        if len(groups) > 1:
+            parts = [self.forward([seqs[i] for i in g]) for g in groups]
+            order = [i for g in groups for i in g]
+            inverse = sorted(range(len(order)), key=order.__getitem__)
+            return mx.concatenate(parts)[mx.array(inverse)]
         batch, logits = self._run(seqs)
         rows = mx.arange(batch.size)
         last = logits[rows, batch.last_index].astype(mx.float32)
@@ -108,10 +123,28 @@ class ModelRunner:
 
     def forward_all(self, seqs: Sequence[SeqInput]) -> list[mx.array]:
         """Like :meth:`forward`, but fp32 logits ``[len(token_ids), vocab]`` at every position."""
-        batch, logits = self._run(seqs)
-        logits = logits.astype(mx.float32)
-        mx.eval(logits, *self.pool.arrays())
-        return [logits[i, : int(n)] for i, n in enumerate(batch.query_lens)]
+        groups = self._groups(seqs)
+        if len(groups) > 1:
+            out: list[mx.array] = [mx.array(0)] * len(seqs)
+            for g in groups:
+                for i, logits in zip(g, self.forward_all([seqs[i] for i in g]), strict=True):
+                    out[i] = logits
+            return out
+        batch, all_logits = self._run(seqs)
+        all_logits = all_logits.astype(mx.float32)
+        mx.eval(all_logits, *self.pool.arrays())
+        return [all_logits[i, : int(n)] for i, n in enumerate(batch.query_lens)]
+
+    def _groups(self, seqs: Sequence[SeqInput]) -> list[list[int]]:
+        """The forwards ``seqs`` run in: one, unless the model needs an int offset
+        (``ModelSpec.int_offsets``) and the sequences start at different positions; then one
+        per starting position (correct, and as slow as unbatched decoding)."""
+        if not self.spec.int_offsets or len({s.start for s in seqs}) <= 1:
+            return [list(range(len(seqs)))]
+        by_start: dict[int, list[int]] = {}
+        for i, s in enumerate(seqs):
+            by_start.setdefault(s.start, []).append(i)
+        return list(by_start.values())
 
     def _run(self, seqs: Sequence[SeqInput]) -> tuple[ForwardBatch, mx.array]:
         self._check_tokens(seqs)

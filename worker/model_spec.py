@@ -25,9 +25,15 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
-from worker.errors import UnsupportedModelError
+from worker.errors import RecurrentStateError, UnsupportedModelError
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +55,9 @@ class ModelSpec:
     mask_rank: int = 4
     """Rank of the attention scores the model applies a batched mask to: 4 (``[B, heads, N,
     L]``) or 5 (``[B, kv_heads, rep, N, L]``); the batch's mask is ``[B, 1, ..., 1, N, L]``."""
+    int_offsets: bool = False
+    """The model needs ``cache.offset`` as one int (gpt_bigcode builds positions with
+    ``np.arange(offset, ...)``): sequences at different positions run as separate forwards."""
 
 
 MASK_RANKS = (4, 5)
@@ -95,12 +104,17 @@ def probe(model: nn.Module) -> ModelSpec:
     """Read ``model``'s per-layer KV shapes; raise if its state is not a plain KV cache.
 
     Recurrent and SSM layers (``ArraysCache``) and chunked caches keep state that blocks of
-    K/V cannot hold, so such models are rejected up front instead of producing wrong tokens.
+    K/V cannot hold, so such models are rejected up front instead of producing wrong tokens:
+    with RecurrentStateError where every cache is K/V or recurrent state (the dense
+    per-sequence runner serves those), UnsupportedModelError for anything else.
     """
     dense = make_prompt_cache(model)
     unsupported = {type(c).__name__ for c in dense if type(c) not in (KVCache, RotatingKVCache)}
     if unsupported:
-        raise UnsupportedModelError(f"layers with {sorted(unsupported)} cannot be paged")
+        message = f"layers with {sorted(unsupported)} cannot be paged"
+        if is_recurrent(dense):
+            raise RecurrentStateError(f"{message}; caches {describe_caches(dense)}")
+        raise UnsupportedModelError(message)
     caches = [_RecordingCache() for _ in dense]
     logits = model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
     layers = []
@@ -117,8 +131,61 @@ def probe(model: nn.Module) -> ModelSpec:
         raise UnsupportedModelError("model has no attention layers")
     _check_windows(caches, dense)
     vocab_size = logits.shape[-1]
-    rank = mask_rank(model, len(caches), vocab_size, max(s.n_kv_heads for s in layers))
-    return ModelSpec(layers=tuple(layers), dtype=dtype, vocab_size=vocab_size, mask_rank=rank)
+    heads = max(s.n_kv_heads for s in layers)
+    rank = mask_rank(model, len(caches), vocab_size, heads)
+    return ModelSpec(
+        layers=tuple(layers),
+        dtype=dtype,
+        vocab_size=vocab_size,
+        mask_rank=rank,
+        int_offsets=not _takes_offset_arrays(model, len(caches), heads, rank),
+    )
+
+
+def _takes_offset_arrays(model: nn.Module, num_layers: int, max_kv_heads: int, rank: int) -> bool:
+    """Whether a lazy forward accepts per-sequence offsets (an ``mx.array`` of shape ``[B]``)
+    where it accepts one int: ``mx.fast.rope`` does; a model that turns the offset into Python
+    numbers does not. A forward that fails either way says nothing about offsets (True)."""
+    b, n, context = _batch_size(max_kv_heads), _PROBE_QUERIES, _PROBE_CONTEXT
+
+    def runs(offset: int | mx.array) -> bool:
+        caches = [_RecordingCache(b, context, rank) for _ in range(num_layers)]
+        for c in caches:
+            c.offset = offset  # type: ignore[assignment]
+        try:
+            model(mx.zeros((b, n), dtype=mx.int32), cache=caches)
+        except Exception:  # whatever the model raises on an offset it cannot take
+            return False
+        return True
+
+    return runs(mx.array([(context - n) * (i % 2) for i in range(b)])) or not runs(context - n)
+
+
+def cache_leaves(cache: Any) -> list[Any]:
+    """The caches inside ``cache``: itself, or the members of a ``CacheList``, recursively."""
+    if isinstance(cache, CacheList):
+        return [leaf for member in cache.caches for leaf in cache_leaves(member)]
+    return [cache]
+
+
+def is_recurrent(caches: list[Any]) -> bool:
+    """Whether ``caches`` (one per layer) hold recurrent state (``ArraysCache`` and its
+    subclasses) and otherwise only plain K/V caches: what the dense runner serves."""
+    leaves = [leaf for c in caches for leaf in cache_leaves(c)]
+    return any(isinstance(leaf, ArraysCache) for leaf in leaves) and all(
+        isinstance(leaf, ArraysCache) or type(leaf) in (KVCache, RotatingKVCache) for leaf in leaves
+    )
+
+
+def describe_caches(caches: list[Any]) -> str:
+    """The distinct cache types of a model, in layer order: ``ArraysCache, KVCache``."""
+    names: dict[str, None] = {}
+    for c in caches:
+        if isinstance(c, CacheList):
+            names[f"CacheList({','.join(type(m).__name__ for m in cache_leaves(c))})"] = None
+        else:
+            names[type(c).__name__] = None
+    return ", ".join(names)
 
 
 def _check_windows(caches: list[_RecordingCache], dense: list[Any]) -> None:

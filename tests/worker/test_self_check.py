@@ -101,3 +101,19 @@ def test_a_pool_too_small_for_the_batch_gets_one_of_its_own():
     runner = ModelRunner.create(model, block_size=4, num_blocks=3)
     result = check_paged_parity(model, runner=runner)
     assert result.ok and result.max_diff <= TOL
+
+
+def test_a_model_that_needs_int_offsets_runs_one_forward_per_position():
+    """gpt_bigcode builds positions with np.arange(cache.offset, ...): the probe finds it needs
+    one int offset, and batches of sequences at different positions run as separate forwards,
+    matching dense mlx-lm (it was refused by this self-check before)."""
+    from tests.worker import families
+    from worker.model_spec import probe
+
+    if "gpt_bigcode" not in families.families():
+        pytest.skip("this mlx-lm has no gpt_bigcode")
+    model = families.build("gpt_bigcode")
+    assert probe(model).int_offsets
+    assert not probe(tiny_model("llama")).int_offsets
+    result = check_paged_parity(model)
+    assert result.ok and result.max_diff <= TOL, result.describe()
