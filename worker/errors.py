@@ -48,5 +48,11 @@ class UnsupportedModelError(WorkerError):
     """The model keeps state a paged KV cache cannot hold (recurrent or SSM layers)."""
 
 
+class RecurrentStateError(UnsupportedModelError):
+    """The model's layers keep recurrent or SSM state (``ArraysCache``, alone or inside a
+    ``CacheList``) besides plain K/V: not pageable, but servable by the dense per-sequence
+    runner (``worker.dense_runner``)."""
+
+
 class ModelLoadError(WorkerError):
     """A model name or path could not be resolved or loaded."""
