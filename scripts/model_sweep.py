@@ -23,6 +23,7 @@ import mlx_lm  # noqa: E402
 
 from tests.worker import families, sweep  # noqa: E402
 from tests.worker.test_family_sweep import KNOWN_FAILING  # noqa: E402
+from worker.dense_runner import DenseRunner, check_dense_parity, estimate_state  # noqa: E402
 from worker.self_check import check_paged_parity  # noqa: E402
 
 STEPS = 6
@@ -52,7 +53,12 @@ sliding windows of 16) and classified:
   tokens. The *self-check* column is what `worker.self_check` says at startup (refused models
   are never served).
 - **recurrent/hybrid**: layers keep recurrent or SSM state (`ArraysCache`, alone or inside a
-  `CacheList`); the worker refuses them at startup (`UnsupportedModelError`).
+  `CacheList`), which blocks of K/V cannot hold. The worker serves them with its dense
+  per-sequence runner (`worker/dense_runner.py`: one mlx-lm cache per sequence, continuous
+  batching across requests, one forward per sequence, no prefix reuse, nothing published to
+  the index); the parity column is its startup check (`check_dense_parity`: a prompt in three
+  chunks then decodes, and one that idles a step between decodes, against one-shot mlx-lm,
+  tolerance 1e-3 in fp32).
 - **unsupported**: not built here, or built but refused by the probe for another reason (the
   reason says which).
 
@@ -64,9 +70,17 @@ sliding windows of 16) and classified:
 
 def _row(family: str) -> tuple[str, list[str], float | None]:
     c = families.classify(family)
+    if c.kind == "recurrent":
+        assert c.model is not None
+        runner = DenseRunner(c.model, estimate_state(c.model), block_size=sweep.BS, num_blocks=8)
+        check = check_dense_parity(c.model, runner)
+        verdict = "pass" if check.ok else "**FAIL** (refused at startup)"
+        result = f"dense runner, {verdict}: {check.max_diff:.1e}"
+        served = "passes" if check.ok else "refuses"
+        note = _cell("caches " + c.reason.rsplit("; caches ", 1)[-1])
+        return "recurrent/hybrid", [family, "recurrent/hybrid", result, served, note], None
     if c.kind != "paged":
-        kind = "recurrent/hybrid" if c.kind == "recurrent" else "unsupported"
-        return kind, [family, kind, "", "", _cell(c.reason)], None
+        return "unsupported", [family, "unsupported", "", "", _cell(c.reason)], None
     assert c.model is not None
     parity = sweep.run_parity(c.model, sweep.FULL, STEPS)
     check = check_paged_parity(c.model)

@@ -70,6 +70,10 @@ class EngineLimits:
     reserve_tokens: int
     extend_ahead_tokens: int
     prefix_caching: bool
+    publish_blocks: bool = True
+    """Commit written blocks to the cache service's index. Off for the dense runner
+    (``worker.dense_runner``): its leased blocks hold no K/V, so an index entry would offer
+    another request a prefix that is not there."""
 
 
 class Engine:
@@ -230,7 +234,8 @@ class Engine:
             await self._work.wait()
 
     async def _run_step(self, step: Step) -> None:
-        sampled, took = await self.executor.run(step)
+        live = frozenset(s.lease.lease_id for s in self.scheduler.running if s.lease is not None)
+        sampled, took = await self.executor.run(step, live)
         self.budget.observe(took)
         finished = self.scheduler.postprocess(step, sampled)
         self._account(step, sampled)
@@ -315,6 +320,8 @@ class Engine:
     def _commit_prefill(self, step: Step) -> None:
         """Publishes full prompt blocks as soon as they are written, so concurrent requests
         with the same prefix (deferred by the cache service) can share them at once."""
+        if not self.limits.publish_blocks:
+            return
         items = []
         for item in step.items:
             seq = item.seq
@@ -339,7 +346,8 @@ class Engine:
         lease = seq.lease
         if lease is None:
             return
-        tokens = seq.tokens[: seq.num_computed]
+        # Released with its tokens, the lease commits their full blocks to the index.
+        tokens = seq.tokens[: seq.num_computed] if self.limits.publish_blocks else []
         seq.lease = None
         self._release_tokens(lease.lease_id, tokens)
 

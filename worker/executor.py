@@ -11,16 +11,42 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
+from typing import Protocol
+
+import mlx.core as mx
 
 from worker.forward_batch import SeqInput
-from worker.model_runner import ModelRunner
+from worker.model_spec import ModelSpec
 from worker.sampling import RowSampler, Sampled, sample_rows
 from worker.scheduler import Step
 from worker.step_budget import ForwardTime
+
+
+class Runner(Protocol):
+    """What the executor, the engine and the server use of a runner: the paged
+    ``worker.model_runner.ModelRunner``, or ``worker.dense_runner.DenseRunner`` for models with
+    recurrent state."""
+
+    kind: str  # "paged" or "dense"
+    spec: ModelSpec
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def describe(self) -> str: ...
+
+    def forward(self, seqs: Sequence[SeqInput]) -> mx.array: ...
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
+
+    def retain(self, keys: Collection[int]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +55,7 @@ class _Job:
     copies: list[tuple[int, int]]
     # (row, sampler, history, position) for rows that yield a token
     rows: list[tuple[int, RowSampler, list[int], int]]
+    live: frozenset[int] | None = None  # seq keys still running; None: keep every sequence
 
 
 @cache
@@ -38,21 +65,25 @@ def mlx_thread() -> ThreadPoolExecutor:
 
 
 class ModelExecutor:
-    def __init__(self, build: Callable[[], ModelRunner]) -> None:
+    def __init__(self, build: Callable[[], Runner]) -> None:
         self._thread = mlx_thread()
-        self.runner: ModelRunner = self._thread.submit(build).result()
+        self.runner: Runner = self._thread.submit(build).result()
 
-    async def run(self, step: Step) -> tuple[list[Sampled | None], ForwardTime]:
+    async def run(
+        self, step: Step, live: frozenset[int] | None = None
+    ) -> tuple[list[Sampled | None], ForwardTime]:
         """The step's sampled tokens (None for rows that yield none) and how long its forwards
-        took on this thread (the engine's step-time budget learns from it)."""
+        took on this thread (the engine's step-time budget learns from it). Each sequence is
+        keyed by its lease id; ``live`` (the running leases) lets the runner drop the state of
+        every other sequence (``Runner.retain``)."""
         rows = []
         for i, item in enumerate(step.items):
             if item.samples:
                 seq = item.seq
                 history = seq.tokens if seq.sampler.processors else []
                 rows.append((i, seq.sampler, history, len(seq.output)))
-        inputs = [SeqInput(i.token_ids, i.block_table, i.start) for i in step.items]
-        sampled, took = await self._submit(_Job(inputs, step.copies, rows))
+        inputs = [SeqInput(i.token_ids, i.block_table, i.start, i.lease_id) for i in step.items]
+        sampled, took = await self._submit(_Job(inputs, step.copies, rows, live))
         out: list[Sampled | None] = [None] * len(step.items)
         for (i, *_), s in zip(rows, sampled, strict=True):
             out[i] = s
@@ -76,6 +107,8 @@ class ModelExecutor:
         """Decodes and prefill chunks as two forwards (each is padded to its longest query),
         then samples the rows that finished their tokens. Each forward is timed with its
         sampling: wall time on this thread is what the step costs, waits for the GIL included."""
+        if job.live is not None:
+            self.runner.retain(job.live)
         if job.copies:
             self.runner.copy_blocks(job.copies)
         wanted = {r[0]: r for r in job.rows}

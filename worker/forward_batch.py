@@ -33,11 +33,14 @@ class SeqInput:
     ``block_table`` must cover positions ``0..end-1``; ``start`` tokens are already in the pool
     (reused prefix or earlier chunks); ``token_ids`` are computed now. Copy-on-write pairs of the
     lease are applied by the caller (``ModelRunner.copy_blocks``) before the first forward.
+    ``seq_key`` names the sequence across forwards (the engine passes its lease id): the paged
+    path ignores it, the dense runner (``worker.dense_runner``) keeps its cache under it.
     """
 
     token_ids: Sequence[int]
     block_table: Sequence[int]
     start: int
+    seq_key: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) < 1:

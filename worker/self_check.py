@@ -43,6 +43,7 @@ from worker.model_runner import ModelRunner
 FP32_TOLERANCE = 1e-3
 HALF_TOLERANCE = {mx.float16: 1e-2, mx.bfloat16: 5e-2}
 STANDALONE_BLOCK_SIZE = 8  # several blocks per sequence, a shared one and a partial tail
+PAGED_SCENARIO = "paged vs dense mlx-lm, 3 sequences (prefill, shared prefix, decode)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,8 @@ class SelfCheckResult:
     tolerance: float
     seconds: float
     error: str = ""
+    scenario: str = PAGED_SCENARIO  # what was compared, for the log
+    path: str = "paged"  # the worker's path that was checked against mlx-lm's
 
     @property
     def ok(self) -> bool:
@@ -63,11 +66,11 @@ class SelfCheckResult:
     def reason(self) -> str:
         """One line: why the model is refused (empty if it is not)."""
         if self.error:
-            return f"the paged self-check forward failed: {self.error}"
+            return f"the {self.path} self-check forward failed: {self.error}"
         if not self.ok:
             return (
-                f"the paged path's logits differ from mlx-lm's dense path by {self.max_diff:.3g} "
-                f"(tolerance {self.tolerance:.3g}) on a batch of 3 sequences"
+                f"the {self.path} path's logits differ from mlx-lm's dense path by "
+                f"{self.max_diff:.3g} (tolerance {self.tolerance:.3g}): {self.scenario}"
             )
         return ""
 
@@ -75,8 +78,8 @@ class SelfCheckResult:
         verdict = "passed" if self.ok else "FAILED"
         detail = f"error: {self.error}" if self.error else f"max logit diff {self.max_diff:.3g}"
         return (
-            f"self-check {verdict}: paged vs dense mlx-lm, 3 sequences (prefill, shared prefix, "
-            f"decode), {detail} (tolerance {self.tolerance:.3g}) in {self.seconds:.2f} s"
+            f"self-check {verdict}: {self.scenario}, {detail} "
+            f"(tolerance {self.tolerance:.3g}) in {self.seconds:.2f} s"
         )
 
     def raise_if_failed(self) -> None:

@@ -16,15 +16,16 @@ from kvserve_launch.startup import EXCLUSIVE_PORT, ModelUnavailable, add_port, s
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker.config import ENV_PREFIX, WorkerConfig
+from worker.dense_runner import DenseRunner, check_dense_parity, dense_limits, estimate_state
 from worker.device_defaults import WorkerLimits, choose_limits, device_kind, free_memory
 from worker.engine import Engine, EngineLimits
-from worker.errors import ModelLoadError, UnsupportedModelError
-from worker.executor import ModelExecutor
+from worker.errors import ModelLoadError, RecurrentStateError, UnsupportedModelError
+from worker.executor import ModelExecutor, Runner
 from worker.kv_pool import bytes_per_block
 from worker.lease_client import LeaseClient, PoolRegistration
 from worker.model_loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner
-from worker.model_spec import probe
+from worker.model_spec import LayerSpec, probe
 from worker.self_check import check_paged_parity
 from worker.servicer import WorkerServicer
 from worker.warmup import warm_up
@@ -57,11 +58,18 @@ def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExec
     where set, else the device's defaults (``worker.device_defaults``), sized on the model
     thread once the weights are in memory. Unless ``config.self_check`` is off, the paged path
     is checked against mlx-lm's dense path first (``worker.self_check``); a model that fails
-    raises UnsupportedModelError."""
+    raises UnsupportedModelError.
+
+    A model whose layers keep recurrent state (``probe`` raises RecurrentStateError) gets the
+    dense per-sequence runner instead (``worker.dense_runner``), checked the same way."""
     chosen: list[WorkerLimits] = []
 
-    def build() -> ModelRunner:
-        spec = probe(loaded.model)
+    def build() -> Runner:
+        try:
+            spec = probe(loaded.model)
+        except RecurrentStateError as e:
+            log.info("not pageable (%s): serving with one dense mlx-lm cache per sequence", e)
+            return build_dense()
         per_block = bytes_per_block(spec.layers, config.block_size, spec.dtype)
         device = device_kind()
         limits = choose_limits(device, free_memory(device), per_block, config)
@@ -75,6 +83,35 @@ def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExec
             result = check_paged_parity(loaded.model, runner=runner)
             log.info("%s", result.describe())
             result.raise_if_failed()
+        log.info("%s", runner.describe())
+        return runner
+
+    def build_dense() -> Runner:
+        try:
+            estimate = estimate_state(loaded.model)
+        except Exception as e:  # the model's own forward failed on one token, of any type
+            raise UnsupportedModelError(f"a one-token forward failed: {e}") from e
+        device = device_kind()
+        limits = dense_limits(
+            estimate, device, free_memory(device), config, _max_context(loaded.config)
+        )
+        per_block = max(1, config.block_size * estimate.bytes_per_token)
+        log.info("%s", limits.describe(config.block_size, per_block))
+        chosen.append(limits)
+        runner = DenseRunner(
+            loaded.model, estimate, block_size=config.block_size, num_blocks=limits.num_blocks
+        )
+        if config.self_check:
+            result = check_dense_parity(loaded.model, runner)
+            log.info("%s", result.describe())
+            result.raise_if_failed()
+        state = estimate.bytes_per_sequence * limits.max_batch_size
+        log.info(
+            "%s; up to %d sequences' recurrent state: %.1f MiB outside the KV budget",
+            runner.describe(),
+            limits.max_batch_size,
+            state / 2**20,
+        )
         return runner
 
     executor = ModelExecutor(build)
@@ -110,7 +147,10 @@ async def running(
     port = add_port(server, config.host, config.port, ENV_PREFIX, "port")
     worker_id = config.pool_id(port)
     address = config.address(port)
-    layer = runner.spec.layers[0]
+    # A pure SSM has no attention layer: its pool layout is all zeros (the cache service only
+    # records it).
+    layer = runner.spec.layers[0] if runner.spec.layers else LayerSpec(0, 0, 0)
+    dense = runner.kind == "dense"
     registration = PoolRegistration(
         pool_id=worker_id,
         num_blocks=runner.num_blocks,
@@ -131,12 +171,16 @@ async def running(
         vocab_size=runner.spec.vocab_size,
         reserve_tokens=config.reserve_tokens,
         extend_ahead_tokens=config.extend_ahead_tokens,
-        prefix_caching=config.prefix_caching,
+        # The dense runner's blocks hold no K/V: no prefix to match or to publish.
+        prefix_caching=config.prefix_caching and not dense,
+        publish_blocks=not dense,
     )
     engine = Engine(
         executor, LeaseClient(config.cache_service), registration, limits, loaded.tokenizer
     )
-    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(engine, worker_id, config.model), server)
+    pb_grpc.add_WorkerServicer_to_server(
+        WorkerServicer(engine, worker_id, config.model, runner.kind), server
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
@@ -155,7 +199,7 @@ async def running(
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info(
-        "worker %s serving %s on %s: %d blocks of %d tokens (%s), device %s",
+        "worker %s serving %s on %s: %d blocks of %d tokens (%s), device %s, %s runner",
         worker_id,
         config.model,
         address,
@@ -163,6 +207,7 @@ async def running(
         runner.block_size,
         registration.dtype,
         mx.default_device(),
+        runner.kind,
     )
     try:
         yield RunningWorker(server, engine, port, address, worker_id, loaded)

@@ -78,10 +78,13 @@ def sampling_params(p: pb.SamplingParams) -> SamplingParams:
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, engine: Engine, worker_id: str, model_name: str) -> None:
+    def __init__(
+        self, engine: Engine, worker_id: str, model_name: str, runner: str = "paged"
+    ) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self.model_name = model_name
+        self.runner = runner  # "paged", or "dense" for models with recurrent state
 
     def _prompt(self, request: pb.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
@@ -167,4 +170,5 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             generated_tokens=e.stats.generated_tokens,
             preemptions=e.stats.preemptions,
             requests_finished=e.stats.requests_finished,
+            runner=self.runner,
         )

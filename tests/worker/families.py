@@ -9,7 +9,8 @@ config is :data:`BASE` (one value for each size field under every name families 
 
 - ``paged``: every layer speaks the KV-cache protocol; ``worker.model_spec.probe`` accepts it.
 - ``recurrent``: recurrent or hybrid layers (``ArraysCache``, ``MambaCache``, ...) whose state
-  blocks of K/V cannot hold; ``probe`` refuses it at startup.
+  blocks of K/V cannot hold; ``probe`` refuses to page it (RecurrentStateError) and the worker
+  serves it with the dense per-sequence runner (``worker.dense_runner``).
 - ``unsupported``: not built here, with the reason (:data:`UNSUPPORTED`), or built but refused
   by ``probe`` for another reason (its message).
 
@@ -151,6 +152,14 @@ _GEMMA4 = {
 }
 
 # Per-family fields on top of BASE: what a family needs that BASE does not give it.
+_QWEN3_5: dict[str, Any] = {
+    "linear_num_value_heads": 2,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "full_attention_interval": 2,
+}
+
 OVERRIDES: dict[str, dict[str, Any]] = {
     "afm7": {"num_kv_reuse_layers": 1, "num_layers": 3},
     "afmoe": {"layer_types": _SLIDING_FULL, "num_dense_layers": 1},
@@ -328,6 +337,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "full_attention_interval": 2,
         "partial_rotary_factor": 0.5,
     },
+    # Two layers: one linear-attention layer, one full-attention layer (mlx-lm's default
+    # interval of 4 leaves the tiny model no full-attention layer, and its mask lookup fails).
+    "qwen3_5": {"text_config": _QWEN3_5},
+    "qwen3_5_moe": {"text_config": _QWEN3_5},
     "recurrent_gemma": {
         "conv1d_width": 4,
         "logits_soft_cap": 30.0,
@@ -377,6 +390,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
             },
             "q_lora_rank": None,
             "num_experts": 4,
+            "num_experts_per_token": 2,  # mlx-lm's default (16) exceeds the tiny 4 experts
             "moe_intermediate_size": 32,
         }
     },

@@ -3,8 +3,10 @@
 Each family of the installed mlx-lm (``tests.worker.families``) is built tiny and classified. A
 ``paged`` family must match dense per-sequence mlx-lm on batched paged forwards
 (``tests.worker.sweep``: max |logit diff| <= 1e-4 in fp32, identical greedy tokens), or be
-refused at startup by ``worker.self_check``; a recurrent or otherwise unsupported one must be
-refused when its runner is built. The default run uses the fast composite scenario (all families,
+refused at startup by ``worker.self_check``; a recurrent one is served by the dense per-sequence
+runner and must pass its startup check against one-shot mlx-lm (``check_dense_parity``: chunked
+prefill and decode, fp32 tolerance 1e-3); an otherwise unsupported one must be refused when its
+runner is built. The default run uses the fast composite scenario (all families,
 about 30 s on 2 cores); ``pytest -m sweep`` adds every scenario with more decode steps, as
 ``scripts/model_sweep.py`` runs to write docs/models.md.
 """
@@ -16,10 +18,11 @@ import functools
 import pytest
 
 from tests.worker import families, sweep
-from worker.errors import UnsupportedModelError
+from worker.dense_runner import DenseRunner, check_dense_parity, estimate_state
+from worker.errors import RecurrentStateError, UnsupportedModelError
 from worker.model_runner import ModelRunner
 from worker.model_spec import probe
-from worker.self_check import check_paged_parity
+from worker.self_check import SelfCheckResult, check_paged_parity
 
 # Families that fail parity and that the startup self-check does not refuse: served wrong today.
 # Families that fail parity and are not refused yet, each with its reason; empty: none is served
@@ -56,6 +59,17 @@ def _refused(family: str) -> str:
     return "" if check.ok else check.reason
 
 
+@functools.cache
+def _dense_check(family: str) -> SelfCheckResult:
+    """The dense runner's startup check of a recurrent family, as the worker runs it."""
+    model = _classified(family).model
+    assert model is not None
+    with pytest.raises(RecurrentStateError):  # what sends the worker to the dense runner
+        probe(model)
+    runner = DenseRunner(model, estimate_state(model), block_size=sweep.BS, num_blocks=8)
+    return check_dense_parity(model, runner)
+
+
 def _params(ids: tuple[str, ...]) -> list:
     return [
         pytest.param(
@@ -71,7 +85,11 @@ def _params(ids: tuple[str, ...]) -> list:
 
 def _served_wrong(family: str, full: bool) -> str:
     """ "" if ``family`` is served right or refused; else what is wrong."""
-    if _classified(family).kind != "paged":
+    kind = _classified(family).kind
+    if kind == "recurrent":
+        check = _dense_check(family)
+        return "" if check.ok else f"dense runner: {check.reason}"
+    if kind != "paged":
         return "" if _refused(family) else "not paged, yet the worker serves it"
     parity = _parity(family, full)
     if parity.passed or _refused(family):

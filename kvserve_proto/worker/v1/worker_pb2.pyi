@@ -123,7 +123,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "model_fingerprint", "max_context", "vocab_size", "block_size", "num_blocks", "free_blocks", "running", "waiting", "prefilled_tokens", "generated_tokens", "preemptions", "requests_finished")
+    __slots__ = ("worker_id", "model", "model_fingerprint", "max_context", "vocab_size", "block_size", "num_blocks", "free_blocks", "running", "waiting", "prefilled_tokens", "generated_tokens", "preemptions", "requests_finished", "runner")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class WorkerInfo(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     model_fingerprint: str
@@ -152,4 +153,5 @@ class WorkerInfo(_message.Message):
     generated_tokens: int
     preemptions: int
     requests_finished: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ...) -> None: ...
+    runner: str
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., runner: _Optional[str] = ...) -> None: ...
