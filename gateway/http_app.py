@@ -104,6 +104,9 @@ def create_app(gw: Gateway) -> FastAPI:
             created=gw.started_at,
             root=gw.config.model,
             max_model_len=gw.tokenizer.max_context,
+            runners=sorted(
+                {w.load.runner for w in gw.directory.views() if w.load and w.load.runner}
+            ),
         )
 
     @app.get("/v1/models")

@@ -241,6 +241,9 @@ class ModelCard(BaseModel):
     owned_by: str = "kvserve"
     root: str
     max_model_len: int
+    # How the workers serving it run it: "paged" (KV blocks in the shared prefix cache) or
+    # "dense" (per-sequence recurrent state, no prefix reuse); empty until a worker answered.
+    runners: list[str] = []
 
 
 class ModelList(BaseModel):

@@ -46,6 +46,7 @@ class WorkerLoad:
     waiting: int
     preemptions: int
     requests_finished: int
+    runner: str = ""  # "paged" or "dense" (recurrent state); "" from a worker that predates it
 
 
 class WorkerClient:
@@ -92,6 +93,7 @@ class WorkerClient:
             waiting=info.waiting,
             preemptions=info.preemptions,
             requests_finished=info.requests_finished,
+            runner=info.runner,
         )
 
     async def close(self) -> None:

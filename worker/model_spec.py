@@ -116,7 +116,13 @@ def probe(model: nn.Module) -> ModelSpec:
             raise RecurrentStateError(f"{message}; caches {describe_caches(dense)}")
         raise UnsupportedModelError(message)
     caches = [_RecordingCache() for _ in dense]
-    logits = model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+    try:
+        logits = model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+    except Exception as e:  # a model that needs more of a cache than the protocol (afm7)
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise UnsupportedModelError(
+            f"its forward fails on a paged cache: {type(e).__name__}: {first}".rstrip(": ")
+        ) from e
     layers = []
     dtype: mx.Dtype | None = None
     for index, cache in enumerate(caches):

@@ -65,6 +65,7 @@ def test_both_workers_registered(system: System, http: httpx.Client, logs: LogSi
     assert [
         m.id for m in OpenAI(base_url=f"http://{system.http_address}/v1", api_key="x").models.list()
     ] == [MODEL]
+    assert http.get("/v1/models").json()["data"][0]["runners"] == ["paged"]
 
 
 def test_completions(client: OpenAI):

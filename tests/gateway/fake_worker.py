@@ -51,6 +51,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
         self.behaviour = Behaviour()
         self.record = Record()
         self.running = 0
+        self.runner = "paged"
         self.server: grpc.aio.Server | None = None
         self.address = ""
         self.port = 0
@@ -176,4 +177,5 @@ class FakeWorker(pb_grpc.WorkerServicer):
             num_blocks=self.num_blocks,
             free_blocks=self.num_blocks,
             running=self.running,
+            runner=self.runner,
         )

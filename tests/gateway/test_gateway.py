@@ -437,3 +437,12 @@ async def test_grpc_without_workers_is_unavailable(stack: Stack):
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await call.read()
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_models_say_which_runner_serves_them(stack: Stack):
+    """/v1/models tells a paged model from one on the dense per-sequence runner (recurrent
+    state: no prefix reuse), as the workers report it."""
+    stack.workers[1].runner = "dense"
+    await stack.poll()
+    card = (await stack.http.get("/v1/models")).json()["data"][0]
+    assert card["runners"] == ["dense", "paged"]

@@ -143,3 +143,12 @@ def test_a_window_wider_than_mlx_lms_own_cache_is_refused():
     model = families.build("plamo3")
     with pytest.raises(UnsupportedModelError, match="sliding window"):
         probe(model)
+
+
+def test_a_forward_that_needs_more_than_the_cache_protocol_is_refused_cleanly():
+    """afm7's KV-reuse layers call cache.keys_and_values(): the probe answers with one
+    UnsupportedModelError (a one-line startup failure), not an AttributeError traceback."""
+    if "afm7" not in FAMILIES:
+        pytest.skip("this mlx-lm has no afm7")
+    with pytest.raises(UnsupportedModelError, match="forward fails on a paged cache"):
+        probe(families.build("afm7"))
