@@ -49,7 +49,8 @@ sliding windows of 16) and classified:
   parity is measured on batched paged forwards (block size 8) against dense per-sequence mlx-lm
   (`tests/worker/sweep.py`): 1, 2 and 3 sequences of different lengths in one step, prefills
   mixed with decodes, a shared prefix aligned to a block and one copied on write, chunked
-  prefill; {steps} greedy decode steps each. Pass: max |logit diff| <= {tol:g} and identical greedy
+  prefill, preempt-and-resume (full blocks reused, the tail recomputed); {steps} greedy decode
+  steps each. Pass: max |logit diff| <= {tol:g} and identical greedy
   tokens. The *self-check* column is what `worker.self_check` says at startup (refused models
   are never served).
 - **recurrent/hybrid**: layers keep recurrent or SSM state (`ArraysCache`, alone or inside a

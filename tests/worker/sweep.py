@@ -8,7 +8,7 @@ both sides, so one mismatch is recorded and the scenario still runs to its end.
 
 :data:`FAST` is one composite scenario that covers 1, 2 and 3 sequences of different lengths in
 one step, prefill chunks mixed with decodes and a copy-on-write shared prefix; :data:`FULL` adds
-each case on its own, an aligned shared prefix and a longer chunked prefill.
+each case on its own, an aligned shared prefix, a longer chunked prefill and preempt-and-resume.
 """
 
 from __future__ import annotations
@@ -185,6 +185,25 @@ def chunked(model: nn.Module, steps: int, check: Check) -> None:
     scene.decode(["a", "c"], steps, "decode")
 
 
+def preempt_resume(model: nn.Module, steps: int, check: Check) -> None:
+    """Preempt and resume, as the engine does: ``a`` prefills and decodes, is preempted (its
+    full blocks stay cached, the partial tail is dropped), then resumes as a new sequence whose
+    prompt is everything it had, reusing its full blocks and recomputing the tail, in a batch
+    with a decoding ``b``; it must continue as dense mlx-lm does on the whole text."""
+    pa, pb = prompts(np.random.default_rng(18), 12, 9)  # a: 15 tokens, a partial tail
+    scene = _Scene(model, check)
+    scene.add("a", pa, _blocks(0, 8))
+    scene.add("b", pb, _blocks(10, 6))
+    scene.forward({"a": None, "b": None}, "prefill")
+    scene.decode(["a", "b"], max(2, steps // 2), "before")
+    text = list(scene.paged["a"].tokens)
+    token = int(mx.argmax(scene.dense["a"].logits))  # what the preempted step would have sampled
+    cached = len(text) // BS * BS
+    scene.add("a2", [*text, token], _blocks(0, 8), cached=cached)
+    scene.forward({"a2": None, "b": 0}, "resume")
+    scene.decode(["a2", "b"], steps, "after")
+
+
 Scenario = Callable[[nn.Module, int, Check], None]
 
 FAST: dict[str, Scenario] = {"composite": composite}
@@ -196,6 +215,7 @@ FULL: dict[str, Scenario] = {
     "prefix_aligned": _shared_prefix(2 * BS, 16),
     "prefix_cow": _shared_prefix(2 * BS + 3, 17),
     "chunked": chunked,
+    "preempt_resume": preempt_resume,
     "composite": composite,
 }
 
