@@ -147,6 +147,21 @@ async def test_the_same_prompt_twice_recomputes(system: System, family: str) -> 
     await _idle(system)
 
 
+async def test_a_small_pool_preempts_and_resumes_from_scratch(system: System, family: str) -> None:
+    """Requests that outgrow a small pool are preempted; a resumed one starts a fresh cache
+    (prefix reuse is off) from its prompt and output so far, and still ends as mlx-lm does."""
+    stub = await system.add_worker(num_blocks=12, reserve_tokens=4, extend_ahead_tokens=2)
+    prompts = [prompt(50 + i, 30 + 3 * i) for i in range(6)]
+    outs = await asyncio.gather(*(generate(stub, request(p, max_tokens=40)) for p in prompts))
+    reference = _reference(family)
+    for p, out in zip(prompts, outs, strict=True):
+        assert out["tokens"] == reference(p, 40)[0]
+    info = await stub.GetInfo(pb.GetInfoRequest())
+    assert info.requests_finished == 6
+    assert info.preemptions > 0  # decode outgrew the pool, not only admission queueing
+    await _idle(system)
+
+
 def test_a_continuation_the_runner_does_not_hold_is_refused() -> None:
     from worker.dense_runner import estimate_state
 
