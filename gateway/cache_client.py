@@ -46,8 +46,10 @@ class PoolBlocks:
 
 
 class CacheClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: str = "") -> None:
         self.address = address
+        # The cache service's service token for data-plane calls (empty: its auth is off).
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.channel = grpc.aio.insecure_channel(
             address, options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
         )
@@ -60,7 +62,7 @@ class CacheClient:
         """Per pool serving ``model``, the cached prefix length of the prompt."""
         req = pb.RouteRequest(namespace=namespace, prompt_token_ids=prompt_token_ids, model=model)
         try:
-            resp = await self.stub.Route(req, timeout=ROUTE_TIMEOUT_S)
+            resp = await self.stub.Route(req, timeout=ROUTE_TIMEOUT_S, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, f"cache service {self.address}") from e
         return [

@@ -73,8 +73,12 @@ class ChatServing:
         model = self.s.check_model(req.model)
         self.check(req)
         self.s.check_common(req, req.n)
-        prompt = self.s.tokenizer.apply_chat_template(
-            template_messages(req.messages),
+        messages = template_messages(req.messages)
+        chars = sum(len(m["content"]) for m in messages)
+        self.s.limits.check_prompt_chars(chars, param="messages")
+        prompt = await self.s.tokenizer.apply_chat_template_async(
+            messages,
+            chars,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             template_kwargs=req.chat_template_kwargs,

@@ -27,8 +27,9 @@ class CompletionServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.s = serving
 
-    def prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
-        """Token ids of each prompt: a string, strings, token ids, or lists of token ids."""
+    @staticmethod
+    def items(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+        """The prompts of a request: a string, strings, token ids, or lists of token ids."""
         items: list[str | list[int]]
         if isinstance(prompt, str):
             items = [prompt]
@@ -38,16 +39,26 @@ class CompletionServing:
             items = list(cast(list[str] | list[list[int]], prompt))
         if not items:
             raise InvalidRequest("prompt must not be empty", param="prompt")
+        return items
+
+    async def prompts(self, items: list[str | list[int]]) -> list[list[int]]:
+        """Token ids of each prompt; sizes are checked before any tokenizing."""
+        tokenizer = self.s.tokenizer
+        for item in items:
+            if isinstance(item, str):
+                self.s.limits.check_prompt_chars(len(item))
+            elif len(item) >= tokenizer.max_context:
+                tokenizer.completion_budget(len(item), None)  # raises: it cannot fit
         out = []
         for item in items:
-            ids = self.s.tokenizer.encode(item) if isinstance(item, str) else list(item)
+            ids = await tokenizer.encode_async(item) if isinstance(item, str) else list(item)
             if not ids:
                 raise InvalidRequest("prompt must not be empty", param="prompt")
-            self.s.tokenizer.check_token_ids(ids)
+            tokenizer.check_token_ids(ids)
             out.append(ids)
         return out
 
-    def prompt_texts(
+    async def prompt_texts(
         self, prompt: str | list[str] | list[int] | list[list[int]], ids: list[list[int]]
     ) -> list[str]:
         """The prompts as text, for ``echo``: as sent, or decoded from token ids."""
@@ -55,7 +66,7 @@ class CompletionServing:
             return [prompt]
         if prompt and isinstance(prompt[0], str):
             return [str(p) for p in prompt]
-        return [self.s.tokenizer.decode(p) for p in ids]
+        return [await self.s.tokenizer.decode_async(p) for p in ids]
 
     async def create(self, req: CompletionRequest, arrival: float) -> Served:
         model = self.s.check_model(req.model)
@@ -68,8 +79,9 @@ class CompletionServing:
                 "echo with logprobs needs prompt logprobs, which are not supported",
                 param="echo",
             )
-        prompts = self.prompts(req.prompt)
-        self.s.check_common(req, len(prompts) * req.n)
+        items = self.items(req.prompt)
+        self.s.check_common(req, len(items) * req.n)
+        prompts = await self.prompts(items)
         budgets = [
             self.s.tokenizer.completion_budget(len(p), req.max_tokens, DEFAULT_MAX_TOKENS)
             for p in prompts
@@ -81,7 +93,7 @@ class CompletionServing:
         )
         echoes = None
         if req.echo:
-            texts = self.prompt_texts(req.prompt, prompts)
+            texts = await self.prompt_texts(req.prompt, prompts)
             echoes = [texts[k // req.n] for k in range(len(sequences))]
         merged = merge(self.s.open(sequences, arrival))
         headers = {"x-request-id": request_id}

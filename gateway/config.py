@@ -27,6 +27,8 @@ class GatewayConfig:
     # Optional: lets the gateway read the cache service's per-pool stats for /metrics.
     # The admin pass-through never uses it: it forwards the caller's own bearer token.
     admin_token: str = ""
+    # The cache service's service token, sent on Route; empty: the service's auth is off.
+    cache_token: str = ""
     # Optional: require `Authorization: Bearer <key>` on /v1/*.
     api_key: str = ""
     # Worker addresses to use besides those registered with the cache service.
@@ -34,6 +36,10 @@ class GatewayConfig:
     # 0: the model config's max_position_embeddings.
     max_model_len: int = 0
     max_body_bytes: int = 4 * 1024 * 1024
+    # Checked before tokenizing; 0: 32 characters per token of context (limits.py).
+    max_prompt_chars: int = 0
+    # cache_salt (HTTP) and namespace (gRPC): stored by the cache service, printed by admin.
+    max_namespace_chars: int = 256
     # Most choices per request (prompts x n).
     max_choices: int = 16
     # How often workers are polled for load and health (and unhealthy ones re-probed).
@@ -78,9 +84,11 @@ class GatewayConfig:
     def from_args(cls, argv: Sequence[str] | None = None) -> GatewayConfig:
         p = cls.parser()
         a = p.parse_args(argv)
-        for name in ("max_body_bytes", "max_choices", "poll_interval_s"):
+        for name in ("max_body_bytes", "max_choices", "poll_interval_s", "max_namespace_chars"):
             if getattr(a, name) <= 0:
                 p.error(f"--{name.replace('_', '-')} must be positive")
+        if a.max_prompt_chars < 0:
+            p.error("--max-prompt-chars must not be negative")
         if min(a.overload_slack, a.overload_ratio, a.min_match_tokens, a.min_match_ratio) < 0:
             p.error("--overload-* and --min-match-* must not be negative")
         values = vars(a)
@@ -88,7 +96,7 @@ class GatewayConfig:
         return cls(**values)
 
 
-SECRETS = ("admin_token", "api_key")
+SECRETS = ("admin_token", "cache_token", "api_key")
 
 # Every flag: name (= config field), type, help. KVGATEWAY_<NAME> is its environment variable.
 FLAGS: tuple[tuple[str, type, str], ...] = (
@@ -99,10 +107,13 @@ FLAGS: tuple[tuple[str, type, str], ...] = (
     ("model", str, "the workers' model: name, directory or Hugging Face id (tokenizer source)"),
     ("served_model_name", str, "the name clients put in `model` (default: --model)"),
     ("admin_token", str, "cache admin token, only to read pool stats for /metrics"),
+    ("cache_token", str, "the cache service's service token (sent on Route)"),
     ("api_key", str, "require `Authorization: Bearer <key>` on /v1/*"),
     ("workers", str, "comma-separated worker addresses besides the registered ones"),
     ("max_model_len", int, "context length (0: the model config's)"),
     ("max_body_bytes", int, "largest accepted request body"),
+    ("max_prompt_chars", int, "longest prompt in characters, before tokenizing (0: 32 x context)"),
+    ("max_namespace_chars", int, "longest cache_salt / namespace"),
     ("max_choices", int, "most choices (prompts x n) per request"),
     ("poll_interval_s", float, "how often workers are polled for load and health"),
     ("min_match_tokens", int, "shortest cached prefix worth routing for"),

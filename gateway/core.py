@@ -37,7 +37,7 @@ class Gateway:
     def build(cls, config: GatewayConfig, tokenizer: Tokenizer | None = None) -> Gateway:
         """Wire the parts (no I/O but loading the tokenizer; call inside an event loop)."""
         tokenizer = tokenizer or Tokenizer.load(config.model, config.max_model_len)
-        cache = CacheClient(config.cache_service)
+        cache = CacheClient(config.cache_service, config.cache_token)
         clients = WorkerClients()
         directory = WorkerDirectory(config.workers)
         metrics = GatewayMetrics(directory)

@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from gateway.errors import InvalidRequest
+from worker import sampling_limits
+
 
 class FinishReason(StrEnum):
     STOP = "stop"  # eos, a stop token id or a stop string
@@ -32,6 +35,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+
+
+def check_sampling(s: SamplingParams, vocab_size: int) -> None:
+    """The worker's own limits (``worker.sampling_limits``, one definition for both), checked
+    here so that a value no worker takes is a 400 / INVALID_ARGUMENT naming it, not a failed
+    batch on a worker or a proto conversion error (a 500) before dispatch."""
+    try:
+        sampling_limits.check_sampling(s, vocab_size)
+    except sampling_limits.SamplingLimitError as e:
+        raise InvalidRequest(e.message, param=e.param) from None
 
 
 @dataclass(frozen=True, slots=True)

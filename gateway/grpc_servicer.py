@@ -20,7 +20,7 @@ import grpc
 from gateway import convert
 from gateway.core import Gateway
 from gateway.errors import GatewayError, InvalidRequest, mapping_of
-from gateway.generation import GenerationRequest
+from gateway.generation import GenerationRequest, check_sampling
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 
@@ -31,19 +31,24 @@ class GatewayWorkerServicer(pb_grpc.WorkerServicer):
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
 
-    def generation_request(self, request: pb.GenerateRequest) -> GenerationRequest:
+    async def generation_request(self, request: pb.GenerateRequest) -> GenerationRequest:
+        """The request checked as the HTTP edge checks it, sizes before any tokenizing."""
         tokenizer = self.gw.tokenizer
+        limits = self.gw.serving.limits
+        limits.check_namespace(request.namespace, param="namespace")
         which = request.WhichOneof("prompt")
         if which == "prompt_text":
-            ids = tokenizer.encode(request.prompt_text)
+            limits.check_prompt_chars(len(request.prompt_text))
+            ids = await tokenizer.encode_async(request.prompt_text)
         elif which == "prompt_token_ids":
             ids = list(request.prompt_token_ids.ids)
+            if len(ids) >= tokenizer.max_context:
+                tokenizer.completion_budget(len(ids), None)  # raises: it cannot fit
             tokenizer.check_token_ids(ids, "prompt_token_ids")
         else:
             raise InvalidRequest("the request has no prompt", param="prompt")
         sampling = convert.sampling_from_pb(request.sampling)
-        if sampling.stop_token_ids:
-            tokenizer.check_token_ids(sampling.stop_token_ids, "stop_token_ids")
+        check_sampling(sampling, tokenizer.vocab_size)
         budget = tokenizer.completion_budget(len(ids), sampling.max_tokens or None)
         return GenerationRequest(
             request_id=request.request_id or f"grpc-{uuid.uuid4().hex}",
@@ -58,7 +63,7 @@ class GatewayWorkerServicer(pb_grpc.WorkerServicer):
         arrival = time.perf_counter()
         status = "OK"
         try:
-            gen = self.generation_request(request)
+            gen = await self.generation_request(request)
             async with aclosing(self.gw.dispatcher.generate(gen, arrival)) as stream:
                 async for chunk in stream:
                     yield convert.chunk_to_pb(chunk, gen.request_id)

@@ -70,8 +70,7 @@ def create_app(gw: Gateway) -> FastAPI:
     def check_api_key(request: Request) -> None:
         if not gw.config.api_key:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {gw.config.api_key}".encode()):
+        if not bearer_matches(request.headers.get("authorization", ""), gw.config.api_key):
             raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
 
     @app.get("/health")
@@ -85,8 +84,9 @@ def create_app(gw: Gateway) -> FastAPI:
                 "healthy": w.healthy,
                 "reason": w.unhealthy_reason or None,
                 "in_flight": w.in_flight,
-                "running": w.load.running if w.load else None,
-                "waiting": w.load.waiting if w.load else None,
+                # An unhealthy worker's last poll is stale: its requests are not running.
+                "running": w.load.running if w.load and w.healthy else None,
+                "waiting": w.load.waiting if w.load and w.healthy else None,
             }
             for w in gw.directory.views()
         ]
@@ -145,8 +145,22 @@ def respond(served: Served) -> Response:
     return JSONResponse(served.body.model_dump(mode="json"), headers=served.headers)
 
 
+# Bodies at least this large are parsed on a worker thread: a 4 MB body takes tens of ms.
+OFF_LOOP_BODY_BYTES = 64 * 1024
+
+
 async def parse_body(request: Request, model: type[M]) -> M:
-    return parse_json(await request.body(), model)
+    body = await request.body()
+    if len(body) < OFF_LOOP_BODY_BYTES:
+        return parse_json(body, model)
+    return await asyncio.to_thread(parse_json, body, model)
+
+
+def bearer_matches(header: str, secret: str) -> bool:
+    """``Authorization: Bearer <secret>``, the scheme in any case (RFC 9110, 11.1)."""
+    scheme, _, given = header.partition(" ")
+    ok_scheme = scheme.lower() == "bearer"
+    return hmac.compare_digest(given.strip().encode(), secret.encode()) and ok_scheme
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -24,7 +24,9 @@ from gateway.generation import (
     GenerationRequest,
     SamplingParams,
     Usage,
+    check_sampling,
 )
+from gateway.limits import RequestLimits
 from gateway.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from gateway.tokenizer import Tokenizer
 
@@ -94,6 +96,9 @@ class OpenAIServing:
         self.config = config
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
+        self.limits = RequestLimits.of(
+            config.max_prompt_chars, config.max_namespace_chars, tokenizer.max_context
+        )
 
     @staticmethod
     def new_id(prefix: str) -> str:
@@ -126,6 +131,8 @@ class OpenAIServing:
             )
         if req.stop_token_ids:
             self.tokenizer.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        if req.cache_salt:
+            self.limits.check_namespace(req.cache_salt)
 
     def sampling(
         self, req: SamplingRequest, max_tokens: int, logprobs: int, sample: int
@@ -136,7 +143,7 @@ class OpenAIServing:
         seed = None if req.seed is None else (req.seed + sample) % INT64_MOD
         if seed is not None and seed >= 2**63:
             seed -= INT64_MOD
-        return SamplingParams(
+        params = SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=max(0, req.top_k or 0),
@@ -151,6 +158,8 @@ class OpenAIServing:
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
         )
+        check_sampling(params, self.tokenizer.vocab_size)
+        return params
 
     def sequences(
         self,

@@ -104,7 +104,7 @@ class SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Prefixes are shared only between requests with the same salt (tenant isolation).
-    cache_salt: str | None = Field(None, max_length=256)
+    cache_salt: str | None = None  # bounded by --max-namespace-chars (limits.py)
 
 
 class CompletionRequest(SamplingRequest):

@@ -8,6 +8,7 @@ tokens before the worker is chosen. It loads the very tokenizer the workers load
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,11 @@ from gateway.errors import ContextLengthExceeded, InvalidRequest
 log = logging.getLogger(__name__)
 
 FALLBACK_CONTEXT = 2048
+# Inputs at least this long are tokenized (or templated) on a worker thread, never on the
+# event loop: a 4 MB prompt takes seconds to encode, and /health and every other client would
+# wait as long. The tokenizer's Rust encode releases the GIL, so the loop keeps running.
+# Shorter ones stay inline: encoding 4k characters takes ~1 ms, about a thread hop's cost.
+OFF_LOOP_CHARS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +60,27 @@ class Tokenizer:
         """Plain text as the workers tokenize a text prompt (the tokenizer's own special
         tokens, e.g. a BOS, included)."""
         return list(self.hf.encode(text))
+
+    async def encode_async(self, text: str) -> list[int]:
+        """``encode``, off the event loop when ``text`` is long."""
+        if len(text) < OFF_LOOP_CHARS:
+            return self.encode(text)
+        return await asyncio.to_thread(self.encode, text)
+
+    async def decode_async(self, token_ids: Sequence[int]) -> str:
+        """``decode``, off the event loop when there are many ids."""
+        if len(token_ids) < OFF_LOOP_CHARS // 4:
+            return self.decode(token_ids)
+        return await asyncio.to_thread(self.decode, token_ids)
+
+    async def apply_chat_template_async(
+        self, messages: Sequence[Mapping[str, Any]], chars: int, **kwargs: Any
+    ) -> list[int]:
+        """``apply_chat_template``, off the event loop when the messages hold ``chars`` or
+        more characters of text."""
+        if chars < OFF_LOOP_CHARS:
+            return self.apply_chat_template(messages, **kwargs)
+        return await asyncio.to_thread(lambda: self.apply_chat_template(messages, **kwargs))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.hf.decode(list(token_ids)))

@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
+import tempfile
+from pathlib import Path
 
 from kvcache_service.config import ServiceConfig
 from kvcache_service.server import running
 from kvserve_launch.startup import StartupError, report
 
 log = logging.getLogger("kvcache_service")
+
+
+def save_token(token: str) -> Path:
+    """Writes a generated admin token where only this user can read it."""
+    path = Path(tempfile.gettempdir()) / f"kvcache-admin-token-{os.getpid()}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return path
 
 
 async def main(config: ServiceConfig) -> None:
@@ -21,7 +33,15 @@ async def main(config: ServiceConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     async with running(config) as svc:
         if not config.admin_token:
-            log.warning("no admin token configured; generated one: %s", svc.config.admin_token)
+            where = save_token(svc.config.admin_token)
+            # Never the token itself: logs are collected and read far more widely than it is.
+            log.warning(
+                "no admin token configured; generated one (%s...), saved to %s (mode 0600)",
+                svc.config.admin_token[:4],
+                where,
+            )
+        if not config.service_token:
+            log.warning("no service token configured: data-plane calls are not authenticated")
         log.info(
             "kvcache service listening on %s (lease TTL %.1fs)", svc.address, config.lease_ttl_s
         )

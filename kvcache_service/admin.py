@@ -28,8 +28,15 @@ def parse_tokens(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"token ids must be integers: {text!r}") from None
 
 
+def safe(text: str) -> str:
+    """``text`` as it may reach a terminal: anything non-printable (newlines, escapes that
+    would move the cursor or recolor it) escaped as Python writes it. Names come from workers
+    and clients, not from the operator."""
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    cells = [[safe(str(h)) for h in headers]] + [[safe(str(c)) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -129,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             resp, text = call(stub, a, md)
         except grpc.RpcError as err:
-            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            print(f"error: {err.code().name}: {safe(str(err.details()))}", file=sys.stderr)
             return 1
     print(json.dumps(MessageToDict(resp), indent=2) if a.json else text)
     if isinstance(resp, pb.CheckIntegrityResponse) and not resp.ok:
@@ -174,7 +181,8 @@ def call(stub: pb_grpc.KVCacheAdminStub, a: argparse.Namespace, md: list) -> tup
         r = stub.Flush(pb.FlushRequest(pool_id=a.pool), metadata=md)
         return r, f"flushed {r.evicted_blocks} blocks"
     r = stub.CheckIntegrity(pb.CheckIntegrityRequest(), metadata=md)
-    text = f"ok: {r.pools_checked} pools checked" if r.ok else "\n".join(["FAILED:", *r.problems])
+    problems = [safe(p) for p in r.problems]
+    text = f"ok: {r.pools_checked} pools checked" if r.ok else "\n".join(["FAILED:", *problems])
     return r, text
 
 

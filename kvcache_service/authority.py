@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from kvcache_service.errors import (
     FencedIncarnation,
     InvalidArgument,
+    PoolInUse,
+    RegistrationLimit,
     UnknownPool,
     UnregisteredPool,
 )
@@ -28,6 +30,12 @@ class AuthorityConfig:
     block_size: int = 0
     # Blocks one namespace may hold in a pool (0: no quota).
     namespace_quota_blocks: int = 0
+    # Registration bounds: each pool costs ~14 bytes of metadata per block, built while the
+    # service is blocked (16M blocks: 229 MB, 1-1.5 s), so neither is left to the caller.
+    max_pool_blocks: int = 1 << 22
+    max_pools: int = 64
+    # A pool silent for this many TTLs (its leases long expired) is forgotten.
+    forget_after_ttls: float = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +93,14 @@ class CacheAuthority:
 
     # -- workers ------------------------------------------------------------------------------
 
-    def register_pool(self, spec: PoolSpec) -> Registration:
+    def register_pool(self, spec: PoolSpec, incarnation: int = 0) -> Registration:
+        """Registers (or re-registers) a pool: a new incarnation with an empty index.
+
+        A live pool (heartbeating within its TTL) is only re-registered by a caller that
+        presents its current incarnation (a worker recovering its own pool); anyone else gets
+        PoolInUse until the pool's TTL lapses, so a second registrant cannot wipe its index. A
+        restarted worker that lost its incarnation waits at most one TTL.
+        """
         if not spec.pool_id:
             raise InvalidArgument("pool_id is empty")
         if not 1 <= spec.block_size <= MAX_BLOCK_SIZE:
@@ -97,6 +112,19 @@ class CacheAuthority:
             )
         if not 1 <= spec.num_blocks <= MAX_BLOCKS:
             raise InvalidArgument(f"num_blocks must be in [1, {MAX_BLOCKS}]")
+        if spec.num_blocks > self.config.max_pool_blocks:
+            raise RegistrationLimit(
+                f"num_blocks {spec.num_blocks} is over this service's limit of "
+                f"{self.config.max_pool_blocks} per pool"
+            )
+        self.expire_due()
+        old = self.pools.get(spec.pool_id)
+        if old is not None and self._live[spec.pool_id].alive and incarnation != old.incarnation:
+            raise PoolInUse(f"pool {spec.pool_id!r} is live; register it after its TTL lapses")
+        if old is None and len(self.pools) >= self.config.max_pools:
+            raise RegistrationLimit(
+                f"this service holds its limit of {self.config.max_pools} pools"
+            )
         self._next_incarnation += 1
         ttl = self.config.lease_ttl_s
         self.pools[spec.pool_id] = PoolState(
@@ -183,15 +211,24 @@ class CacheAuthority:
     # -- liveness -----------------------------------------------------------------------------
 
     def expire_due(self) -> int:
-        """Expires the leases of every pool past its deadline; returns how many."""
+        """Expires the leases of every pool past its deadline; returns how many. Forgets a
+        pool silent for `forget_after_ttls` TTLs: it holds no lease by then, and a worker that
+        comes back is told to register (UnregisteredPool), which it would have to do anyway."""
         now = self.clock()
+        forget_at = (self.config.forget_after_ttls - 1) * self.config.lease_ttl_s
         n = 0
-        for pool_id, live in self._live.items():
+        for pool_id, live in list(self._live.items()):
+            pool = self.pools.get(pool_id)
+            if pool is None:
+                del self._live[pool_id]
+                continue
             if live.alive and live.deadline < now:
                 live.alive = False
-                expired = self.pools[pool_id].expire_all()
+                expired = pool.expire_all()
                 live.unreported.extend(expired)
                 n += len(expired)
+            if not live.alive and not pool.leases and now - live.deadline > forget_at:
+                del self.pools[pool_id], self._live[pool_id]
         return n
 
     def _pool(self, pool_id: PoolId, incarnation: int) -> PoolState:
@@ -201,9 +238,9 @@ class CacheAuthority:
         if pool is None:
             raise UnregisteredPool(f"pool {pool_id!r} is not registered; register it")
         if incarnation != pool.incarnation:
+            # Never name the current incarnation: it is what a call needs to act as the pool.
             raise FencedIncarnation(
-                f"pool {pool_id!r} incarnation {incarnation} is fenced off "
-                f"(current: {pool.incarnation}); register again"
+                f"pool {pool_id!r} incarnation {incarnation} is not current; register again"
             )
         live = self._live[pool_id]
         live.alive = True

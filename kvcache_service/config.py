@@ -18,6 +18,11 @@ class ServiceConfig:
     lease_ttl_s: float = 30.0
     # Bearer token for the admin service. Empty: one is generated at startup and logged.
     admin_token: str = ""
+    # Bearer token every data-plane call (workers, gateways) must carry. Empty: auth off (dev).
+    service_token: str = ""
+    # Registration bounds (RESOURCE_EXHAUSTED beyond): blocks per pool, and pools.
+    max_pool_blocks: int = 1 << 22
+    max_pools: int = 64
     # 0: pools choose their block size; otherwise registration must match it.
     block_size: int = 0
     namespace_quota_blocks: int = 0
@@ -42,6 +47,11 @@ class ServiceConfig:
             "--lease-ttl-s", type=float, default=float(env("LEASE_TTL_S", d.lease_ttl_s))
         )
         p.add_argument("--admin-token", default=env("ADMIN_TOKEN", d.admin_token))
+        p.add_argument("--service-token", default=env("SERVICE_TOKEN", d.service_token))
+        p.add_argument(
+            "--max-pool-blocks", type=int, default=int(env("MAX_POOL_BLOCKS", d.max_pool_blocks))
+        )
+        p.add_argument("--max-pools", type=int, default=int(env("MAX_POOLS", d.max_pools)))
         p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", d.block_size)))
         p.add_argument(
             "--namespace-quota-blocks",
@@ -57,11 +67,16 @@ class ServiceConfig:
         a = p.parse_args(argv)
         if a.lease_ttl_s <= 0:
             p.error("--lease-ttl-s must be positive")
+        if a.max_pool_blocks < 1 or a.max_pools < 1:
+            p.error("--max-pool-blocks and --max-pools must be positive")
         return cls(
             host=a.host,
             port=a.port,
             lease_ttl_s=a.lease_ttl_s,
             admin_token=a.admin_token,
+            service_token=a.service_token,
+            max_pool_blocks=a.max_pool_blocks,
+            max_pools=a.max_pools,
             block_size=a.block_size,
             namespace_quota_blocks=a.namespace_quota_blocks,
             sweep_interval_s=a.sweep_interval_s,

@@ -6,18 +6,20 @@ from __future__ import annotations
 from kvcache_service.authority import PoolRoute, Registration
 from kvcache_service.ids import PoolId
 from kvcache_service.leases import Deferral, Grant
+from kvcache_service.names import MAX_NAME_CHARS, check_id, check_name
 from kvcache_service.pool import Lookup, PoolSpec, PoolState
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 
 
 def pool_spec(req: pb.RegisterPoolRequest) -> PoolSpec:
+    """The pool a worker registers; its names checked (names.py) before anything stores them."""
     return PoolSpec(
-        pool_id=PoolId(req.pool_id),
+        pool_id=PoolId(check_id(req.pool_id, "pool_id")),
         num_blocks=req.num_blocks,
         block_size=req.block_size,
-        model_fingerprint=req.model_fingerprint,
-        model=req.model,
-        worker_address=req.worker_address,
+        model_fingerprint=check_id(req.model_fingerprint, "model_fingerprint", MAX_NAME_CHARS),
+        model=check_name(req.model, "model"),
+        worker_address=check_name(req.worker_address, "worker_address"),
         num_layers=req.layout.num_layers,
         num_kv_heads=req.layout.num_kv_heads,
         head_dim=req.layout.head_dim,

@@ -35,5 +35,14 @@ class FencedIncarnation(MustRegister):
     """The caller names an incarnation older than the pool's current one."""
 
 
+class PoolInUse(MustRegister):
+    """RegisterPool names a live pool (heartbeating within its TTL) without its current
+    incarnation: another registrant must not wipe its index. Retry once the pool's TTL lapses."""
+
+
+class RegistrationLimit(CacheError):
+    """RegisterPool asks for more blocks per pool, or more pools, than this service allows."""
+
+
 class OutOfBlocks(CacheError):
     """Not enough free or evictable blocks, even after eviction. Queue and retry."""

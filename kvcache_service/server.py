@@ -58,12 +58,16 @@ async def running(config: ServiceConfig) -> AsyncIterator[RunningService]:
             lease_ttl_s=config.lease_ttl_s,
             block_size=config.block_size,
             namespace_quota_blocks=config.namespace_quota_blocks,
+            max_pool_blocks=config.max_pool_blocks,
+            max_pools=config.max_pools,
         )
     )
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", 64 * 1024 * 1024), EXCLUSIVE_PORT]
     )
-    pb_grpc.add_KVCacheServiceServicer_to_server(KVCacheServicer(authority), server)
+    pb_grpc.add_KVCacheServiceServicer_to_server(
+        KVCacheServicer(authority, config.service_token), server
+    )
     pb_grpc.add_KVCacheAdminServicer_to_server(AdminServicer(authority, config.admin_token), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -22,6 +22,7 @@ from kvcache_service.errors import (
     MustRegister,
     NotFound,
     OutOfBlocks,
+    RegistrationLimit,
     UnknownLease,
 )
 from kvcache_service.ids import Namespace, PoolId
@@ -39,6 +40,7 @@ STATUS_OF: dict[type[CacheError], grpc.StatusCode] = {
     NotFound: grpc.StatusCode.NOT_FOUND,  # an admin target (pool, prefix) is not there
     MustRegister: grpc.StatusCode.FAILED_PRECONDITION,  # unregistered pool, fenced incarnation
     OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,  # queue and retry
+    RegistrationLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,  # too many blocks or pools
 }
 
 Req = TypeVar("Req")
@@ -65,13 +67,41 @@ def domain_errors(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
     return wrapper
 
 
-class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
-    def __init__(self, authority: CacheAuthority) -> None:
-        self.auth = authority
+def bearer_matches(context: grpc.aio.ServicerContext, token: str) -> bool:
+    """Whether the call carries `authorization: Bearer <token>` (compared in constant time)."""
+    metadata = dict(context.invocation_metadata() or ())
+    scheme, _, given = str(metadata.get("authorization", "")).partition(" ")
+    # The scheme is case-insensitive (RFC 9110, 11.1): "bearer x" is as good as "Bearer x".
+    same = hmac.compare_digest(given.strip().encode(), token.encode())
+    return same and scheme.lower() == "bearer"
 
-    @domain_errors
+
+def service_only(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
+    """Requires `authorization: Bearer <service token>` when the service has one (empty: auth
+    off, for development); then maps domain errors. Workers and gateways hold the token."""
+    inner = domain_errors(fn)
+
+    @functools.wraps(fn)
+    async def wrapper(
+        self: KVCacheServicer, request: Req, context: grpc.aio.ServicerContext
+    ) -> Resp:
+        if self.token and not bearer_matches(context, self.token):
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "data-plane calls need the service token"
+            )
+        return await inner(self, request, context)
+
+    return wrapper
+
+
+class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
+    def __init__(self, authority: CacheAuthority, token: str = "") -> None:
+        self.auth = authority
+        self.token = token
+
+    @service_only
     async def RegisterPool(self, request, context):
-        reg = self.auth.register_pool(convert.pool_spec(request))
+        reg = self.auth.register_pool(convert.pool_spec(request), request.incarnation)
         log.info(
             "registered pool %r: %d blocks of %d tokens, incarnation %d",
             request.pool_id,
@@ -81,12 +111,12 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         )
         return convert.registration(reg)
 
-    @domain_errors
+    @service_only
     async def Heartbeat(self, request, context):
         expired, live = self.auth.heartbeat(PoolId(request.pool.pool_id), request.pool.incarnation)
         return pb.HeartbeatResponse(expired_lease_ids=expired, live_leases=live)
 
-    @domain_errors
+    @service_only
     async def AcquireLease(self, request, context):
         result, expired = self.auth.acquire(
             PoolId(request.pool.pool_id),
@@ -99,7 +129,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         )
         return convert.acquire_response(result, expired)
 
-    @domain_errors
+    @service_only
     async def ExtendLeases(self, request, context):
         out = self.auth.extend(
             PoolId(request.pool.pool_id),
@@ -110,7 +140,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             leases=[pb.ExtendedLease(lease_id=i, new_blocks=blocks) for i, blocks in out]
         )
 
-    @domain_errors
+    @service_only
     async def CommitLeases(self, request, context):
         indexed = self.auth.commit(
             PoolId(request.pool.pool_id),
@@ -119,7 +149,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         )
         return pb.CommitLeasesResponse(indexed_tokens=indexed)
 
-    @domain_errors
+    @service_only
     async def ReleaseLease(self, request, context):
         indexed = self.auth.release(
             PoolId(request.pool.pool_id),
@@ -129,7 +159,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         )
         return pb.ReleaseLeaseResponse(indexed_tokens=indexed)
 
-    @domain_errors
+    @service_only
     async def Route(self, request, context):
         routes = self.auth.route(
             Namespace(request.namespace), request.prompt_token_ids, request.model
@@ -143,10 +173,7 @@ def admin_only(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
 
     @functools.wraps(fn)
     async def wrapper(self: AdminServicer, request: Req, context: grpc.aio.ServicerContext) -> Resp:
-        metadata = dict(context.invocation_metadata() or ())
-        given = str(metadata.get("authorization", ""))
-        expected = f"Bearer {self.token}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
+        if not bearer_matches(context, self.token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "admin calls need a bearer token")
         return await inner(self, request, context)
 

@@ -33,6 +33,8 @@ class LaunchConfig:
     worker_base_port: int = 0
     # Empty: a random one, printed at startup.
     admin_token: str = ""
+    # The data-plane token the children share; not a flag: always a fresh random one.
+    service_token: str = ""
     # Per-worker KV pool; 0: the worker's own default (a memory budget, KVWORKER_*).
     num_blocks: int = 0
     block_size: int = 0
@@ -63,6 +65,12 @@ class LaunchConfig:
     def with_admin_token(self) -> LaunchConfig:
         """This config, with a random admin token if none was configured."""
         return self if self.admin_token else replace(self, admin_token=secrets.token_urlsafe(18))
+
+    def with_service_token(self) -> LaunchConfig:
+        """This config, with a random service token for the children if none was set."""
+        if self.service_token:
+            return self
+        return replace(self, service_token=secrets.token_urlsafe(18))
 
 
 FLAGS: tuple[tuple[str, type, str], ...] = (

@@ -93,21 +93,24 @@ def gateway_command(
 
 
 def secret_env(cfg: LaunchConfig) -> dict[str, str]:
-    """The admin token travels in the environment, not on command lines that `ps` shows to
-    every user of the machine."""
+    """The admin and service tokens travel in the environment, not on command lines that `ps`
+    shows to every user of the machine."""
     return {
         **os.environ,
         "KVCACHE_ADMIN_TOKEN": cfg.admin_token,
         "KVGATEWAY_ADMIN_TOKEN": cfg.admin_token,
+        "KVCACHE_SERVICE_TOKEN": cfg.service_token,
+        "KVGATEWAY_CACHE_TOKEN": cfg.service_token,
     }
 
 
-def worker_env() -> dict[str, str]:
+def worker_env(cfg: LaunchConfig) -> dict[str, str]:
     """The environment workers start in: with the fast BLAS preloaded where one exists (the
-    worker would re-execute itself to get it; starting with it saves that restart)."""
+    worker would re-execute itself to get it; starting with it saves that restart), and the
+    cache service's service token."""
     from worker.blas import fast_blas_env
 
-    return fast_blas_env()
+    return {**fast_blas_env(), "KVWORKER_CACHE_TOKEN": cfg.service_token}
 
 
 def prepare_model(model: str, say: Callable[[str], None]) -> None:
@@ -120,7 +123,7 @@ def prepare_model(model: str, say: Callable[[str], None]) -> None:
 
 def launch(cfg: LaunchConfig, sink: Sink = print_sink, python: str = sys.executable) -> System:
     """Start everything and wait until each process is ready; on failure stop what started."""
-    cfg = cfg.with_admin_token()
+    cfg = cfg.with_admin_token().with_service_token()
     prepare_model(cfg.model, lambda line: sink("launch", line + "\n"))
     started: list[Child] = []
     timeout = cfg.startup_timeout_s
@@ -135,7 +138,7 @@ def launch(cfg: LaunchConfig, sink: Sink = print_sink, python: str = sys.executa
         ).start()
         started.append(cache)
         cache_address = cache.wait_ready(timeout)
-        env = worker_env()
+        env = worker_env(cfg)
         workers = [
             Child(
                 f"worker-{i}",

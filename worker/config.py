@@ -15,6 +15,8 @@ _OFF = ("0", "false", "no", "off")
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     cache_service: str = "127.0.0.1:50051"
+    # The cache service's service token (sent as a bearer token); empty: its auth is off.
+    cache_token: str = ""
     host: str = "127.0.0.1"
     port: int = 50061
     # Address the gateway should dial; empty: host:port as bound.
@@ -63,6 +65,7 @@ class WorkerConfig:
             description="An MLX compute worker (gRPC). Every flag also reads KVWORKER_<FLAG>.",
         )
         p.add_argument("--cache-service", default=env("CACHE_SERVICE", d.cache_service))
+        p.add_argument("--cache-token", default=env("CACHE_TOKEN", d.cache_token))
         p.add_argument("--host", default=env("HOST", d.host))
         p.add_argument("--port", type=int, default=int(env("PORT", d.port)))
         p.add_argument("--advertise-address", default=env("ADVERTISE_ADDRESS", ""))
@@ -114,6 +117,7 @@ class WorkerConfig:
             p.error("--kv-memory-fraction must be in [0, 1] (0: the device's default)")
         return cls(
             cache_service=a.cache_service,
+            cache_token=a.cache_token,
             host=a.host,
             port=a.port,
             advertise_address=a.advertise_address,

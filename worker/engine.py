@@ -42,7 +42,8 @@ from worker.lease_client import (
     PoolRegistration,
     Rejected,
 )
-from worker.sampling import RowSampler, SamplingParams
+from worker.outage import Outage
+from worker.sampling import RowFailed, RowSampler, Sampled, SamplingParams
 from worker.scheduler import Scheduler, Step
 from worker.sequence import Finish, Sequence, Status, StreamEvent, TextStream
 from worker.step_budget import StepBudget
@@ -100,6 +101,7 @@ class Engine:
         self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ())) | self.eos_ids
         self._work = asyncio.Event()
         self._admit = asyncio.Event()
+        self._outage = Outage(base_s=RETRY_S)
         self._step_lock = asyncio.Lock()
         self._commit_generation = 0
         self._recovering = False
@@ -235,8 +237,9 @@ class Engine:
 
     async def _run_step(self, step: Step) -> None:
         live = frozenset(s.lease.lease_id for s in self.scheduler.running if s.lease is not None)
-        sampled, took = await self.executor.run(step, live)
+        results, took = await self.executor.run(step, live)
         self.budget.observe(took)
+        sampled = self._end_failed_rows(step, results)
         finished = self.scheduler.postprocess(step, sampled)
         self._account(step, sampled)
         # Publishing comes last, once nothing of the step can raise any more: a step that
@@ -245,6 +248,21 @@ class Engine:
         for seq in finished:
             self.stats.requests_finished += 1
             self._release(seq)
+
+    def _end_failed_rows(
+        self, step: Step, sampled: list[Sampled | RowFailed | None]
+    ) -> list[Sampled | None]:
+        """Ends the requests whose sampling failed (INTERNAL); the rest of the step goes on.
+        Their forward wrote sound K/V, but postprocess has not advanced them yet, so the
+        release publishes only what earlier steps computed."""
+        out: list[Sampled | None] = []
+        for item, s in zip(step.items, sampled, strict=True):
+            if isinstance(s, RowFailed):
+                err = s.error
+                self._end(item.seq, StepFailed(f"sampling failed: {type(err).__name__}: {err}"))
+                s = None
+            out.append(s)
+        return out
 
     def _fail_step(self, step: Step, err: Exception) -> None:
         """A step raised (a model bug, bad logits, a bookkeeping bug): its requests end with
@@ -374,10 +392,10 @@ class Engine:
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
             # lands as its timeout fires, and this loop would outlive stop().
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(RETRY_S):
+                async with asyncio.timeout(max(RETRY_S, self._outage.retry_in())):
                     await self._admit.wait()
             self._admit.clear()
-            if not self._recovering:
+            if not self._recovering and self._outage.retry_in() == 0:
                 try:
                     await self._admit_pass()
                 except Exception:  # a bug must not stop admission silently for good
@@ -409,6 +427,7 @@ class Engine:
             except LeaseError as err:
                 self._on_lease_error(err)
                 return
+            self._outage.recovered()
             self._drop_expired(expired)
             if isinstance(result, Deferred):
                 log.debug(
@@ -459,6 +478,7 @@ class Engine:
     async def _heartbeat_once(self) -> None:
         try:
             self._drop_expired(await self.client.heartbeat())
+            self._outage.recovered()
         except LeaseError as err:
             self._on_lease_error(err)
 
@@ -483,7 +503,7 @@ class Engine:
             elif not self._recovering:
                 self._spawn(self._recover(str(err)))
         elif isinstance(err, CacheUnavailable):
-            log.warning("cache service unavailable: %s", err)
+            self._outage.failed(err)  # backs admission off; logs at most every 10 s
         else:
             log.warning("cache service error: %s", err)
 

@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from worker.forward_batch import SeqInput
 from worker.model_spec import ModelSpec
-from worker.sampling import RowSampler, Sampled, sample_rows
+from worker.sampling import RowFailed, RowSampler, Sampled, sample_rows
 from worker.scheduler import Step
 from worker.step_budget import ForwardTime
 
@@ -71,7 +71,7 @@ class ModelExecutor:
 
     async def run(
         self, step: Step, live: frozenset[int] | None = None
-    ) -> tuple[list[Sampled | None], ForwardTime]:
+    ) -> tuple[list[Sampled | RowFailed | None], ForwardTime]:
         """The step's sampled tokens (None for rows that yield none) and how long its forwards
         took on this thread (the engine's step-time budget learns from it). Each sequence is
         keyed by its lease id; ``live`` (the running leases) lets the runner drop the state of
@@ -84,7 +84,7 @@ class ModelExecutor:
                 rows.append((i, seq.sampler, history, len(seq.output)))
         inputs = [SeqInput(i.token_ids, i.block_table, i.start, i.lease_id) for i in step.items]
         sampled, took = await self._submit(_Job(inputs, step.copies, rows, live))
-        out: list[Sampled | None] = [None] * len(step.items)
+        out: list[Sampled | RowFailed | None] = [None] * len(step.items)
         for (i, *_), s in zip(rows, sampled, strict=True):
             out[i] = s
         return out, took
@@ -94,16 +94,16 @@ class ModelExecutor:
         inputs: list[SeqInput],
         copies: list[tuple[int, int]],
         rows: list[tuple[int, RowSampler, list[int], int]],
-    ) -> list[Sampled]:
+    ) -> list[Sampled | RowFailed]:
         """One step as plain inputs (the warm-up drives it too): applies ``copies``, runs
         ``inputs``, and samples ``rows`` (row, sampler, history, position) in their order."""
         return (await self._submit(_Job(inputs, copies, rows)))[0]
 
-    async def _submit(self, job: _Job) -> tuple[list[Sampled], ForwardTime]:
+    async def _submit(self, job: _Job) -> tuple[list[Sampled | RowFailed], ForwardTime]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, self._run, job)
 
-    def _run(self, job: _Job) -> tuple[list[Sampled], ForwardTime]:
+    def _run(self, job: _Job) -> tuple[list[Sampled | RowFailed], ForwardTime]:
         """Decodes and prefill chunks as two forwards (each is padded to its longest query),
         then samples the rows that finished their tokens. Each forward is timed with its
         sampling: wall time on this thread is what the step costs, waits for the GIL included."""
@@ -112,7 +112,7 @@ class ModelExecutor:
         if job.copies:
             self.runner.copy_blocks(job.copies)
         wanted = {r[0]: r for r in job.rows}
-        out: dict[int, Sampled] = {}
+        out: dict[int, Sampled | RowFailed] = {}
         decodes = [i for i, s in enumerate(job.inputs) if len(s.token_ids) == 1]
         prefills = [i for i, s in enumerate(job.inputs) if len(s.token_ids) > 1]
         seconds = [0.0, 0.0]

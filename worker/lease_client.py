@@ -104,8 +104,10 @@ def _translate(err: grpc.aio.AioRpcError, incarnation: int) -> LeaseError:
 class LeaseClient:
     """Async calls on one channel. `incarnation` is set by register() and sent with every call."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: str = "") -> None:
         self.address = address
+        # The cache service's service token, on every call (empty: the service's auth is off).
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = pb_grpc.KVCacheServiceStub(self._channel)
         self.pool_id = ""
@@ -123,7 +125,7 @@ class LeaseClient:
     async def _call(self, method, request):
         incarnation = self.incarnation
         try:
-            return await method(request, timeout=RPC_TIMEOUT_S)
+            return await method(request, timeout=RPC_TIMEOUT_S, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise _translate(err, incarnation) from err
 
@@ -135,6 +137,8 @@ class LeaseClient:
                 model_fingerprint=reg.model_fingerprint,
                 model=reg.model,
                 worker_address=reg.worker_address,
+                # Ours, if we hold one: lets us re-register our own pool while it is live.
+                incarnation=self.incarnation,
                 num_blocks=reg.num_blocks,
                 block_size=reg.block_size,
                 layout=pb.PoolLayout(

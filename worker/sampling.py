@@ -1,23 +1,35 @@
-"""Sampling parameters, their validation, and the per-step sampler (mlx-lm's samplers).
+"""Sampling parameters, their validation, and the per-step sampler.
 
-Seeded requests draw each token from a key derived from (seed, position), not from a stream
-of draws, so a request gives the same tokens alone, in any batch, and after a preemption.
+Every request samples from its own PRNG key, never from MLX's global random state: a seeded
+request's key for a token derives from (seed, position), an unseeded one's from a seed drawn
+at admission, so a request gives the same tokens alone, in any batch, and after a preemption,
+and nothing one row does can change another row's draws or a later request's. mlx-lm's
+samplers are not used for that reason: they draw from the global state, and their filters are
+compiled with that state as an input and output, so one that raised (``top_k`` above the
+vocabulary) left the global state holding a traced placeholder, and every later unseeded draw
+of the process failed (``Attempting to eval an array without a primitive``) until a request
+with a seed reset it.
+
+A row whose sampling raises anyway ends alone (:class:`RowFailed`); the other rows of the
+batch get their tokens.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import make_logits_processors
 
 from worker.errors import InvalidRequest
+from worker.sampling_limits import SamplingLimitError, check_sampling
 
-MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,27 +49,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def validate(self, vocab_size: int) -> None:
-        def bad(msg: str) -> InvalidRequest:
-            return InvalidRequest(msg)
-
-        if not 0.0 <= self.temperature <= 100.0:
-            raise bad(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise bad(f"top_p must be in [0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise bad(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens < 0:
-            raise bad(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if not 0.0 <= self.repetition_penalty <= 10.0:
-            raise bad(f"repetition_penalty must be in [0, 10], got {self.repetition_penalty}")
-        if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
-            raise bad(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
-        if any(not 0 <= t < vocab_size for t in self.stop_token_ids):
-            raise bad(f"stop_token_ids must be in [0, {vocab_size})")
+        """The limits of ``worker.sampling_limits``, the ones the gateway checks too."""
+        try:
+            check_sampling(self, vocab_size)
+        except SamplingLimitError as e:
+            raise InvalidRequest(e.message) from None
 
     @property
     def greedy(self) -> bool:
@@ -71,17 +67,26 @@ class Sampled:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class RowFailed:
+    """A row whose sampling raised: its request ends (INTERNAL), the batch goes on."""
+
+    error: Exception
+
+
 @dataclass(slots=True)
 class RowSampler:
     """One sequence's sampler, built once at admission; called on the model thread."""
 
     params: SamplingParams
-    sampler: Callable[[mx.array], mx.array] = field(init=False)
+    # The request's own PRNG seed: its seed, or one drawn at admission. Kept for its life, so
+    # an unseeded request is reproducible across its own preemptions too.
+    seed: int = field(init=False)
     processors: list = field(init=False)
 
     def __post_init__(self) -> None:
         p = self.params
-        self.sampler = make_sampler(p.temperature, p.top_p, p.min_p, 1, p.top_k)
+        self.seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little")
         penalty = p.repetition_penalty if p.repetition_penalty not in (0.0, 1.0) else None
         self.processors = make_logits_processors(repetition_penalty=penalty)
 
@@ -89,40 +94,86 @@ class RowSampler:
     def plain_greedy(self) -> bool:
         return self.params.greedy and not self.processors and not self.params.logprobs
 
+    def key(self, position: int) -> mx.array:
+        """The key of the token at ``position``. The second half of a split: what the former
+        ``mx.random.seed(s)`` and one draw used, so a given seed still gives the same tokens."""
+        s = (self.seed * 1_000_003 + position) & 0xFFFFFFFF
+        return mx.random.split(mx.random.key(s))[1]
 
-def sample_rows(
-    logits: mx.array, rows: Sequence[tuple[int, RowSampler, Sequence[int], int]]
-) -> list[Sampled]:
+    def sample(self, logprobs: mx.array, position: int) -> mx.array:
+        """One token from a (1, vocab) row of log-probabilities; filters in mlx-lm's order."""
+        p = self.params
+        if p.greedy:
+            return mx.argmax(logprobs, axis=-1)
+        x = logprobs
+        if 0.0 < p.top_p < 1.0:
+            x = _top_p(x, p.top_p)
+        if p.min_p > 0.0:
+            x = mx.where(x < mx.max(x, axis=-1, keepdims=True) + math.log(p.min_p), -mx.inf, x)
+        if 0 < p.top_k < x.shape[-1]:  # top_k == vocab keeps every token: off
+            x = _top_k(x, p.top_k)
+        return mx.random.categorical(x * (1.0 / p.temperature), key=self.key(position))
+
+
+def _top_k(x: mx.array, k: int) -> mx.array:
+    drop = mx.argpartition(-x, kth=k - 1, axis=-1)[..., k:]
+    return mx.put_along_axis(x, drop, mx.array(-mx.inf, x.dtype), axis=-1)
+
+
+def _top_p(x: mx.array, top_p: float) -> mx.array:
+    ordered = mx.sort(x, axis=-1)
+    probs = mx.exp(ordered.astype(mx.float32))
+    mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+    total = mass_above[..., :1] + probs[..., :1]
+    dropped = (mass_above >= top_p * total).sum(axis=-1, keepdims=True)
+    threshold = mx.take_along_axis(ordered, dropped, axis=-1)
+    return mx.where(x < threshold, -mx.inf, x)
+
+
+Row = tuple[int, RowSampler, Sequence[int], int]
+
+
+def sample_rows(logits: mx.array, rows: Sequence[Row]) -> list[Sampled | RowFailed]:
     """Samples one token for each (row index, sampler, tokens so far, position) of `logits`.
 
-    Plain greedy rows are one batched argmax; the rest go row by row (processors need the
-    row's history, seeded rows their own key).
+    Plain greedy rows are one batched argmax (per row if that raises); the rest go row by row
+    (processors need the row's history, every row its own key). A row that raises is a
+    RowFailed and the others are unaffected: no row reads or writes state another row uses.
     """
-    out: dict[int, Sampled] = {}
+    out: dict[int, Sampled | RowFailed] = {}
     greedy = [r for r in rows if r[1].plain_greedy]
     if greedy:
-        idx = mx.array([r[0] for r in greedy])
-        tokens = np.asarray(mx.argmax(logits[idx], axis=-1)).tolist()
-        for (row, *_), tok in zip(greedy, tokens, strict=True):
-            out[row] = Sampled(int(tok))
-    for row, rs, history, position in rows:
-        if rs.plain_greedy:
+        try:
+            idx = mx.array([r[0] for r in greedy])
+            tokens = np.asarray(mx.argmax(logits[idx], axis=-1)).tolist()
+            for (row, *_), tok in zip(greedy, tokens, strict=True):
+                out[row] = Sampled(int(tok))
+        except Exception:  # whatever MLX raises: find the row at fault below
+            log.exception("batched greedy sampling failed; sampling its rows one by one")
+    for r in rows:
+        if r[0] in out:
             continue
-        x = logits[row : row + 1]
-        if rs.processors:
-            hist = mx.array(list(history), dtype=mx.int32)
-            for proc in rs.processors:
-                x = proc(hist, x)
-        logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
-        if rs.params.seed is not None:
-            mx.random.seed((rs.params.seed * 1_000_003 + position) & 0xFFFFFFFF)
-        token = int(np.asarray(rs.sampler(logprobs)).reshape(-1)[0])
-        if rs.params.seed is not None:
-            mx.random.seed(int.from_bytes(os.urandom(4), "little"))
-        top: tuple[tuple[int, float], ...] = ()
-        lp = np.asarray(logprobs[0])
-        if rs.params.logprobs:
-            ids = np.argsort(-lp, kind="stable")[: rs.params.logprobs]
-            top = tuple((int(i), float(lp[i])) for i in ids)
-        out[row] = Sampled(token, float(lp[token]), top)
+        try:
+            out[r[0]] = sample_row(logits, *r)
+        except Exception as e:  # whatever MLX raises: this row ends, the batch goes on
+            log.exception("sampling failed for row %d", r[0])
+            out[r[0]] = RowFailed(e)
     return [out[r[0]] for r in rows]
+
+
+def sample_row(
+    logits: mx.array, row: int, rs: RowSampler, history: Sequence[int], position: int
+) -> Sampled:
+    x = logits[row : row + 1]
+    if rs.processors:
+        hist = mx.array(list(history), dtype=mx.int32)
+        for proc in rs.processors:
+            x = proc(hist, x)
+    logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    token = int(np.asarray(rs.sample(logprobs, position)).reshape(-1)[0])
+    lp = np.asarray(logprobs[0])
+    top: tuple[tuple[int, float], ...] = ()
+    if rs.params.logprobs:
+        ids = np.argsort(-lp, kind="stable")[: rs.params.logprobs]
+        top = tuple((int(i), float(lp[i])) for i in ids)
+    return Sampled(token, float(lp[token]), top)

@@ -176,7 +176,11 @@ async def running(
         publish_blocks=not dense,
     )
     engine = Engine(
-        executor, LeaseClient(config.cache_service), registration, limits, loaded.tokenizer
+        executor,
+        LeaseClient(config.cache_service, config.cache_token),
+        registration,
+        limits,
+        loaded.tokenizer,
     )
     pb_grpc.add_WorkerServicer_to_server(
         WorkerServicer(engine, worker_id, config.model, runner.kind), server

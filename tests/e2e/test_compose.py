@@ -148,6 +148,9 @@ def test_one_configuration_for_the_whole_system(compose):
     worker_env, gw_env = env_of(s["worker"]), env_of(s["gateway"])
     assert worker_env["KVWORKER_MODEL"] == gw_env["KVGATEWAY_MODEL"] == "kvserve-tiny-llama"
     assert env_of(s["kvcache"])["KVCACHE_ADMIN_TOKEN"] == gw_env["KVGATEWAY_ADMIN_TOKEN"]
+    # One data-plane token, shared by the cache service and every client of it.
+    service_token = env_of(s["kvcache"])["KVCACHE_SERVICE_TOKEN"]
+    assert service_token == worker_env["KVWORKER_CACHE_TOKEN"] == gw_env["KVGATEWAY_CACHE_TOKEN"]
     raw = yaml.safe_load(COMPOSE.read_text())["services"]
     # One setting each, so `KVSERVE_MODEL=... docker compose up` changes every service.
     assert (

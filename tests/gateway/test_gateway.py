@@ -446,3 +446,28 @@ async def test_models_say_which_runner_serves_them(stack: Stack):
     await stack.poll()
     card = (await stack.http.get("/v1/models")).json()["data"][0]
     assert card["runners"] == ["dense", "paged"]
+
+
+async def test_grpc_top_k_beyond_the_vocabulary_is_invalid_argument(stack: Stack):
+    vocab = stack.gateway.gateway.tokenizer.vocab_size
+    async with grpc.aio.insecure_channel(stack.gateway.grpc_address) as channel:
+        stub = pb_grpc.WorkerStub(channel)
+        for top_k in (vocab + 1, 2**31 - 1):
+            req = pb.GenerateRequest(
+                prompt_token_ids=pb.TokenIds(ids=[72, 105]),
+                sampling=pb.SamplingParams(temperature=1.0, top_k=top_k, max_tokens=4),
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                _ = [m async for m in stub.Generate(req)]
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "top_k" in (e.value.details() or "")
+    assert not any(w.record.requests for w in stack.workers)  # refused before dispatch
+
+
+async def test_http_top_k_past_the_wire_is_400_not_500(stack: Stack):
+    for top_k in (2**31, 2**63):
+        body = {"prompt": "hi", "max_tokens": 4, "top_k": top_k}
+        resp = await stack.http.post("/v1/completions", json=body)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == "top_k"
+    assert not any(w.record.requests for w in stack.workers)

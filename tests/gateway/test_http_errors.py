@@ -227,3 +227,25 @@ async def test_admin_needs_a_pool_and_a_prefix(client):
     assert_error(await client.post("/admin/cache/evict", json={"pool": "w0"}), 400)
     assert_error(await client.post("/admin/cache/evict", json={"pool": "w0", "bogus": 1}), 400)
     assert_error(await client.get("/admin/cache/tree"), 400, param="pool")
+
+
+@pytest.mark.parametrize("top_k", ["vocab + 1", 2**31 - 1, 2**31, 2**63, 2**64])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_top_k_beyond_the_vocabulary_or_the_wire_is_400(client, tokenizer, path, top_k):
+    if top_k == "vocab + 1":
+        top_k = tokenizer.vocab_size + 1
+    body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": CHAT["messages"]}
+    resp = await client.post(path, json={**body, "max_tokens": 4, "top_k": top_k})
+    err = assert_error(resp, 400, param="top_k")
+    assert "top_k" in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("repetition_penalty", 1e30), ("seed", 2**64), ("stop", ["x" * 5000])],
+)
+async def test_sampling_values_past_the_limits_are_400(client, field, value):
+    resp = await client.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 4, field: value}
+    )
+    assert_error(resp, 400, param=field)

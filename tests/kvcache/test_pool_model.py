@@ -62,7 +62,9 @@ class PoolMachine(RuleBasedStateMachine):
 
     def _register(self, pool_id: str) -> None:
         n, bs = POOLS[pool_id]
-        reg = self.auth.register_pool(PoolSpec(pool_id, n, bs))  # type: ignore[arg-type]
+        # A live pool re-registers only with its own incarnation (0 before the first time).
+        spec = PoolSpec(pool_id, n, bs)  # type: ignore[arg-type]
+        reg = self.auth.register_pool(spec, self.inc.get(pool_id, 0))
         self.inc[pool_id] = reg.incarnation
         self.ref[pool_id] = RefPool(n, bs)
 

@@ -193,8 +193,9 @@ async def test_error_codes(client: Client) -> None:
         pool=pool, items=[pb.CommitItem(lease_id=lease.lease_id, token_ids=[9, 9, 9])]
     )
     await expect_code(code.INVALID_ARGUMENT, client.kv.CommitLeases(wrong))
-    # Registering again fences the old incarnation off; its leases are gone.
-    new_pool = await client.register(num_blocks=8)
+    # Registering again (the live pool itself, with its incarnation) fences the old
+    # incarnation off; its leases are gone.
+    new_pool = await client.register(num_blocks=8, incarnation=pool.incarnation)
     assert new_pool.incarnation > pool.incarnation
     await expect_code(code.FAILED_PRECONDITION, client.acquire(pool, [1, 2]))
     await expect_code(code.FAILED_PRECONDITION, client.kv.Heartbeat(pb.HeartbeatRequest(pool=pool)))

@@ -19,7 +19,7 @@ class PoolLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("pool_id", "model_fingerprint", "layout", "num_blocks", "block_size", "worker_address", "model")
+    __slots__ = ("pool_id", "model_fingerprint", "layout", "num_blocks", "block_size", "worker_address", "model", "incarnation")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class RegisterPoolRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     model_fingerprint: str
     layout: PoolLayout
@@ -34,7 +35,8 @@ class RegisterPoolRequest(_message.Message):
     block_size: int
     worker_address: str
     model: str
-    def __init__(self, pool_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., worker_address: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, pool_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., worker_address: _Optional[str] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("incarnation", "lease_ttl_s", "heartbeat_interval_s")
