@@ -19,6 +19,7 @@ from gateway.core import Gateway
 from gateway.grpc_servicer import GatewayWorkerServicer
 from gateway.http_app import create_app
 from gateway.tokenizer import Tokenizer
+from kvserve_launch.malformed import MalformedRequests
 from kvserve_launch.startup import EXCLUSIVE_PORT, add_port, listen_error
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
@@ -70,11 +71,12 @@ async def running(
     StartupError (``kvserve_launch.startup``) when a port cannot be bound, which it tries
     before it starts anything else."""
     grpc_server = grpc.aio.server(
+        interceptors=[MalformedRequests()],
         options=[
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
             EXCLUSIVE_PORT,
-        ]
+        ],
     )
     grpc_port = add_port(grpc_server, config.host, config.grpc_port, ENV_PREFIX, "grpc_port")
     sock = _listen(config.host, config.http_port)

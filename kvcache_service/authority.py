@@ -16,6 +16,7 @@ from kvcache_service.errors import (
 )
 from kvcache_service.ids import BlockId, LeaseId, Namespace, PoolId, Tokens
 from kvcache_service.leases import Deferral, Grant
+from kvcache_service.names import MAX_NAME_CHARS, check_name
 from kvcache_service.pool import Lookup, PoolSpec, PoolState
 
 MAX_TOKEN_ID = 2**31 - 1
@@ -34,6 +35,8 @@ class AuthorityConfig:
     # service is blocked (16M blocks: 229 MB, 1-1.5 s), so neither is left to the caller.
     max_pool_blocks: int = 1 << 22
     max_pools: int = 64
+    # Namespaces are stored in the index and printed by the admin tools: bounded, printable.
+    max_namespace_chars: int = MAX_NAME_CHARS
     # A pool silent for this many TTLs (its leases long expired) is forgotten.
     forget_after_ttls: float = 4.0
 
@@ -147,6 +150,7 @@ class CacheAuthority:
         allow_defer: bool = False,
         skip_cache: bool = False,
     ) -> tuple[Grant | Deferral, list[LeaseId]]:
+        ns = self.namespace(ns)
         tokens = as_tokens(prompt, "prompt")
         pool = self._pool(pool_id, incarnation)
         expired = self._take_expired(pool_id)
@@ -188,6 +192,7 @@ class CacheAuthority:
         return pool.release(LeaseId(lease_id), as_tokens(tokens, "token_ids", True), self.clock())
 
     def route(self, ns: Namespace, prompt: Sequence[int], model: str = "") -> list[PoolRoute]:
+        ns = self.namespace(ns)
         tokens = as_tokens(prompt, "prompt")
         self.expire_due()
         out = []
@@ -255,6 +260,11 @@ class CacheAuthority:
     def is_alive(self, pool_id: PoolId) -> bool:
         return self._live[pool_id].alive
 
+    def namespace(self, ns: str) -> Namespace:
+        """``ns`` checked: at most ``max_namespace_chars`` characters, printable (checked
+        before any work proportional to the request, so a 3 MB namespace costs one len())."""
+        return Namespace(check_name(ns, "namespace", self.config.max_namespace_chars))
+
     # -- admin --------------------------------------------------------------------------------
 
     def get_pool(self, pool_id: str) -> PoolState:
@@ -271,6 +281,7 @@ class CacheAuthority:
     def lookup(
         self, pool_id: str, ns: Namespace, prompt: Sequence[int]
     ) -> list[tuple[str, Lookup]]:
+        ns = self.namespace(ns)
         tokens = as_tokens(prompt, "prompt")
         return [(p.spec.pool_id, p.lookup(ns, tokens)) for p in self.select(pool_id)]
 

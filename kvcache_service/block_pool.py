@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvcache_service.errors import OutOfBlocks
 from kvcache_service.ids import BlockId
+from kvcache_service.integrity import BlockSnapshot
 
 
 class BlockPool:
@@ -50,17 +51,11 @@ class BlockPool:
         self._is_free[block] = 1
         self._free.append(block)
 
+    def snapshot(self) -> BlockSnapshot:
+        """Copies of the arrays (C-speed: ~3 ms per 1M blocks each) for an off-loop check."""
+        return BlockSnapshot(
+            list(self._free), bytes(self._is_free), list(self.refcount), list(self.pins)
+        )
+
     def check_integrity(self) -> list[str]:
-        problems = []
-        if len(set(self._free)) != len(self._free):
-            problems.append("free list holds a block twice")
-        for b in self._free:
-            if not self._is_free[b]:
-                problems.append(f"block {b} on the free list but not marked free")
-            if self.refcount[b] or self.pins[b]:
-                problems.append(f"free block {b} has refcount {self.refcount[b]}")
-        if sum(self._is_free) != len(self._free):
-            problems.append("free marks disagree with the free list")
-        if any(r < 0 for r in self.refcount):
-            problems.append("negative refcount")
-        return problems
+        return self.snapshot().problems()

@@ -23,6 +23,8 @@ class ServiceConfig:
     # Registration bounds (RESOURCE_EXHAUSTED beyond): blocks per pool, and pools.
     max_pool_blocks: int = 1 << 22
     max_pools: int = 64
+    # Namespaces (cache salts) longer than this, or unprintable: INVALID_ARGUMENT.
+    max_namespace_chars: int = 256
     # 0: pools choose their block size; otherwise registration must match it.
     block_size: int = 0
     namespace_quota_blocks: int = 0
@@ -52,6 +54,11 @@ class ServiceConfig:
             "--max-pool-blocks", type=int, default=int(env("MAX_POOL_BLOCKS", d.max_pool_blocks))
         )
         p.add_argument("--max-pools", type=int, default=int(env("MAX_POOLS", d.max_pools)))
+        p.add_argument(
+            "--max-namespace-chars",
+            type=int,
+            default=int(env("MAX_NAMESPACE_CHARS", d.max_namespace_chars)),
+        )
         p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", d.block_size)))
         p.add_argument(
             "--namespace-quota-blocks",
@@ -77,6 +84,7 @@ class ServiceConfig:
             service_token=a.service_token,
             max_pool_blocks=a.max_pool_blocks,
             max_pools=a.max_pools,
+            max_namespace_chars=a.max_namespace_chars,
             block_size=a.block_size,
             namespace_quota_blocks=a.namespace_quota_blocks,
             sweep_interval_s=a.sweep_interval_s,

@@ -102,10 +102,19 @@ def pool_stats(pool: PoolState, alive: bool) -> pb.PoolStats:
     )
 
 
-def tree_nodes(pool: PoolState, namespace: str, max_depth: int) -> list[pb.TreeNode]:
+# InspectTree answers at most this many nodes (parents first): it runs on the event loop,
+# ~5 us a node, so 10k nodes hold the data plane ~50 ms where a 1M-node tree took seconds.
+MAX_TREE_NODES = 10_000
+
+
+def tree_nodes(
+    pool: PoolState, namespace: str, max_depth: int, limit: int = MAX_TREE_NODES
+) -> list[pb.TreeNode]:
     rc, pins = pool.blocks.refcount, pool.blocks.pins
-    out = []
+    out: list[pb.TreeNode] = []
     for ns, node, depth in pool.index.nodes(namespace or None):  # type: ignore[arg-type]
+        if len(out) >= limit:
+            break
         if max_depth and depth > max_depth:
             continue
         parent = node.parent

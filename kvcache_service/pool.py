@@ -10,6 +10,7 @@ from kvcache_service.errors import InvalidArgument, NotFound, OutOfBlocks, Unkno
 from kvcache_service.eviction import EvictionOrder
 from kvcache_service.ids import BlockId, LeaseId, Namespace, PoolId, Tokens
 from kvcache_service.inflight import InFlight, chain_hashes
+from kvcache_service.integrity import IntegritySnapshot
 from kvcache_service.leases import Deferral, Grant, Lease
 from kvcache_service.radix_index import Match, RadixIndex
 
@@ -372,53 +373,45 @@ class PoolState:
 
     def check_integrity(self) -> list[str]:
         """Every invariant of the pool; an empty list when all hold."""
-        return [f"pool {self.spec.pool_id!r}: {m}" for m in self._problems()]
+        return self.integrity_snapshot().problems()
 
-    def _problems(self) -> list[str]:
-        problems = self.blocks.check_integrity() + self.index.check_integrity()
-        n = self.spec.num_blocks
-        rc, pins = self.blocks.refcount, self.blocks.pins
+    def integrity_snapshot(self) -> IntegritySnapshot:
+        """What ``check_integrity`` needs, taken in one step of the caller (the event loop):
+        the checks proportional to what is indexed or leased run here, the per-block arrays
+        are copied; ``IntegritySnapshot.problems`` does the O(num_blocks) pass, on any thread.
+        """
+        found = self.index.check_integrity()
+        rc = self.blocks.refcount
         listed: Counter[BlockId] = Counter()
         for lease in self.leases.values():
             listed.update(lease.refs.keys())
             for pos in range(lease.indexed_blocks, len(lease.table)):
                 b = lease.table[pos]
                 if pos >= lease.shared_blocks and (rc[b] != 1 or b in self.index):
-                    problems.append(f"writable block {b} of lease {lease.lease_id} is shared")
+                    found.append(f"writable block {b} of lease {lease.lease_id} is shared")
             if set(lease.table) - lease.refs.keys():
-                problems.append(f"lease {lease.lease_id} does not reference its whole table")
-        indexed = set(self.index_blocks())
-        free = self.blocks.num_free
-        everything = [BlockId(b) for b in range(n)]
-        referenced = sum(1 for b in everything if rc[b])
-        cached_unref = sum(1 for b in indexed if not rc[b])
-        if free + cached_unref + referenced != n:
-            problems.append(f"free {free} + cached {cached_unref} + referenced {referenced} != {n}")
-        for b in everything:
-            if rc[b] != listed[b]:
-                problems.append(f"block {b}: refcount {rc[b]} but {listed[b]} leases list it")
-            evictable = b in indexed and not rc[b] and not pins[b]
-            if evictable != (b in self.order):
-                problems.append(f"block {b}: evictable={evictable} but in order={b in self.order}")
-            if pins[b] and b not in indexed:
-                problems.append(f"pinned block {b} is not indexed")
-            if not self.blocks.is_free(b) and b not in indexed and not rc[b]:
-                problems.append(f"block {b} leaked: not free, not indexed, not referenced")
-            if self.blocks.is_free(b) == (b in self._block_ns):
-                problems.append(f"block {b}: namespace charge disagrees with the free list")
+                found.append(f"lease {lease.lease_id} does not reference its whole table")
+        indexed = frozenset(self.index_blocks())
         seen: dict[BlockId, int] = {}
         for i, b in enumerate(self.order):
             seen[b] = i
         for b, i in seen.items():
             parent = self.index.parent_block(b) if b in indexed else None
             if parent is not None and parent in seen and seen[parent] < i:
-                problems.append(f"block {b} is younger than its parent {parent} in the LRU order")
+                found.append(f"block {b} is younger than its parent {parent} in the LRU order")
         if Counter(self._block_ns.values()) != self._ns_used:
-            problems.append("namespace charges disagree")
+            found.append("namespace charges disagree")
         pin_counts: Counter[BlockId] = Counter()
         for blocks in self._pins.values():
             pin_counts.update(blocks)
-        if any(pins[b] != pin_counts[b] for b in everything):
-            problems.append("pin counts disagree with the pinned prefixes")
-        problems += self.inflight.check_integrity(set(self.leases))
-        return problems
+        found += self.inflight.check_integrity(set(self.leases))
+        return IntegritySnapshot(
+            label=f"pool {self.spec.pool_id!r}",
+            blocks=self.blocks.snapshot(),
+            found=found,
+            listed=listed,
+            indexed=indexed,
+            evictable=frozenset(seen),
+            charged=frozenset(self._block_ns),
+            pin_counts=pin_counts,
+        )

@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from kvcache_service.authority import AuthorityConfig, CacheAuthority
 from kvcache_service.config import ENV_PREFIX, ServiceConfig
 from kvcache_service.servicer import AdminServicer, KVCacheServicer
+from kvserve_launch.malformed import MalformedRequests
 from kvserve_launch.startup import EXCLUSIVE_PORT, add_port
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -60,10 +61,12 @@ async def running(config: ServiceConfig) -> AsyncIterator[RunningService]:
             namespace_quota_blocks=config.namespace_quota_blocks,
             max_pool_blocks=config.max_pool_blocks,
             max_pools=config.max_pools,
+            max_namespace_chars=config.max_namespace_chars,
         )
     )
     server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", 64 * 1024 * 1024), EXCLUSIVE_PORT]
+        interceptors=[MalformedRequests()],
+        options=[("grpc.max_receive_message_length", 64 * 1024 * 1024), EXCLUSIVE_PORT],
     )
     pb_grpc.add_KVCacheServiceServicer_to_server(
         KVCacheServicer(authority, config.service_token), server

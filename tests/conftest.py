@@ -30,3 +30,19 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+# Markers whose tests run only when selected (`pytest -m sweep`, `pytest -m long`): the full
+# model-family sweep, and fuzz runs tens of thousands of inputs long (24 GB and counting, once).
+OPT_IN = ("sweep", "long")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    selected = config.getoption("markexpr") or ""
+    for marker in OPT_IN:
+        if marker in selected:
+            continue
+        skip = pytest.mark.skip(reason=f"opt-in: run with -m {marker}")
+        for item in items:
+            if item.get_closest_marker(marker):
+                item.add_marker(skip)

@@ -12,6 +12,7 @@ import mlx.core as mx
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvserve_launch.malformed import MalformedRequests
 from kvserve_launch.startup import EXCLUSIVE_PORT, ModelUnavailable, add_port, setting
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
@@ -142,7 +143,8 @@ async def running(
         executor, chosen = build_executor(config, loaded)
     runner = executor.runner
     server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", 64 * 1024 * 1024), EXCLUSIVE_PORT]
+        interceptors=[MalformedRequests()],
+        options=[("grpc.max_receive_message_length", 64 * 1024 * 1024), EXCLUSIVE_PORT],
     )
     port = add_port(server, config.host, config.port, ENV_PREFIX, "port")
     worker_id = config.pool_id(port)

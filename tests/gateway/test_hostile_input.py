@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import httpx
@@ -47,26 +49,95 @@ async def big_stack(cache: RunningService, tokenizer: Tokenizer) -> AsyncIterato
         await worker.close()
 
 
-async def test_health_answers_while_a_huge_prompt_is_tokenized(big_stack: Stack) -> None:
-    text = "the quick brown fox jumps over the lazy dog; " * 86_000  # 3.9 MB
-    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
-    headers = {"Authorization": "Bearer k3y"}
-    big = asyncio.create_task(
-        big_stack.http.post("/v1/chat/completions", json=body, headers=headers)
-    )
-    await asyncio.sleep(0.3)  # the body is uploaded and being parsed or tokenized
-    assert not big.done()
-    worst = 0.0
-    while not big.done():
-        start = time.perf_counter()
-        r = await big_stack.http.get("/health")
-        worst = max(worst, time.perf_counter() - start)
-        assert r.status_code in (200, 503)
-        await asyncio.sleep(0.05)
-    assert (await big).status_code == 400  # longer than the context, found after tokenizing
-    # Not 0.2 s: turning 3.9M ids into a Python list holds the GIL for ~0.3 s (measured);
-    # the default --max-prompt-chars keeps prompts far below that (next test).
-    assert worst < 0.5, f"/health took {worst:.3f}s while a prompt was tokenized"
+class SignallingHF:
+    """A tokenizer that says when an encode starts and ends, then encodes for real."""
+
+    def __init__(self, hf: Any) -> None:
+        self._hf = hf
+        self.started = threading.Event()
+        self.finished = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._hf, name)
+
+    def encode(self, text: str, **kwargs: Any) -> Any:
+        if len(text) < 100_000:
+            return self._hf.encode(text, **kwargs)
+        self.started.set()
+        try:
+            return self._hf.encode(text, **kwargs)
+        finally:
+            self.finished.set()
+
+
+async def tokenize_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old behaviour: every tokenizer call on the event loop, whatever its size."""
+
+    async def encode_async(self: Tokenizer, text: str) -> list[int]:
+        return self.encode(text)
+
+    async def template_async(self: Tokenizer, messages: Any, chars: int, **kw: Any) -> list[int]:
+        return self.apply_chat_template(messages, **kw)
+
+    monkeypatch.setattr(Tokenizer, "encode_async", encode_async)
+    monkeypatch.setattr(Tokenizer, "apply_chat_template_async", template_async)
+
+
+@pytest.mark.parametrize(
+    "on_loop",
+    [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, raises=AssertionError))],
+)
+@pytest.mark.parametrize("entry", ["completions", "chat", "grpc"])
+async def test_health_answers_while_a_huge_prompt_is_tokenized(
+    cache: RunningService,
+    tokenizer: Tokenizer,
+    monkeypatch: pytest.MonkeyPatch,
+    entry: str,
+    on_loop: bool,
+) -> None:
+    """/health is probed *while* the tokenizer works on a 1.1 MB prompt (~0.7 s of encoding):
+    each answer within 200 ms. With tokenizing forced back onto the loop (``on_loop``, the
+    old code) no probe gets in until it is over: strictly expected to fail."""
+    if on_loop:
+        await tokenize_on_the_loop(monkeypatch)
+    hf = SignallingHF(tokenizer.hf)
+    signalling = Tokenizer(hf, tokenizer.max_context, tokenizer.vocab_size)
+    worker = await FakeWorker("w0", cache.address).start()
+    config = gateway_config(cache.address, max_prompt_chars=4 * 1024 * 1024)
+    text = "the quick brown fox jumps over the lazy dog; " * 25_000  # 1.1 MB
+    try:
+        async with (
+            running(config, signalling) as gw,
+            httpx.AsyncClient(base_url=f"http://{gw.http_address}", timeout=60) as http,
+        ):
+            stack = Stack(cache, [worker], gw, http)
+            if entry == "grpc":
+                big: asyncio.Future[object] = asyncio.ensure_future(
+                    generate(stack, pb.GenerateRequest(prompt_text=text))
+                )
+            elif entry == "chat":
+                body = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+                big = asyncio.ensure_future(http.post("/v1/chat/completions", json=body))
+            else:
+                body = {"prompt": text, "max_tokens": 1}
+                big = asyncio.ensure_future(http.post("/v1/completions", json=body))
+            while not hf.started.is_set() and not big.done():
+                await asyncio.sleep(0.005)
+            latencies = []
+            while not hf.finished.is_set():
+                start = time.perf_counter()
+                r = await http.get("/health")
+                latencies.append(time.perf_counter() - start)
+                assert r.status_code in (200, 503)
+                await asyncio.sleep(0.02)
+            result = await big
+    finally:
+        await worker.close()
+    # Longer than the context, found after tokenizing.
+    assert result == grpc.StatusCode.INVALID_ARGUMENT or result.status_code == 400  # type: ignore[union-attr]
+    assert len(latencies) >= 5, f"only {len(latencies)} /health probes ran while tokenizing"
+    worst = max(latencies)
+    assert worst < 0.2, f"/health took {worst:.3f}s while a prompt was tokenized"
 
 
 async def test_health_answers_while_a_huge_body_is_refused(stack: Stack) -> None:
