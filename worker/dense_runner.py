@@ -42,7 +42,7 @@ from worker.device_defaults import MIB, Device, WorkerLimits, choose_limits
 from worker.errors import BatchError
 from worker.forward_batch import SeqInput
 from worker.model_spec import LayerSpec, ModelSpec, cache_leaves, describe_caches
-from worker.self_check import FP32_TOLERANCE, SelfCheckResult, tolerance_for
+from worker.self_check import FP32_TOLERANCE, DenseSequence, SelfCheckResult, tolerance_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +232,7 @@ def check_dense_parity(model: nn.Module, runner: DenseRunner) -> SelfCheckResult
     ka, kb = _CHECK_KEYS
     scenario = "dense per-sequence vs one-shot mlx-lm, 2 sequences (chunked prefill, decode)"
     try:
-        ref_a, ref_b = _Dense(model, prompt_a), _Dense(model, prompt_b)
+        ref_a, ref_b = DenseSequence(model, prompt_a), DenseSequence(model, prompt_b)
         tok_a, tok_b = int(mx.argmax(ref_a.logits)), int(mx.argmax(ref_b.logits))
         b0 = ref_b.logits
         b1 = ref_b.step(tok_b)
@@ -269,21 +269,3 @@ def check_dense_parity(model: nn.Module, runner: DenseRunner) -> SelfCheckResult
         runner.retain(())
     tol = tolerance_for(runner.spec.dtype, scale)
     return SelfCheckResult(max(diffs), tol, time.perf_counter() - t0, "", scenario, "dense")
-
-
-class _Dense:
-    """One sequence on mlx-lm's own cache: the whole prompt in one call, then steps."""
-
-    def __init__(self, model: nn.Module, prompt: list[int]) -> None:
-        self.model = model
-        self.cache = make_prompt_cache(model)
-        self.logits = self._run(prompt)
-
-    def step(self, token: int) -> mx.array:
-        self.logits = self._run([token])
-        return self.logits
-
-    def _run(self, tokens: list[int]) -> mx.array:
-        out = self.model(mx.array([tokens]), cache=self.cache)[0, -1].astype(mx.float32)
-        mx.eval(out)
-        return out

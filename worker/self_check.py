@@ -172,7 +172,7 @@ class _Plan:
                 for tail, table, start in zip(self.tails, self.tables, self.starts, strict=True)
             ]
         )
-        dense = [_DenseSequence(model, p) for p in self.prompts]
+        dense = [DenseSequence(model, p) for p in self.prompts]
         tokens = [int(mx.argmax(d.logits)) for d in dense]
         decode = runner.forward(
             [
@@ -187,8 +187,9 @@ class _Plan:
         return diffs, max(float(mx.abs(r).max()) for r in reference)
 
 
-class _DenseSequence:
-    """One sequence on ``make_prompt_cache(model)``: the whole prompt in one call, then steps."""
+class DenseSequence:
+    """One sequence on ``make_prompt_cache(model)``: the whole prompt in one call, then steps
+    (the reference both self-checks compare against)."""
 
     def __init__(self, model: nn.Module, prompt: list[int]) -> None:
         self.model = model
