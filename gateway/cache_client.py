@@ -10,6 +10,7 @@ import grpc
 from google.protobuf.message import Message
 
 from gateway.errors import from_rpc_error
+from gateway.worker_client import Connect, plaintext
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
@@ -46,12 +47,13 @@ class PoolBlocks:
 
 
 class CacheClient:
-    def __init__(self, address: str, token: str = "") -> None:
+    def __init__(self, address: str, token: str = "", connect: Connect | None = None) -> None:
+        """``connect`` builds the channel (TLS, ``kvserve_launch.tls``); None: plaintext."""
         self.address = address
         # The cache service's service token for data-plane calls (empty: its auth is off).
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self.channel = grpc.aio.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        self.channel = (connect or plaintext)(
+            address, [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
         )
         self.stub = pb_grpc.KVCacheServiceStub(self.channel)
         self.admin = pb_grpc.KVCacheAdminStub(self.channel)

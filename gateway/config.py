@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.router import RoutingPolicy
+from kvserve_launch.tls import check_pair
 
 ENV_PREFIX = "KVGATEWAY_"
 DEFAULT_MODEL = "kvserve-tiny-llama"
@@ -48,6 +49,13 @@ class GatewayConfig:
     min_match_ratio: float = RoutingPolicy().min_match_ratio
     overload_slack: int = RoutingPolicy().overload_slack
     overload_ratio: float = RoutingPolicy().overload_ratio
+    # TLS (kvserve_launch.tls). Both ports, gRPC and HTTP: PEM certificate and key, both or
+    # neither. The cache service and the workers: a CA bundle to verify them with (set: TLS),
+    # and the name their certificates must carry when not the host dialed.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_server_name: str = ""
     log_level: str = "INFO"
 
     @property
@@ -87,6 +95,8 @@ class GatewayConfig:
         for name in ("max_body_bytes", "max_choices", "poll_interval_s", "max_namespace_chars"):
             if getattr(a, name) <= 0:
                 p.error(f"--{name.replace('_', '-')} must be positive")
+        if problem := check_pair(a.tls_cert, a.tls_key):
+            p.error(problem)
         if a.max_prompt_chars < 0:
             p.error("--max-prompt-chars must not be negative")
         if min(a.overload_slack, a.overload_ratio, a.min_match_tokens, a.min_match_ratio) < 0:
@@ -120,5 +130,9 @@ FLAGS: tuple[tuple[str, type, str], ...] = (
     ("min_match_ratio", float, "... and at least this fraction of the prompt"),
     ("overload_slack", int, "a worker is overloaded above min load + max(slack, ratio*min)"),
     ("overload_ratio", float, "see --overload-slack"),
+    ("tls_cert", str, "PEM certificate: with --tls-key, serve TLS on the HTTP and gRPC ports"),
+    ("tls_key", str, "PEM private key of --tls-cert"),
+    ("tls_ca", str, "PEM CA bundle: reach the cache service and workers over TLS, verified"),
+    ("tls_server_name", str, "the name their certificates must carry (default: the host)"),
     ("log_level", str, "DEBUG, INFO, WARNING or ERROR"),
 )

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
 
 from gateway.cache_client import CacheClient
 from gateway.chat import ChatServing
 from gateway.completions import CompletionServing
-from gateway.config import GatewayConfig
+from gateway.config import ENV_PREFIX, GatewayConfig
 from gateway.dispatcher import Dispatcher
 from gateway.metrics import GatewayMetrics
 from gateway.openai_serving import OpenAIServing
@@ -16,6 +20,7 @@ from gateway.poller import WorkerPoller
 from gateway.tokenizer import Tokenizer
 from gateway.worker_client import WorkerClients
 from gateway.worker_directory import WorkerDirectory
+from kvserve_launch.tls import channel
 
 
 @dataclass
@@ -37,8 +42,12 @@ class Gateway:
     def build(cls, config: GatewayConfig, tokenizer: Tokenizer | None = None) -> Gateway:
         """Wire the parts (no I/O but loading the tokenizer; call inside an event loop)."""
         tokenizer = tokenizer or Tokenizer.load(config.model, config.max_model_len)
-        cache = CacheClient(config.cache_service, config.cache_token)
-        clients = WorkerClients()
+
+        def connect(address: str, options: Sequence[tuple[str, Any]]) -> grpc.aio.Channel:
+            return channel(address, config.tls_ca, config.tls_server_name, options, ENV_PREFIX)
+
+        cache = CacheClient(config.cache_service, config.cache_token, connect)
+        clients = WorkerClients(connect)
         directory = WorkerDirectory(config.workers)
         metrics = GatewayMetrics(directory)
         dispatcher = Dispatcher(

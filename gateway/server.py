@@ -21,6 +21,7 @@ from gateway.http_app import create_app
 from gateway.tokenizer import Tokenizer
 from kvserve_launch.malformed import MalformedRequests
 from kvserve_launch.startup import EXCLUSIVE_PORT, add_port, listen_error
+from kvserve_launch.tls import server_credentials
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 
@@ -78,7 +79,8 @@ async def running(
             EXCLUSIVE_PORT,
         ],
     )
-    grpc_port = add_port(grpc_server, config.host, config.grpc_port, ENV_PREFIX, "grpc_port")
+    tls = server_credentials(config.tls_cert, config.tls_key, ENV_PREFIX)
+    grpc_port = add_port(grpc_server, config.host, config.grpc_port, ENV_PREFIX, "grpc_port", tls)
     sock = _listen(config.host, config.http_port)
 
     gw = Gateway.build(config, tokenizer)
@@ -97,6 +99,9 @@ async def running(
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
+            # HTTPS with the gRPC port's pair (read above, so a bad file failed startup there).
+            ssl_certfile=config.tls_cert or None,
+            ssl_keyfile=config.tls_key or None,
         )
     )
     http_task: asyncio.Task[None] | None = None

@@ -8,8 +8,9 @@ worker address for the gateway's lifetime and closes those of workers that went 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -29,6 +30,14 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.keepalive_time_ms", 30_000),
 ]
+
+
+# Builds the channel to an address with these options: plaintext, or TLS (gateway.core).
+Connect = Callable[[str, Sequence[tuple[str, Any]]], grpc.aio.Channel]
+
+
+def plaintext(address: str, options: Sequence[tuple[str, Any]]) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=list(options))
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +61,9 @@ class WorkerLoad:
 class WorkerClient:
     """One worker's ``Generate`` stream and ``GetInfo`` over a shared channel."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, connect: Connect | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = (connect or plaintext)(address, CHANNEL_OPTIONS)
         self.stub = pb_grpc.WorkerStub(self.channel)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
@@ -103,13 +112,14 @@ class WorkerClient:
 class WorkerClients:
     """The client of every worker address in use. Only the event loop thread touches it."""
 
-    def __init__(self) -> None:
+    def __init__(self, connect: Connect | None = None) -> None:
         self._clients: dict[str, WorkerClient] = {}
+        self._connect = connect
 
     def get(self, address: str) -> WorkerClient:
         client = self._clients.get(address)
         if client is None:
-            client = self._clients[address] = WorkerClient(address)
+            client = self._clients[address] = WorkerClient(address, self._connect)
         return client
 
     async def retain(self, addresses: Iterable[str]) -> None:

@@ -8,6 +8,8 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvserve_launch.tls import check_pair
+
 ENV_PREFIX = "KVCACHE_"
 
 
@@ -30,6 +32,9 @@ class ServiceConfig:
     namespace_quota_blocks: int = 0
     # How often leases of silent pools are expired when no call comes in.
     sweep_interval_s: float = 1.0
+    # PEM paths: both set, the port serves TLS (kvserve_launch.tls); neither, plaintext.
+    tls_cert: str = ""
+    tls_key: str = ""
     log_level: str = "INFO"
 
     @classmethod
@@ -70,8 +75,12 @@ class ServiceConfig:
             type=float,
             default=float(env("SWEEP_INTERVAL_S", d.sweep_interval_s)),
         )
+        p.add_argument("--tls-cert", default=env("TLS_CERT", d.tls_cert))
+        p.add_argument("--tls-key", default=env("TLS_KEY", d.tls_key))
         p.add_argument("--log-level", default=env("LOG_LEVEL", d.log_level))
         a = p.parse_args(argv)
+        if problem := check_pair(a.tls_cert, a.tls_key):
+            p.error(problem)
         if a.lease_ttl_s <= 0:
             p.error("--lease-ttl-s must be positive")
         if a.max_pool_blocks < 1 or a.max_pools < 1:
@@ -88,6 +97,8 @@ class ServiceConfig:
             block_size=a.block_size,
             namespace_quota_blocks=a.namespace_quota_blocks,
             sweep_interval_s=a.sweep_interval_s,
+            tls_cert=a.tls_cert,
+            tls_key=a.tls_key,
             log_level=a.log_level,
         )
 

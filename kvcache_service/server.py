@@ -17,6 +17,7 @@ from kvcache_service.config import ENV_PREFIX, ServiceConfig
 from kvcache_service.servicer import AdminServicer, KVCacheServicer
 from kvserve_launch.malformed import MalformedRequests
 from kvserve_launch.startup import EXCLUSIVE_PORT, add_port
+from kvserve_launch.tls import server_credentials
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
@@ -77,7 +78,8 @@ async def running(config: ServiceConfig) -> AsyncIterator[RunningService]:
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = add_port(server, config.host, config.port, ENV_PREFIX, "port")
+    tls = server_credentials(config.tls_cert, config.tls_key, ENV_PREFIX)
+    port = add_port(server, config.host, config.port, ENV_PREFIX, "port", tls)
     await server.start()
     for name in ("", *SERVICE_NAMES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -88,14 +88,24 @@ def setting(env_prefix: str, name: str) -> str:
 EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
 
 
-def add_port(server: grpc.aio.Server, host: str, port: int, env_prefix: str, name: str) -> int:
-    """``server.add_insecure_port(host:port)``; the bound port, or a :class:`StartupError`
-    saying why not. ``name`` is the config field of the port (for the hint)."""
+def add_port(
+    server: grpc.aio.Server,
+    host: str,
+    port: int,
+    env_prefix: str,
+    name: str,
+    credentials: grpc.ServerCredentials | None = None,
+) -> int:
+    """``server.add_insecure_port(host:port)``, or ``add_secure_port`` with ``credentials``
+    (``kvserve_launch.tls``); the bound port, or a :class:`StartupError` saying why not.
+    ``name`` is the config field of the port (for the hint)."""
     # A plain socket first: gRPC says only "Failed to bind", after logging a line of its own.
     problem = bind_probe(host, port)
     if problem is not None:
         raise listen_error(host, port, problem, env_prefix, name)
     try:
+        if credentials is not None:
+            return server.add_secure_port(grpc_address(host, port), credentials)
         return server.add_insecure_port(grpc_address(host, port))
     except RuntimeError as e:  # taken since the probe, or a reason the probe did not meet
         raise listen_error(host, port, bind_probe(host, port), env_prefix, name) from e

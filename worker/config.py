@@ -8,6 +8,8 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvserve_launch.tls import check_pair
+
 ENV_PREFIX = "KVWORKER_"
 _OFF = ("0", "false", "no", "off")
 
@@ -47,6 +49,13 @@ class WorkerConfig:
     # Check the paged path against mlx-lm's dense path on a small batch at startup and refuse a
     # model whose logits differ (worker.self_check).
     self_check: bool = True
+    # TLS (kvserve_launch.tls). The gRPC port: PEM certificate and key, both or neither.
+    tls_cert: str = ""
+    tls_key: str = ""
+    # The cache service: a CA bundle to verify it with (set: TLS), and the name its
+    # certificate must carry when not the host dialed.
+    tls_ca: str = ""
+    tls_server_name: str = ""
     log_level: str = "INFO"
 
     @classmethod
@@ -106,8 +115,14 @@ class WorkerConfig:
             action=argparse.BooleanOptionalAction,
             default=env_on("SELF_CHECK", d.self_check),
         )
+        p.add_argument("--tls-cert", default=env("TLS_CERT", d.tls_cert))
+        p.add_argument("--tls-key", default=env("TLS_KEY", d.tls_key))
+        p.add_argument("--tls-ca", default=env("TLS_CA", d.tls_ca))
+        p.add_argument("--tls-server-name", default=env("TLS_SERVER_NAME", d.tls_server_name))
         p.add_argument("--log-level", default=env("LOG_LEVEL", d.log_level))
         a = p.parse_args(argv)
+        if problem := check_pair(a.tls_cert, a.tls_key):
+            p.error(problem)
         if a.block_size < 1:
             p.error("--block-size must be positive")
         for name in ("num_blocks", "kv_memory_mb", "max_batch_size", "max_step_tokens"):
@@ -134,6 +149,10 @@ class WorkerConfig:
             prefix_caching=not a.no_prefix_caching,
             warmup=a.warmup,
             self_check=a.self_check,
+            tls_cert=a.tls_cert,
+            tls_key=a.tls_key,
+            tls_ca=a.tls_ca,
+            tls_server_name=a.tls_server_name,
             log_level=a.log_level,
         )
 

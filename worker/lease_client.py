@@ -104,11 +104,15 @@ def _translate(err: grpc.aio.AioRpcError, incarnation: int) -> LeaseError:
 class LeaseClient:
     """Async calls on one channel. `incarnation` is set by register() and sent with every call."""
 
-    def __init__(self, address: str, token: str = "") -> None:
+    def __init__(
+        self, address: str, token: str = "", channel: grpc.aio.Channel | None = None
+    ) -> None:
+        """``channel``: one to ``address`` already built (TLS, ``kvserve_launch.tls``); the
+        client owns and closes it. None: a plaintext one."""
         self.address = address
         # The cache service's service token, on every call (empty: the service's auth is off).
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = channel or grpc.aio.insecure_channel(address)
         self._stub = pb_grpc.KVCacheServiceStub(self._channel)
         self.pool_id = ""
         self.incarnation = 0

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvserve_launch.malformed import MalformedRequests
 from kvserve_launch.startup import EXCLUSIVE_PORT, ModelUnavailable, add_port, setting
+from kvserve_launch.tls import channel, server_credentials
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker.config import ENV_PREFIX, WorkerConfig
@@ -146,7 +147,8 @@ async def running(
         interceptors=[MalformedRequests()],
         options=[("grpc.max_receive_message_length", 64 * 1024 * 1024), EXCLUSIVE_PORT],
     )
-    port = add_port(server, config.host, config.port, ENV_PREFIX, "port")
+    tls = server_credentials(config.tls_cert, config.tls_key, ENV_PREFIX)
+    port = add_port(server, config.host, config.port, ENV_PREFIX, "port", tls)
     worker_id = config.pool_id(port)
     address = config.address(port)
     # A pure SSM has no attention layer: its pool layout is all zeros (the cache service only
@@ -179,7 +181,11 @@ async def running(
     )
     engine = Engine(
         executor,
-        LeaseClient(config.cache_service, config.cache_token),
+        LeaseClient(
+            config.cache_service,
+            config.cache_token,
+            channel(config.cache_service, config.tls_ca, config.tls_server_name, (), ENV_PREFIX),
+        ),
         registration,
         limits,
         loaded.tokenizer,

@@ -96,7 +96,7 @@ async def test_health_answers_while_a_huge_prompt_is_tokenized(
     on_loop: bool,
 ) -> None:
     """/health is probed *while* the tokenizer works on a 1.1 MB prompt (~0.7 s of encoding):
-    each answer within 200 ms. With tokenizing forced back onto the loop (``on_loop``, the
+    at least 5 probes are answered meanwhile, each in well under the tokenizing time. With tokenizing forced back onto the loop (``on_loop``, the
     old code) no probe gets in until it is over: strictly expected to fail."""
     if on_loop:
         await tokenize_on_the_loop(monkeypatch)
@@ -124,20 +124,25 @@ async def test_health_answers_while_a_huge_prompt_is_tokenized(
             while not hf.started.is_set() and not big.done():
                 await asyncio.sleep(0.005)
             latencies = []
+            began = time.perf_counter()
             while not hf.finished.is_set():
                 start = time.perf_counter()
                 r = await http.get("/health")
                 latencies.append(time.perf_counter() - start)
                 assert r.status_code in (200, 503)
                 await asyncio.sleep(0.02)
+            tokenizing = time.perf_counter() - began
             result = await big
     finally:
         await worker.close()
     # Longer than the context, found after tokenizing.
     assert result == grpc.StatusCode.INVALID_ARGUMENT or result.status_code == 400  # type: ignore[union-attr]
     assert len(latencies) >= 5, f"only {len(latencies)} /health probes ran while tokenizing"
+    # A blocked loop answers no probe until tokenizing is over (the count above fails); a free
+    # one answers each well within it. Not a latency target: on 2 busy cores a probe has taken
+    # 0.4 s while the tokenizer thread held the GIL in slices.
     worst = max(latencies)
-    assert worst < 0.2, f"/health took {worst:.3f}s while a prompt was tokenized"
+    assert worst < max(0.25, tokenizing / 2), f"/health took {worst:.3f}s of {tokenizing:.3f}s"
 
 
 async def test_health_answers_while_a_huge_body_is_refused(stack: Stack) -> None:

@@ -16,6 +16,7 @@ from mlx_lm.generate import generate_step
 from kvcache_service.authority import CacheAuthority
 from kvcache_service.config import ServiceConfig
 from kvcache_service.server import running as cache_running
+from kvserve_launch.tls import channel as tls_channel
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kpb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as kpb_grpc
 from kvserve_proto.worker.v1 import worker_pb2 as pb
@@ -93,14 +94,17 @@ class System:
 
 
 @contextlib.asynccontextmanager
-async def started_system(model: LoadedModel, **service: Any) -> AsyncIterator[System]:
-    """A cache service (`service`: ServiceConfig overrides) and no worker yet."""
+async def started_system(
+    model: LoadedModel, tls_ca: str = "", **service: Any
+) -> AsyncIterator[System]:
+    """A cache service (`service`: ServiceConfig overrides) and no worker yet. ``tls_ca``: the
+    test's own channel to a TLS service verifies it with this CA bundle."""
     config = dataclasses.replace(
         ServiceConfig(port=0, admin_token=TOKEN, lease_ttl_s=30), **service
     )
     async with contextlib.AsyncExitStack() as stack:
         svc = await stack.enter_async_context(cache_running(config))
-        channel = await stack.enter_async_context(grpc.aio.insecure_channel(svc.address))
+        channel = await stack.enter_async_context(tls_channel(svc.address, tls_ca))
         admin = kpb_grpc.KVCacheAdminStub(channel)
         s = System(svc.address, channel, admin, [], [], stack, model, svc.authority)
         yield s
