@@ -157,7 +157,8 @@ async def test_health_answers_while_a_huge_body_is_refused(stack: Stack) -> None
         worst = max(worst, time.perf_counter() - start)
         await asyncio.sleep(0.05)
     assert (await big).status_code == 400
-    assert worst < 0.2, f"/health took {worst:.3f}s while a prompt was checked"
+    # Generous: on the old code the body was tokenized on the loop for 15 s.
+    assert worst < 1.0, f"/health took {worst:.3f}s while a prompt was checked"
 
 
 async def test_prompt_chars_are_checked_before_tokenizing(stack: Stack) -> None:

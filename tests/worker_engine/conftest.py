@@ -3,6 +3,7 @@ and the dense mlx-lm reference on a separate copy of the same model."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Callable
@@ -87,6 +88,18 @@ class System:
     async def stats(self, pool: str = "w0") -> kpb.PoolStats:
         resp = await self.admin.GetStats(kpb.StatsRequest(pool_id=pool), metadata=AUTH)
         return resp.pools[0]
+
+    async def wait_idle(self, pool: str = "w0") -> kpb.PoolStats:
+        """Waits (up to 5 s) until the pool holds no lease (releases are sent in the
+        background), asserts nothing stays referenced, checks integrity; the last stats."""
+        for _ in range(100):
+            stats = await self.stats(pool)
+            if stats.live_leases == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert (stats.live_leases, stats.referenced_blocks) == (0, 0)
+        await self.check()
+        return stats
 
     async def check(self) -> None:
         resp = await self.admin.CheckIntegrity(kpb.CheckIntegrityRequest(), metadata=AUTH)

@@ -69,15 +69,9 @@ async def system(family: str) -> AsyncIterator[System]:
 
 
 async def _idle(system: System) -> None:
-    for _ in range(100):
-        stats = await system.stats()
-        if stats.live_leases == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert (stats.live_leases, stats.referenced_blocks) == (0, 0)
+    stats = await system.wait_idle()
     # No block is published: the dense runner's blocks hold no K/V.
     assert (stats.indexed_blocks, stats.cached_blocks, stats.cached_tokens) == (0, 0, 0)
-    await system.check()
 
 
 def _runner(system: System) -> DenseRunner:
