@@ -61,6 +61,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvserve_launch.diagnosis import describe_exit
+
 logger = logging.getLogger(__name__)
 
 REEXEC_MARKER = "KVSERVE_BLAS_REEXEC"
@@ -75,14 +77,6 @@ PROBE_VERSION = 2
 PROBE_TIMEOUT_S = 120.0
 # What MLX's bundled reference BLAS does on these machines, for the warning's "what it costs".
 REFERENCE_GFLOPS = "4-6"
-
-_SIGNAL_MEANING = {
-    "SIGILL": "an instruction this CPU lacks: the library was built for another CPU",
-    "SIGSEGV": "a crash in the library",
-    "SIGBUS": "a crash in the library",
-    "SIGABRT": "the library aborted",
-    "SIGKILL": "killed, perhaps out of memory",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,13 +331,12 @@ _TOLERANCE = 1e-4  # max |error| / max |product|: fp32 over K <= 1000 is ~1e-6
 
 
 def describe_signal(returncode: int) -> str:
-    """'killed by SIGILL (an instruction this CPU lacks: ...)' for a negative return code."""
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = f"signal {-returncode}"
-    meaning = _SIGNAL_MEANING.get(name)
-    return f"killed by {name}" + (f" ({meaning})" if meaning else "")
+    """The launcher's words for a child's death (``killed by SIGILL (illegal instruction)``),
+    and for SIGILL what it means of a BLAS: built for another CPU."""
+    text = describe_exit(returncode)
+    if returncode == -signal.SIGILL:
+        text += ": an instruction this CPU lacks, so the library was built for another CPU"
+    return text
 
 
 def probe(lib: BlasLibrary, base_env: Mapping[str, str] | None = None) -> ProbeResult:
