@@ -93,6 +93,10 @@ def show_tree(resp: pb.InspectTreeResponse) -> str:
     for ns in sorted({n.namespace for n in resp.nodes}):
         lines.append(f"namespace {ns!r}:")
         walk(ns, 0, "  ")
+    if resp.truncated:
+        lines.append(
+            f"(truncated at {len(resp.nodes)} nodes: narrow it with --namespace or --max-depth)"
+        )
     return "\n".join(lines)
 
 

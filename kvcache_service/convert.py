@@ -107,16 +107,18 @@ def pool_stats(pool: PoolState, alive: bool) -> pb.PoolStats:
 MAX_TREE_NODES = 10_000
 
 
-def tree_nodes(
+def tree(
     pool: PoolState, namespace: str, max_depth: int, limit: int = MAX_TREE_NODES
-) -> list[pb.TreeNode]:
+) -> pb.InspectTreeResponse:
+    """The index of ``pool`` as nodes, parents first, at most ``limit`` of them
+    (``truncated`` says the cap cut it short)."""
     rc, pins = pool.blocks.refcount, pool.blocks.pins
     out: list[pb.TreeNode] = []
     for ns, node, depth in pool.index.nodes(namespace or None):  # type: ignore[arg-type]
-        if len(out) >= limit:
-            break
         if max_depth and depth > max_depth:
             continue
+        if len(out) >= limit:
+            return pb.InspectTreeResponse(nodes=out, truncated=True)
         parent = node.parent
         out.append(
             pb.TreeNode(
@@ -132,7 +134,7 @@ def tree_nodes(
                 pinned=any(pins[b] for b in node.blocks),
             )
         )
-    return out
+    return pb.InspectTreeResponse(nodes=out)
 
 
 def pool_lookup(pool_id: str, lk: Lookup) -> pb.PoolLookup:

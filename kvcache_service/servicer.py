@@ -199,11 +199,7 @@ class AdminServicer(pb_grpc.KVCacheAdminServicer):
     @admin_only
     async def InspectTree(self, request, context):
         pool = self.auth.get_pool(request.pool_id)
-        return pb.InspectTreeResponse(
-            nodes=convert.tree_nodes(
-                pool, self.auth.namespace(request.namespace), request.max_depth
-            )
-        )
+        return convert.tree(pool, self.auth.namespace(request.namespace), request.max_depth)
 
     @admin_only
     async def Lookup(self, request, context):

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from kvcache_service.admin import show_tree
 from kvcache_service.config import ServiceConfig
 from kvcache_service.ids import Namespace, PoolId
 from kvcache_service.server import RunningService, running
@@ -131,3 +132,5 @@ async def test_a_huge_tree_is_answered_in_bounded_work(
     admin = pb_grpc.KVCacheAdminStub(channel)
     resp = await admin.InspectTree(pb.InspectTreeRequest(pool_id="w1"), metadata=ADMIN)
     assert len(resp.nodes) == MAX_TREE_NODES  # the work is bounded by the node cap
+    assert resp.truncated  # and the answer says it was cut
+    assert "truncated at" in show_tree(resp)

@@ -271,6 +271,7 @@ async def test_admin_operations(client: Client) -> None:
     # Two prompts sharing 2 blocks: the shared node was split, under it two 1-block leaves.
     shapes = sorted((n.namespace, n.depth, n.num_tokens) for n in tree.nodes)
     assert shapes == [("", 1, 8), ("", 2, 4), ("", 2, 4), ("t2", 1, 8)]
+    assert not tree.truncated
 
     look = await client.admin.Lookup(
         pb.LookupRequest(prompt_token_ids=[*range(1, 11), 99]), metadata=AUTH

@@ -331,10 +331,12 @@ class TreeNode(_message.Message):
     def __init__(self, node_id: _Optional[int] = ..., parent_id: _Optional[int] = ..., namespace: _Optional[str] = ..., depth: _Optional[int] = ..., num_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., refcounts: _Optional[_Iterable[int]] = ..., token_preview: _Optional[_Iterable[int]] = ..., last_used_at: _Optional[float] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class InspectTreeResponse(_message.Message):
-    __slots__ = ("nodes",)
+    __slots__ = ("nodes", "truncated")
     NODES_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[TreeNode]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[TreeNode, _Mapping]]] = ...) -> None: ...
+    truncated: bool
+    def __init__(self, nodes: _Optional[_Iterable[_Union[TreeNode, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("pool_id", "namespace", "prompt_token_ids")
