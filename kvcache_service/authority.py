@@ -46,6 +46,7 @@ class Registration:
     incarnation: int
     lease_ttl_s: float
     heartbeat_interval_s: float
+    max_namespace_chars: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +135,9 @@ class CacheAuthority:
             spec, self._next_incarnation, self.config.namespace_quota_blocks
         )
         self._live[spec.pool_id] = _Liveness(self.clock() + ttl)
-        return Registration(self._next_incarnation, ttl, ttl / 4)
+        return Registration(
+            self._next_incarnation, ttl, ttl / 4, self.config.max_namespace_chars
+        )
 
     def heartbeat(self, pool_id: PoolId, incarnation: int) -> tuple[list[LeaseId], int]:
         pool = self._pool(pool_id, incarnation)

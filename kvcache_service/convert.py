@@ -32,6 +32,7 @@ def registration(reg: Registration) -> pb.RegisterPoolResponse:
         incarnation=reg.incarnation,
         lease_ttl_s=reg.lease_ttl_s,
         heartbeat_interval_s=reg.heartbeat_interval_s,
+        max_namespace_chars=reg.max_namespace_chars,
     )
 
 

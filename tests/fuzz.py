@@ -209,19 +209,25 @@ def invoke(
     request: Message | bytes,
     metadata: Sequence[tuple[str, str]] = (),
     timeout: float = 10,
+    max_responses: int = 0,
 ) -> tuple[grpc.StatusCode, list[Any], str]:
     """Calls ``rpc`` (``request`` as bytes: sent as they are, unparsed); returns the status,
-    the responses and the status details."""
+    the responses and the status details. ``max_responses`` (streams): cancel the call after
+    that many responses, as a client that stops reading does (OK, with what it read)."""
     raw = isinstance(request, bytes)
     ser = None if raw else rpc.request.SerializeToString
     de = None if raw else rpc.response.FromString
     try:
         if rpc.streaming:
-            out = list(
-                channel.unary_stream(rpc.path, request_serializer=ser, response_deserializer=de)(
-                    request, metadata=list(metadata), timeout=timeout
-                )
+            call = channel.unary_stream(rpc.path, request_serializer=ser, response_deserializer=de)(
+                request, metadata=list(metadata), timeout=timeout
             )
+            out = []
+            for response in call:
+                out.append(response)
+                if len(out) == max_responses:
+                    call.cancel()
+                    break
         else:
             out = [
                 channel.unary_unary(rpc.path, request_serializer=ser, response_deserializer=de)(

@@ -26,6 +26,7 @@ from worker.errors import (
     CacheRejected,
     Cancelled,
     InvalidRequest,
+    Overloaded,
     ShuttingDown,
     StepFailed,
     WorkerError,
@@ -75,6 +76,9 @@ class EngineLimits:
     """Commit written blocks to the cache service's index. Off for the dense runner
     (``worker.dense_runner``): its leased blocks hold no K/V, so an index entry would offer
     another request a prefix that is not there."""
+    max_pending_requests: int = 0
+    """Most requests held at once, running + waiting (``--max-pending-requests``); 0: no
+    limit. ``check_room`` refuses the next one."""
 
 
 class Engine:
@@ -162,6 +166,13 @@ class Engine:
         if min(prompt) < 0 or max(prompt) >= lim.vocab_size:
             raise InvalidRequest(f"prompt token ids must be in [0, {lim.vocab_size})")
         params.validate(lim.vocab_size)
+        # The cache service's rule for what it stores (and its admin tools print).
+        if len(namespace) > self.client.max_namespace_chars:
+            raise InvalidRequest(
+                f"namespace is longer than {self.client.max_namespace_chars} characters"
+            )
+        if not namespace.isprintable():
+            raise InvalidRequest("namespace holds non-printable characters")
         room = lim.max_context - len(prompt)
         if room <= 0:
             raise InvalidRequest(
@@ -196,6 +207,19 @@ class Engine:
             ),
             eos_ids=self.eos_ids,
         )
+
+    def check_room(self) -> None:
+        """Raises Overloaded when the worker already holds ``max_pending_requests`` requests.
+        Called before the request is tokenized, validated or queued, so a full worker refuses
+        in microseconds, holding nothing; ``submit`` must follow with no ``await`` between, or
+        another request could take the room."""
+        limit = self.limits.max_pending_requests
+        held = len(self.scheduler.running) + len(self.scheduler.waiting)
+        if limit and held >= limit:
+            raise Overloaded(
+                f"this worker holds {held} requests (running + waiting), its limit "
+                f"(--max-pending-requests {limit}); retry on another worker or later"
+            )
 
     def submit(self, seq: Sequence) -> None:
         self.scheduler.add(seq)

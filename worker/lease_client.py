@@ -17,6 +17,8 @@ RPC_TIMEOUT_S = 10.0
 # Heartbeats at most this share of the lease TTL apart, whatever interval the service suggests
 # (it suggests TTL/4): a late or lost heartbeat still leaves the next one well inside the TTL.
 HEARTBEAT_TTL_FRACTION = 0.25
+# A namespace's longest length when the service does not say (one that predates the field).
+DEFAULT_MAX_NAMESPACE_CHARS = 256
 
 
 class LeaseError(Exception):
@@ -118,6 +120,8 @@ class LeaseClient:
         self.incarnation = 0
         self.lease_ttl_s = 0.0
         self.heartbeat_interval_s = 1.0
+        # The longest namespace the service stores (it says so at registration).
+        self.max_namespace_chars = DEFAULT_MAX_NAMESPACE_CHARS
 
     async def close(self) -> None:
         await self._channel.close()
@@ -159,6 +163,7 @@ class LeaseClient:
         ttl_share = resp.lease_ttl_s * HEARTBEAT_TTL_FRACTION
         announced = (i for i in (resp.heartbeat_interval_s, ttl_share) if i > 0)
         self.heartbeat_interval_s = min(announced, default=1.0)
+        self.max_namespace_chars = resp.max_namespace_chars or DEFAULT_MAX_NAMESPACE_CHARS
         return resp.incarnation
 
     async def heartbeat(self) -> list[int]:

@@ -39,14 +39,16 @@ class RegisterPoolRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., worker_address: _Optional[str] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("incarnation", "lease_ttl_s", "heartbeat_interval_s")
+    __slots__ = ("incarnation", "lease_ttl_s", "heartbeat_interval_s", "max_namespace_chars")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_NAMESPACE_CHARS_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     lease_ttl_s: float
     heartbeat_interval_s: float
-    def __init__(self, incarnation: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    max_namespace_chars: int
+    def __init__(self, incarnation: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., max_namespace_chars: _Optional[int] = ...) -> None: ...
 
 class PoolRef(_message.Message):
     __slots__ = ("pool_id", "incarnation")
