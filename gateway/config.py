@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.router import RoutingPolicy
-from kvserve_launch.tls import check_pair
+from kvserve_launch.tls import check_server
 
 ENV_PREFIX = "KVGATEWAY_"
 DEFAULT_MODEL = "kvserve-tiny-llama"
@@ -43,6 +43,11 @@ class GatewayConfig:
     max_namespace_chars: int = 256
     # Most choices per request (prompts x n).
     max_choices: int = 16
+    # Requests in flight, from accept to the end of the response (a stream: its last event or
+    # its client's disconnect), per client (its peer address: gateway.concurrency) and in all;
+    # beyond either, 429 / RESOURCE_EXHAUSTED. 0: no limit.
+    max_concurrent_per_client: int = 256
+    max_concurrent_requests: int = 0
     # How often workers are polled for load and health (and unhealthy ones re-probed).
     poll_interval_s: float = 2.0
     min_match_tokens: int = RoutingPolicy().min_match_tokens
@@ -50,12 +55,15 @@ class GatewayConfig:
     overload_slack: int = RoutingPolicy().overload_slack
     overload_ratio: float = RoutingPolicy().overload_ratio
     # TLS (kvserve_launch.tls). Both ports, gRPC and HTTP: PEM certificate and key, both or
-    # neither. The cache service and the workers: a CA bundle to verify them with (set: TLS),
-    # and the name their certificates must carry when not the host dialed.
+    # neither; the same pair is the gateway's client certificate when it dials over TLS. The
+    # cache service and the workers: a CA bundle to verify them with (set: TLS), and the name
+    # their certificates must carry when not the host dialed. tls_client_ca: both ports
+    # require a client certificate signed by this bundle (mutual TLS).
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
     tls_server_name: str = ""
+    tls_client_ca: str = ""
     log_level: str = "INFO"
 
     @property
@@ -95,10 +103,12 @@ class GatewayConfig:
         for name in ("max_body_bytes", "max_choices", "poll_interval_s", "max_namespace_chars"):
             if getattr(a, name) <= 0:
                 p.error(f"--{name.replace('_', '-')} must be positive")
-        if problem := check_pair(a.tls_cert, a.tls_key):
+        if problem := check_server(a.tls_cert, a.tls_key, a.tls_client_ca):
             p.error(problem)
         if a.max_prompt_chars < 0:
             p.error("--max-prompt-chars must not be negative")
+        if min(a.max_concurrent_per_client, a.max_concurrent_requests) < 0:
+            p.error("--max-concurrent-* must not be negative (0: no limit)")
         if min(a.overload_slack, a.overload_ratio, a.min_match_tokens, a.min_match_ratio) < 0:
             p.error("--overload-* and --min-match-* must not be negative")
         values = vars(a)
@@ -125,6 +135,8 @@ FLAGS: tuple[tuple[str, type, str], ...] = (
     ("max_prompt_chars", int, "longest prompt in characters, before tokenizing (0: 32 x context)"),
     ("max_namespace_chars", int, "longest cache_salt / namespace"),
     ("max_choices", int, "most choices (prompts x n) per request"),
+    ("max_concurrent_per_client", int, "requests in flight per client address (0: no limit)"),
+    ("max_concurrent_requests", int, "requests in flight in all (0: no limit)"),
     ("poll_interval_s", float, "how often workers are polled for load and health"),
     ("min_match_tokens", int, "shortest cached prefix worth routing for"),
     ("min_match_ratio", float, "... and at least this fraction of the prompt"),
@@ -134,5 +146,6 @@ FLAGS: tuple[tuple[str, type, str], ...] = (
     ("tls_key", str, "PEM private key of --tls-cert"),
     ("tls_ca", str, "PEM CA bundle: reach the cache service and workers over TLS, verified"),
     ("tls_server_name", str, "the name their certificates must carry (default: the host)"),
+    ("tls_client_ca", str, "PEM CA bundle: both ports require client certificates it signed"),
     ("log_level", str, "DEBUG, INFO, WARNING or ERROR"),
 )

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import grpc
 
 from gateway.cache_client import CacheClient
 from gateway.chat import ChatServing
 from gateway.completions import CompletionServing
+from gateway.concurrency import ConcurrencyLimiter
 from gateway.config import ENV_PREFIX, GatewayConfig
 from gateway.dispatcher import Dispatcher
 from gateway.metrics import GatewayMetrics
@@ -20,7 +17,7 @@ from gateway.poller import WorkerPoller
 from gateway.tokenizer import Tokenizer
 from gateway.worker_client import WorkerClients
 from gateway.worker_directory import WorkerDirectory
-from kvserve_launch.tls import channel
+from kvserve_launch.tls import Dialer
 
 
 @dataclass
@@ -36,6 +33,8 @@ class Gateway:
     serving: OpenAIServing
     completions: CompletionServing
     chat: ChatServing
+    # Requests in flight per client and in all; both edges take a slot (gateway.concurrency).
+    concurrency: ConcurrencyLimiter
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -43,11 +42,12 @@ class Gateway:
         """Wire the parts (no I/O but loading the tokenizer; call inside an event loop)."""
         tokenizer = tokenizer or Tokenizer.load(config.model, config.max_model_len)
 
-        def connect(address: str, options: Sequence[tuple[str, Any]]) -> grpc.aio.Channel:
-            return channel(address, config.tls_ca, config.tls_server_name, options, ENV_PREFIX)
-
-        cache = CacheClient(config.cache_service, config.cache_token, connect)
-        clients = WorkerClients(connect)
+        # Read once here: a bad PEM fails startup, not the first channel to a new worker.
+        dialer = Dialer.from_files(
+            config.tls_ca, config.tls_server_name, config.tls_cert, config.tls_key, ENV_PREFIX
+        )
+        cache = CacheClient(config.cache_service, config.cache_token, dialer.aio)
+        clients = WorkerClients(dialer.aio)
         directory = WorkerDirectory(config.workers)
         metrics = GatewayMetrics(directory)
         dispatcher = Dispatcher(
@@ -79,6 +79,7 @@ class Gateway:
             serving,
             CompletionServing(serving),
             ChatServing(serving),
+            ConcurrencyLimiter(config.max_concurrent_per_client, config.max_concurrent_requests),
         )
 
     def healthy_workers(self) -> int:

@@ -120,7 +120,11 @@ class Dispatcher:
             finally:
                 self.directory.in_flight[address] -= 1
         if isinstance(last_error, WorkersBusy):
-            raise WorkersBusy("every worker is out of KV blocks; retry later")
+            raise WorkersBusy(
+                "every worker is busy: each one reached holds as many requests as its "
+                "--max-pending-requests allows; retry later",
+                code="workers_busy",
+            )
         raise NoWorkerAvailable(f"no worker could be reached (last error: {last_error})")
 
     def _observe_latency(self, n: int, now: float, last: float | None, arrival: float) -> None:

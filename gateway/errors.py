@@ -58,7 +58,13 @@ class Unauthorized(GatewayError):
 
 
 class WorkersBusy(GatewayError):
-    """Every worker refused the request for lack of room (RESOURCE_EXHAUSTED): retry later."""
+    """Every worker refused the request for lack of room (RESOURCE_EXHAUSTED: it holds its
+    --max-pending-requests): retry later. Never a health mark: a full worker is up."""
+
+
+class TooManyRequests(GatewayError):
+    """The client (or the whole gateway) has as many requests in flight as it may
+    (--max-concurrent-per-client, --max-concurrent-requests): retry once one has ended."""
 
 
 class NoWorkerAvailable(GatewayError):
@@ -88,6 +94,14 @@ class ErrorMapping(NamedTuple):
     http_status: int
     openai_type: str
     grpc_code: grpc.StatusCode
+    # Sent as HTTP Retry-After: the OpenAI SDKs wait that long before their retry (they retry
+    # 429 and 5xx, with backoff when there is no header).
+    retry_after_s: int | None = None
+
+
+# Busy is a state of seconds: a slot frees when any request ends. One second spreads the
+# retries of many clients without idling a slot for long.
+RETRY_AFTER_S = 1
 
 
 ERROR_TABLE: dict[type[GatewayError], ErrorMapping] = {
@@ -99,7 +113,16 @@ ERROR_TABLE: dict[type[GatewayError], ErrorMapping] = {
     ModelNotFound: ErrorMapping(404, "invalid_request_error", grpc.StatusCode.NOT_FOUND),
     NotFound: ErrorMapping(404, "invalid_request_error", grpc.StatusCode.NOT_FOUND),
     Unauthorized: ErrorMapping(401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED),
-    WorkersBusy: ErrorMapping(429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    # Over capacity is 429, not 503, on both counts: it is gRPC's RESOURCE_EXHAUSTED in HTTP
+    # (503 is UNAVAILABLE here: no worker reachable), the OpenAI SDKs retry either, and a proxy
+    # or load balancer in front counts a 5xx as a failing gateway (Envoy's outlier detection
+    # ejects it) where a 429 passes through to the client that should slow down.
+    WorkersBusy: ErrorMapping(
+        429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED, RETRY_AFTER_S
+    ),
+    TooManyRequests: ErrorMapping(
+        429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED, RETRY_AFTER_S
+    ),
     NoWorkerAvailable: ErrorMapping(503, "service_unavailable", grpc.StatusCode.UNAVAILABLE),
     WorkerUnavailable: ErrorMapping(503, "service_unavailable", grpc.StatusCode.UNAVAILABLE),
     RequestAborted: ErrorMapping(503, "service_unavailable", grpc.StatusCode.ABORTED),
@@ -122,6 +145,12 @@ def openai_error_body(
 ) -> dict[str, dict[str, object]]:
     """The OpenAI error shape every 4xx/5xx of the HTTP API uses."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_headers(err: BaseException) -> dict[str, str]:
+    """HTTP headers of the error response: Retry-After for the retry-later errors."""
+    retry_after = mapping_of(err).retry_after_s
+    return {} if retry_after is None else {"retry-after": str(retry_after)}
 
 
 def error_body(err: BaseException) -> tuple[int, dict[str, dict[str, object]]]:

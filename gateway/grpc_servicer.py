@@ -18,6 +18,7 @@ from dataclasses import replace
 import grpc
 
 from gateway import convert
+from gateway.concurrency import client_of_peer
 from gateway.core import Gateway
 from gateway.errors import GatewayError, InvalidRequest, mapping_of
 from gateway.generation import GenerationRequest, check_sampling
@@ -63,10 +64,13 @@ class GatewayWorkerServicer(pb_grpc.WorkerServicer):
         arrival = time.perf_counter()
         status = "OK"
         try:
-            gen = await self.generation_request(request)
-            async with aclosing(self.gw.dispatcher.generate(gen, arrival)) as stream:
-                async for chunk in stream:
-                    yield convert.chunk_to_pb(chunk, gen.request_id)
+            # The slot is held to the end of the stream, whichever way it ends: a cancelled
+            # call is cancelled where it waits, or closed where it yielded.
+            with self.gw.concurrency.held(client_of_peer(context.peer())):
+                gen = await self.generation_request(request)
+                async with aclosing(self.gw.dispatcher.generate(gen, arrival)) as stream:
+                    async for chunk in stream:
+                        yield convert.chunk_to_pb(chunk, gen.request_id)
         except GatewayError as e:
             code = mapping_of(e).grpc_code
             status = code.name
@@ -89,6 +93,7 @@ class GatewayWorkerServicer(pb_grpc.WorkerServicer):
             max_context=self.gw.tokenizer.max_context,
             vocab_size=self.gw.tokenizer.vocab_size,
         )
+        limits: list[int] = []
         for w in self.gw.directory.views():
             if not w.healthy or w.load is None:
                 continue
@@ -100,4 +105,7 @@ class GatewayWorkerServicer(pb_grpc.WorkerServicer):
             info.waiting += load.waiting
             info.preemptions += load.preemptions
             info.requests_finished += load.requests_finished
+            limits.append(load.max_pending)
+        # The fleet's limit is the sum of the workers'; one without a limit makes it unlimited.
+        info.max_pending_requests = 0 if 0 in limits else sum(limits)
         return info

@@ -24,13 +24,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.admin_routes import admin_router
+from gateway.concurrency import ConcurrencyLimiter, client_of_host
 from gateway.core import Gateway
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
     RequestTooLarge,
+    TooManyRequests,
     Unauthorized,
     error_body,
+    error_headers,
     openai_error_body,
 )
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -48,7 +51,8 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+GENERATE = ("/v1/completions", "/v1/chat/completions")
+ENDPOINTS = (*GENERATE, "/v1/models", "/health", "/metrics")
 CLIENT_CLOSED = 499  # nginx's code for "the client went away first"
 
 
@@ -63,6 +67,7 @@ def create_app(gw: Gateway) -> FastAPI:
         version="0.1.0",
     )
     app.add_middleware(BodyLimit, max_bytes=gw.config.max_body_bytes)
+    app.add_middleware(ClientConcurrency, limiter=gw.concurrency)
     app.add_middleware(RequestMetrics, metrics=gw.metrics)
     _install_error_handlers(app)
     app.include_router(admin_router(gw))
@@ -87,6 +92,7 @@ def create_app(gw: Gateway) -> FastAPI:
                 # An unhealthy worker's last poll is stale: its requests are not running.
                 "running": w.load.running if w.load and w.healthy else None,
                 "waiting": w.load.waiting if w.load and w.healthy else None,
+                "max_pending_requests": w.load.max_pending if w.load else None,
             }
             for w in gw.directory.views()
         ]
@@ -256,7 +262,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(GatewayError)
     async def gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
         status, body = error_body(exc)
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(body, status_code=status, headers=error_headers(exc))
 
     @app.exception_handler(ClientDisconnected)
     async def disconnected(_: Request, exc: ClientDisconnected) -> Response:
@@ -326,7 +332,36 @@ class BodyLimit:
 
 async def _send_error(send: Send, err: GatewayError) -> None:
     status, body = error_body(err)
-    await JSONResponse(body, status_code=status)({"type": "http"}, _no_receive, send)
+    response = JSONResponse(body, status_code=status, headers=error_headers(err))
+    await response({"type": "http"}, _no_receive, send)
+
+
+class ClientConcurrency:
+    """Holds one of the client's slots (``gateway.concurrency``) for each generation request,
+    from accept until the app returns: for a stream that is after its last event, or once
+    Starlette saw the client disconnect and cancelled it, so every way a request ends (done,
+    error, disconnect, cancellation) gives the slot back. Over a limit: 429 with Retry-After,
+    before the body is read."""
+
+    def __init__(self, app: ASGIApp, limiter: ConcurrencyLimiter) -> None:
+        self.app = app
+        self.limiter = limiter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATE:
+            await self.app(scope, receive, send)
+            return
+        peer = scope.get("client")
+        client = client_of_host(peer[0] if peer else None)
+        try:
+            self.limiter.acquire(client)
+        except TooManyRequests as e:
+            await _send_error(send, e)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.limiter.release(client)
 
 
 async def _no_receive() -> Message:

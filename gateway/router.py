@@ -9,6 +9,8 @@ memory, so it wins, with two exceptions:
   tokens with every other; following such crumbs would pile all traffic, and all cached
   prefixes, into one pool while the others sit empty. A match counts only from
   ``max(min_match_tokens, min_match_ratio * prompt_tokens)`` tokens on.
+- *The holder is full.* A worker at its request limit (``--max-pending-requests``, from its
+  ``GetInfo``) would refuse the request: it is tried only after every other.
 - *The holder is overloaded.* A worker whose load is well above the least loaded one's is
   skipped, and the request goes to the best of the others. "Well above" is
   ``load > min_load + max(overload_slack, overload_ratio * min_load)``: an absolute slack
@@ -40,6 +42,13 @@ class Candidate:
     # False once a call failed to reach it, until it answers again (or the cache service
     # stopped hearing its heartbeats).
     healthy: bool = True
+    # Most requests it holds (its --max-pending-requests, from its last GetInfo); 0: no limit
+    # or not known yet. At that load it refuses new ones (RESOURCE_EXHAUSTED).
+    capacity: int = 0
+
+    @property
+    def full(self) -> bool:
+        return 0 < self.capacity <= self.load
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +74,7 @@ class RouteReason(StrEnum):
     LEAST_LOADED = "least_loaded"  # no prefix worth following: the least loaded worker
     OVERLOADED = "overloaded"  # the best prefix holder was overloaded; the next best instead
     UNHEALTHY = "unhealthy"  # every worker is marked unhealthy: try them anyway
+    FULL = "full"  # every healthy worker is at its request limit: try them anyway
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,26 +98,33 @@ def choose_worker(
 
     1. Only healthy candidates compete. If none is healthy, all of them do (a marked worker
        may be back; trying costs one failed connect, refusing costs the request).
-    2. Among those, drop the overloaded ones (see the module docstring).
+    2. Among those, drop the full ones (at their request limit), then the overloaded ones
+       (see the module docstring).
     3. Rank the rest by cached prefix (only a match that counts; shorter ones rank as 0),
        then lowest load, then most free blocks, then pool id (deterministic).
-    4. The fail-over order continues with the overloaded, then the unhealthy candidates,
-       each ranked by load.
+    4. The fail-over order continues with the overloaded, the full (their load may have
+       dropped since it was seen), then the unhealthy candidates, each ranked by load.
     """
     if not candidates:
         return None
     healthy = [c for c in candidates if c.healthy]
     pool = healthy or list(candidates)
-    min_load = min(c.load for c in pool)
-    fit = [c for c in pool if not policy.overloaded(c.load, min_load)]
-    hot = [c for c in pool if policy.overloaded(c.load, min_load)]
+    room = [c for c in pool if not c.full]
+    full = sorted((c for c in pool if c.full), key=_by_load)
+    unhealthy = sorted((c for c in candidates if not c.healthy), key=_by_load) if healthy else []
+    if not room:
+        return RouteDecision(
+            (*full, *unhealthy), RouteReason.FULL if healthy else RouteReason.UNHEALTHY
+        )
+    min_load = min(c.load for c in room)
+    fit = [c for c in room if not policy.overloaded(c.load, min_load)]
+    hot = [c for c in room if policy.overloaded(c.load, min_load)]
 
     def useful(c: Candidate) -> int:
         return c.cached_tokens if policy.counts(c.cached_tokens, prompt_tokens) else 0
 
     fit.sort(key=lambda c: (-useful(c), c.load, -c.free_blocks, c.pool_id))
-    unhealthy = [c for c in candidates if not c.healthy] if healthy else []
-    order = (*fit, *sorted(hot, key=_by_load), *sorted(unhealthy, key=_by_load))
+    order = (*fit, *sorted(hot, key=_by_load), *full, *unhealthy)
     if not healthy:
         reason = RouteReason.UNHEALTHY
     elif useful(fit[0]) < max(useful(c) for c in pool):

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
@@ -79,7 +80,7 @@ async def running(
             EXCLUSIVE_PORT,
         ],
     )
-    tls = server_credentials(config.tls_cert, config.tls_key, ENV_PREFIX)
+    tls = server_credentials(config.tls_cert, config.tls_key, ENV_PREFIX, config.tls_client_ca)
     grpc_port = add_port(grpc_server, config.host, config.grpc_port, ENV_PREFIX, "grpc_port", tls)
     sock = _listen(config.host, config.http_port)
 
@@ -98,10 +99,17 @@ async def running(
             log_config=None,
             access_log=False,
             lifespan="off",
+            # The peer is the TCP peer: uvicorn would take it from X-Forwarded-For when the
+            # connection comes from 127.0.0.1, and any local client could then pick a fresh
+            # identity per request past --max-concurrent-per-client (gateway.concurrency).
+            proxy_headers=False,
             timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
-            # HTTPS with the gRPC port's pair (read above, so a bad file failed startup there).
+            # HTTPS with the gRPC port's pair and client CA (read above, so a bad file failed
+            # startup there).
             ssl_certfile=config.tls_cert or None,
             ssl_keyfile=config.tls_key or None,
+            ssl_ca_certs=config.tls_client_ca or None,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if config.tls_client_ca else ssl.CERT_NONE,
         )
     )
     http_task: asyncio.Task[None] | None = None

@@ -56,6 +56,9 @@ class WorkerLoad:
     preemptions: int
     requests_finished: int
     runner: str = ""  # "paged" or "dense" (recurrent state); "" from a worker that predates it
+    # Most requests it holds, running + waiting (--max-pending-requests); 0: no limit (or a
+    # worker that predates it).
+    max_pending: int = 0
 
 
 class WorkerClient:
@@ -103,6 +106,7 @@ class WorkerClient:
             preemptions=info.preemptions,
             requests_finished=info.requests_finished,
             runner=info.runner,
+            max_pending=info.max_pending_requests,
         )
 
     async def close(self) -> None:

@@ -109,6 +109,7 @@ class WorkerDirectory:
                     load=max(r.live_leases, self._gateway_load(r.worker_address)),
                     free_blocks=r.free_blocks,
                     healthy=r.alive and self.is_healthy(r.worker_address),
+                    capacity=self._capacity(r.worker_address),
                 )
             )
         seen = {c.address for c in out}
@@ -121,6 +122,7 @@ class WorkerDirectory:
                         cached_tokens=0,
                         load=self._gateway_load(address),
                         healthy=self.is_healthy(address),
+                        capacity=self._capacity(address),
                     )
                 )
         return out
@@ -135,6 +137,10 @@ class WorkerDirectory:
     def _gateway_load(self, address: str) -> int:
         polled = self.loads.get(address)
         return max(self.in_flight[address], polled.running + polled.waiting if polled else 0)
+
+    def _capacity(self, address: str) -> int:
+        polled = self.loads.get(address)
+        return polled.max_pending if polled else 0
 
     def _pool_id_of(self, address: str) -> str:
         load = self.loads.get(address)

@@ -1,7 +1,9 @@
 """Admin CLI: `python -m kvcache_service.admin stats|tree|lookup|evict|flush|pin|unpin|check`.
 
 Talks to a running cache service with the admin bearer token (--token or
-KVCACHE_ADMIN_TOKEN) and prints readable tables (or --json).
+KVCACHE_ADMIN_TOKEN) and prints readable tables (or --json). A TLS service: --tls-ca (and
+--tls-server-name); one that requires client certificates (--tls-client-ca): --tls-cert and
+--tls-key too, a pair its client CA signed. Each reads KVCACHE_TLS_*, as the token does.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from collections.abc import Sequence
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from kvcache_service.config import ENV_PREFIX
+from kvserve_launch.startup import StartupError
+from kvserve_launch.tls import Dialer
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
@@ -105,6 +110,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--address", default=os.environ.get("KVCACHE_ADDRESS", "127.0.0.1:50051"))
     p.add_argument("--token", default=os.environ.get("KVCACHE_ADMIN_TOKEN", ""))
     p.add_argument("--json", action="store_true", help="print the raw response as JSON")
+    tls = p.add_argument_group("TLS (kvserve_launch.tls; unset: plaintext)")
+    for flag, help in (
+        ("tls_ca", "PEM CA bundle: reach the service over TLS, its certificate verified"),
+        ("tls_server_name", "the name its certificate must carry (default: the host dialed)"),
+        ("tls_cert", "PEM client certificate, for a service that requires one"),
+        ("tls_key", "PEM private key of --tls-cert"),
+    ):
+        env = ENV_PREFIX + flag.upper()
+        tls.add_argument(
+            "--" + flag.replace("_", "-"), default=os.environ.get(env, ""), help=f"{help} ({env})"
+        )
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def with_pool(name: str, help: str, required: bool = False) -> argparse.ArgumentParser:
@@ -133,8 +149,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     with_pool("flush", "evict every unreferenced, unpinned block")
     sub.add_parser("check", help="verify the block accounting invariants")
     a = p.parse_args(argv)
+    if bool(a.tls_cert) != bool(a.tls_key):
+        p.error("--tls-cert and --tls-key go together")
+    if a.tls_cert and not a.tls_ca:
+        p.error("--tls-cert is a client certificate for a TLS service: set --tls-ca too")
+    try:
+        dialer = Dialer.from_files(a.tls_ca, a.tls_server_name, a.tls_cert, a.tls_key, ENV_PREFIX)
+    except StartupError as e:
+        print(f"error: {e.message} ({e.hint})", file=sys.stderr)
+        return 1
 
-    with grpc.insecure_channel(a.address) as channel:
+    with dialer.blocking(a.address) as channel:
         stub = pb_grpc.KVCacheAdminStub(channel)
         md = [("authorization", f"Bearer {a.token}")]
         try:

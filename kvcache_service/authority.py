@@ -135,9 +135,7 @@ class CacheAuthority:
             spec, self._next_incarnation, self.config.namespace_quota_blocks
         )
         self._live[spec.pool_id] = _Liveness(self.clock() + ttl)
-        return Registration(
-            self._next_incarnation, ttl, ttl / 4, self.config.max_namespace_chars
-        )
+        return Registration(self._next_incarnation, ttl, ttl / 4, self.config.max_namespace_chars)
 
     def heartbeat(self, pool_id: PoolId, incarnation: int) -> tuple[list[LeaseId], int]:
         pool = self._pool(pool_id, incarnation)

@@ -8,7 +8,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserve_launch.tls import check_pair
+from kvserve_launch.tls import check_server
 
 ENV_PREFIX = "KVCACHE_"
 
@@ -35,6 +35,8 @@ class ServiceConfig:
     # PEM paths: both set, the port serves TLS (kvserve_launch.tls); neither, plaintext.
     tls_cert: str = ""
     tls_key: str = ""
+    # A CA bundle: set, every client must present a certificate it signed (mutual TLS).
+    tls_client_ca: str = ""
     log_level: str = "INFO"
 
     @classmethod
@@ -77,9 +79,10 @@ class ServiceConfig:
         )
         p.add_argument("--tls-cert", default=env("TLS_CERT", d.tls_cert))
         p.add_argument("--tls-key", default=env("TLS_KEY", d.tls_key))
+        p.add_argument("--tls-client-ca", default=env("TLS_CLIENT_CA", d.tls_client_ca))
         p.add_argument("--log-level", default=env("LOG_LEVEL", d.log_level))
         a = p.parse_args(argv)
-        if problem := check_pair(a.tls_cert, a.tls_key):
+        if problem := check_server(a.tls_cert, a.tls_key, a.tls_client_ca):
             p.error(problem)
         if a.lease_ttl_s <= 0:
             p.error("--lease-ttl-s must be positive")
@@ -99,6 +102,7 @@ class ServiceConfig:
             sweep_interval_s=a.sweep_interval_s,
             tls_cert=a.tls_cert,
             tls_key=a.tls_key,
+            tls_client_ca=a.tls_client_ca,
             log_level=a.log_level,
         )
 

@@ -78,7 +78,7 @@ async def running(config: ServiceConfig) -> AsyncIterator[RunningService]:
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    tls = server_credentials(config.tls_cert, config.tls_key, ENV_PREFIX)
+    tls = server_credentials(config.tls_cert, config.tls_key, ENV_PREFIX, config.tls_client_ca)
     port = add_port(server, config.host, config.port, ENV_PREFIX, "port", tls)
     await server.start()
     for name in ("", *SERVICE_NAMES):

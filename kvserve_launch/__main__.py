@@ -16,7 +16,16 @@ from kvserve_launch.system import System, launch
 def banner(s: System) -> str:
     cfg = s.config
     # A wildcard address is where the gateway listens, not an address to send requests to.
-    http = "http://" + s.http_address.replace("0.0.0.0", "localhost").replace("[::]", "localhost")
+    host = s.http_address.replace("0.0.0.0", "localhost").replace("[::]", "localhost")
+    http = ("https://" if cfg.tls else "http://") + host
+    curl = f"curl --cacert {cfg.tls_ca}" if cfg.tls else "curl"
+    admin_tls = ""
+    if cfg.tls:
+        admin_tls = f" --tls-ca {cfg.tls_ca}"
+        if cfg.tls_server_name:
+            admin_tls += f" --tls-server-name {cfg.tls_server_name}"
+        if cfg.tls_client_ca:
+            admin_tls += f" --tls-cert {cfg.tls_cert} --tls-key {cfg.tls_key}"
     n = len(s.workers)
     return f"""
 kvserve is up: {n} worker{"s" if n != 1 else ""} serving {cfg.model}
@@ -26,11 +35,11 @@ kvserve is up: {n} worker{"s" if n != 1 else ""} serving {cfg.model}
   cache service {s.cache_address}            admin token: {cfg.admin_token}
 
 Try:
-  curl {http}/v1/chat/completions -H 'Content-Type: application/json' \\
+  {curl} {http}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{cfg.model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
 
-  curl {http}/admin/cache/stats -H 'Authorization: Bearer {cfg.admin_token}'
-  python -m kvcache_service.admin --address {s.cache_address} --token {cfg.admin_token} stats
+  {curl} {http}/admin/cache/stats -H 'Authorization: Bearer {cfg.admin_token}'
+  python -m kvcache_service.admin --address {s.cache_address} --token {cfg.admin_token}{admin_tls} stats
 
 Ctrl-C stops everything.
 """

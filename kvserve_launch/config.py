@@ -40,6 +40,20 @@ class LaunchConfig:
     block_size: int = 0
     startup_timeout_s: float = 300.0
     log_level: str = "INFO"
+    # TLS on every port and channel (kvserve_launch.tls): one certificate and key that every
+    # child serves with and presents when it dials; the CA bundle every child verifies the
+    # others with; the name the certificate carries when not the internal host. Paths only,
+    # so they travel as flags. tls_client_ca: the cache service and the workers require a
+    # client certificate it signed (mutual TLS on every internal channel).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_server_name: str = ""
+    tls_client_ca: str = ""
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> LaunchConfig:
@@ -53,13 +67,17 @@ class LaunchConfig:
         for name, kind, help in FLAGS:
             default = getattr(d, name)
             env = os.environ.get(ENV_PREFIX + name.upper(), str(default))
-            shown = help if name == "admin_token" else f"{help} (default: {default})"
+            shown = help if default == "" else f"{help} (default: {default})"
             p.add_argument("--" + name.replace("_", "-"), type=kind, default=kind(env), help=shown)
         a = p.parse_args(argv)
         if a.workers < 1:
             p.error("--workers must be at least 1")
         if a.num_blocks < 0 or a.block_size < 0:
             p.error("--num-blocks and --block-size must not be negative")
+        if problem := check_tls(
+            a.tls_cert, a.tls_key, a.tls_ca, a.tls_server_name, a.tls_client_ca
+        ):
+            p.error(problem)
         return cls(**vars(a))
 
     def with_admin_token(self) -> LaunchConfig:
@@ -71,6 +89,27 @@ class LaunchConfig:
         if self.service_token:
             return self
         return replace(self, service_token=secrets.token_urlsafe(18))
+
+
+def check_tls(cert: str, key: str, ca: str, server_name: str, client_ca: str) -> str | None:
+    """What is wrong with the launcher's TLS settings; None if fine. Every child both serves
+    and dials, so the pair and the CA go together: a pair without the CA would leave the
+    children unable to verify each other, a CA without the pair dials ports that serve
+    plaintext."""
+    # Imported here: worker.blas (`python -m worker.blas run`, a worker's BLAS re-exec) reaches
+    # this module through diagnosis, and the grpc that kvserve_launch.tls imports would add
+    # 0.1 s to its import.
+    from kvserve_launch.tls import check_server
+
+    if problem := check_server(cert, key, client_ca):
+        return problem
+    if cert and not ca:
+        return "--tls-cert needs --tls-ca: the CA bundle the children verify each other with"
+    if (ca or server_name) and not cert:
+        return (
+            "--tls-ca and --tls-server-name need --tls-cert and --tls-key (what the children serve)"
+        )
+    return None
 
 
 FLAGS: tuple[tuple[str, type, str], ...] = (
@@ -87,4 +126,9 @@ FLAGS: tuple[tuple[str, type, str], ...] = (
     ("block_size", int, "tokens per KV block (0: the worker's default)"),
     ("startup_timeout_s", float, "how long each process may take to get ready"),
     ("log_level", str, "DEBUG, INFO, WARNING or ERROR, for every process"),
+    ("tls_cert", str, "PEM certificate every child serves TLS with and presents when it dials"),
+    ("tls_key", str, "PEM private key of --tls-cert"),
+    ("tls_ca", str, "PEM CA bundle the children verify each other's certificates with"),
+    ("tls_server_name", str, "the name in --tls-cert, when not --internal-host"),
+    ("tls_client_ca", str, "PEM CA bundle: the cache service and workers require client certs"),
 )

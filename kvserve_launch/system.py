@@ -49,12 +49,31 @@ def stop_all(children: list[Child], grace_s: float) -> None:
         child.stop(grace_s)
 
 
+def tls_flags(cfg: LaunchConfig, serves: bool = True, dials: bool = True) -> list[str]:
+    """The launcher's TLS settings as a child's flags (paths, not secrets: flags are fine).
+    Every child serves with the one pair and presents it when it dials; ``serves``: the child
+    has internal ports, which require client certificates under --tls-client-ca; ``dials``:
+    it dials the others, verifying them against the CA. No TLS: no flags, so a child's own
+    KV*_TLS_* variables still apply."""
+    if not cfg.tls:
+        return []
+    argv = ["--tls-cert", cfg.tls_cert, "--tls-key", cfg.tls_key]
+    if dials:
+        argv += ["--tls-ca", cfg.tls_ca]
+        if cfg.tls_server_name:
+            argv += ["--tls-server-name", cfg.tls_server_name]
+    if serves and cfg.tls_client_ca:
+        argv += ["--tls-client-ca", cfg.tls_client_ca]
+    return argv
+
+
 def cache_command(cfg: LaunchConfig, python: str = sys.executable) -> list[str]:
     return [
         python, "-m", "kvcache_service",
         "--host", cfg.internal_host,
         "--port", str(cfg.cache_port),
         "--log-level", cfg.log_level,
+        *tls_flags(cfg, dials=False),
     ]  # fmt: skip
 
 
@@ -75,7 +94,7 @@ def worker_command(
         argv += ["--num-blocks", str(cfg.num_blocks)]
     if cfg.block_size:
         argv += ["--block-size", str(cfg.block_size)]
-    return argv
+    return argv + tls_flags(cfg)
 
 
 def gateway_command(
@@ -89,6 +108,9 @@ def gateway_command(
         "--grpc-port", str(cfg.grpc_port),
         "--model", cfg.model,
         "--log-level", cfg.log_level,
+        # Its ports are the public edge: they serve TLS, but require client certificates only
+        # where KVGATEWAY_TLS_CLIENT_CA says so (inherited from the launcher's environment).
+        *tls_flags(cfg, serves=False),
     ]  # fmt: skip
 
 

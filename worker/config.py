@@ -8,7 +8,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserve_launch.tls import check_pair
+from kvserve_launch.tls import check_server
 
 ENV_PREFIX = "KVWORKER_"
 _OFF = ("0", "false", "no", "off")
@@ -37,6 +37,10 @@ class WorkerConfig:
     # 0: the device's default (CPU 16 and 256, GPU 32 and 2048).
     max_batch_size: int = 0
     max_step_tokens: int = 0
+    # Most requests held at once, running + waiting; beyond it Generate is RESOURCE_EXHAUSTED
+    # and the gateway tries another worker. None: PENDING_PER_BATCH_SLOT x max_batch_size
+    # (worker.device_defaults); 0: no limit.
+    max_pending_requests: int | None = None
     # Token slots leased beyond the prompt at admission, and how far ahead of need a running
     # sequence asks for its next block.
     reserve_tokens: int = 32
@@ -49,13 +53,16 @@ class WorkerConfig:
     # Check the paged path against mlx-lm's dense path on a small batch at startup and refuse a
     # model whose logits differ (worker.self_check).
     self_check: bool = True
-    # TLS (kvserve_launch.tls). The gRPC port: PEM certificate and key, both or neither.
+    # TLS (kvserve_launch.tls). The gRPC port: PEM certificate and key, both or neither; the
+    # same pair is the worker's client certificate when it dials the cache service over TLS.
     tls_cert: str = ""
     tls_key: str = ""
     # The cache service: a CA bundle to verify it with (set: TLS), and the name its
     # certificate must carry when not the host dialed.
     tls_ca: str = ""
     tls_server_name: str = ""
+    # A CA bundle: set, callers of the gRPC port must present a certificate it signed.
+    tls_client_ca: str = ""
     log_level: str = "INFO"
 
     @classmethod
@@ -94,6 +101,10 @@ class WorkerConfig:
         p.add_argument(
             "--max-step-tokens", type=int, default=int(env("MAX_STEP_TOKENS", d.max_step_tokens))
         )
+        pending = os.environ.get(ENV_PREFIX + "MAX_PENDING_REQUESTS", "")
+        p.add_argument(
+            "--max-pending-requests", type=int, default=int(pending) if pending else None
+        )
         p.add_argument(
             "--reserve-tokens", type=int, default=int(env("RESERVE_TOKENS", d.reserve_tokens))
         )
@@ -119,15 +130,18 @@ class WorkerConfig:
         p.add_argument("--tls-key", default=env("TLS_KEY", d.tls_key))
         p.add_argument("--tls-ca", default=env("TLS_CA", d.tls_ca))
         p.add_argument("--tls-server-name", default=env("TLS_SERVER_NAME", d.tls_server_name))
+        p.add_argument("--tls-client-ca", default=env("TLS_CLIENT_CA", d.tls_client_ca))
         p.add_argument("--log-level", default=env("LOG_LEVEL", d.log_level))
         a = p.parse_args(argv)
-        if problem := check_pair(a.tls_cert, a.tls_key):
+        if problem := check_server(a.tls_cert, a.tls_key, a.tls_client_ca):
             p.error(problem)
         if a.block_size < 1:
             p.error("--block-size must be positive")
         for name in ("num_blocks", "kv_memory_mb", "max_batch_size", "max_step_tokens"):
             if getattr(a, name) < 0:
                 p.error(f"--{name.replace('_', '-')} must be >= 0 (0: the device's default)")
+        if a.max_pending_requests is not None and a.max_pending_requests < 0:
+            p.error("--max-pending-requests must be >= 0 (0: no limit)")
         if not 0.0 <= a.kv_memory_fraction <= 1.0:
             p.error("--kv-memory-fraction must be in [0, 1] (0: the device's default)")
         return cls(
@@ -144,6 +158,7 @@ class WorkerConfig:
             kv_memory_fraction=a.kv_memory_fraction,
             max_batch_size=a.max_batch_size,
             max_step_tokens=a.max_step_tokens,
+            max_pending_requests=a.max_pending_requests,
             reserve_tokens=a.reserve_tokens,
             extend_ahead_tokens=a.extend_ahead_tokens,
             prefix_caching=not a.no_prefix_caching,
@@ -153,6 +168,7 @@ class WorkerConfig:
             tls_key=a.tls_key,
             tls_ca=a.tls_ca,
             tls_server_name=a.tls_server_name,
+            tls_client_ca=a.tls_client_ca,
             log_level=a.log_level,
         )
 

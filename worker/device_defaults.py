@@ -54,6 +54,13 @@ DEFAULTS: dict[Device, DeviceDefaults] = {
 }
 
 
+# With --max-pending-requests unset: this many requests per batch slot, running + waiting. The
+# queue keeps the batch full as sequences finish; beyond a few batches' worth a request waits
+# longer than a retry elsewhere would, so the worker refuses it (RESOURCE_EXHAUSTED) and the
+# gateway tries another worker. 128 on CPU, 256 on a GPU.
+PENDING_PER_BATCH_SLOT = 8
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerLimits:
     """The pool size and step limits a worker runs with, and where the pool size came from."""
@@ -63,20 +70,24 @@ class WorkerLimits:
     max_batch_size: int
     max_step_tokens: int
     pool_source: str  # for the log: which flag or rule sized the pool
+    max_pending_requests: int = 0  # running + waiting; 0: no limit
 
     def describe(self, block_size: int, bytes_per_block: int) -> str:
         size = self.num_blocks * bytes_per_block
+        n = self.max_pending_requests
         return (
             f"device {self.device}: KV pool {self.num_blocks} blocks x {block_size} = "
             f"{self.num_blocks * block_size} tokens ({size / MIB:.0f} MiB, {self.pool_source}), "
-            f"batch {self.max_batch_size} sequences, step {self.max_step_tokens} tokens"
+            f"batch {self.max_batch_size} sequences, step {self.max_step_tokens} tokens, "
+            f"{f'up to {n} requests' if n else 'no request limit'} (running + waiting)"
         )
 
 
 def choose_limits(
     device: Device, free_bytes: int | None, bytes_per_block: int, config: WorkerConfig
 ) -> WorkerLimits:
-    """The worker's limits: every value set in ``config`` wins; 0 means the device's default.
+    """The worker's limits: every value set in ``config`` wins; 0 means the device's default
+    (``max_pending_requests``: None means ``PENDING_PER_BATCH_SLOT`` x the batch, 0 no limit).
 
     The pool is sized by the first of: ``num_blocks``; ``kv_memory_mb``; ``kv_memory_fraction``
     (or the device's default fraction) of ``free_bytes``, when known; the device's default
@@ -99,12 +110,15 @@ def choose_limits(
         source = f"{d.kv_memory_mb} MiB default"
         if fraction:
             source += ": free memory unknown"
+    batch = config.max_batch_size or d.max_batch_size
+    pending = config.max_pending_requests
     return WorkerLimits(
         device=device,
         num_blocks=max(1, num_blocks),
-        max_batch_size=config.max_batch_size or d.max_batch_size,
+        max_batch_size=batch,
         max_step_tokens=config.max_step_tokens or d.max_step_tokens,
         pool_source=source,
+        max_pending_requests=PENDING_PER_BATCH_SLOT * batch if pending is None else pending,
     )
 
 

@@ -17,6 +17,11 @@ class Cancelled(WorkerError):
     """The client cancelled the call or went away (CANCELLED; nobody reads the answer)."""
 
 
+class Overloaded(WorkerError):
+    """The worker already holds ``--max-pending-requests`` requests (running + waiting):
+    RESOURCE_EXHAUSTED, before the request holds anything. The gateway tries another worker."""
+
+
 class ShuttingDown(WorkerError):
     """The worker is stopping: try another worker (UNAVAILABLE)."""
 

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvserve_launch.malformed import MalformedRequests
 from kvserve_launch.startup import EXCLUSIVE_PORT, ModelUnavailable, add_port, setting
-from kvserve_launch.tls import channel, server_credentials
+from kvserve_launch.tls import Dialer, server_credentials
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker.config import ENV_PREFIX, WorkerConfig
@@ -147,7 +147,10 @@ async def running(
         interceptors=[MalformedRequests()],
         options=[("grpc.max_receive_message_length", 64 * 1024 * 1024), EXCLUSIVE_PORT],
     )
-    tls = server_credentials(config.tls_cert, config.tls_key, ENV_PREFIX)
+    tls = server_credentials(config.tls_cert, config.tls_key, ENV_PREFIX, config.tls_client_ca)
+    dialer = Dialer.from_files(
+        config.tls_ca, config.tls_server_name, config.tls_cert, config.tls_key, ENV_PREFIX
+    )
     port = add_port(server, config.host, config.port, ENV_PREFIX, "port", tls)
     worker_id = config.pool_id(port)
     address = config.address(port)
@@ -171,6 +174,7 @@ async def running(
     limits = EngineLimits(
         max_batch_size=chosen.max_batch_size,
         max_step_tokens=chosen.max_step_tokens,
+        max_pending_requests=chosen.max_pending_requests,
         max_context=max_context,
         vocab_size=runner.spec.vocab_size,
         reserve_tokens=config.reserve_tokens,
@@ -184,7 +188,7 @@ async def running(
         LeaseClient(
             config.cache_service,
             config.cache_token,
-            channel(config.cache_service, config.tls_ca, config.tls_server_name, (), ENV_PREFIX),
+            dialer.aio(config.cache_service),
         ),
         registration,
         limits,

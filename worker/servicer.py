@@ -20,6 +20,7 @@ from worker.errors import (
     CacheRejected,
     Cancelled,
     InvalidRequest,
+    Overloaded,
     ShuttingDown,
     StepFailed,
     WorkerError,
@@ -32,10 +33,12 @@ log = logging.getLogger(__name__)
 # How a request that does not finish ends, as the status code its caller acts on. The gateway
 # fails over on UNAVAILABLE (and marks the worker unhealthy) and on RESOURCE_EXHAUSTED; anything
 # else ends the request there. So one request's failure must never read UNAVAILABLE: a step
-# that raised is INTERNAL, and the worker keeps serving. There is no RESOURCE_EXHAUSTED row:
-# a request the pool cannot hold yet waits in the queue (admission control), it is not refused.
+# that raised is INTERNAL, and the worker keeps serving. A request the pool cannot hold yet
+# waits in the queue (admission control); only a worker that already holds its
+# --max-pending-requests refuses one, RESOURCE_EXHAUSTED, before it holds anything.
 STATUS_OF: dict[type[WorkerError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Cancelled: grpc.StatusCode.CANCELLED,
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
     StepFailed: grpc.StatusCode.INTERNAL,
@@ -101,16 +104,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         try:
+            self.engine.check_room()  # before tokenizing: a full worker refuses at once
             seq = self.engine.new_sequence(
                 request_id,
                 self._prompt(request),
                 sampling_params(request.sampling),
                 request.namespace,
             )
-        except InvalidRequest as err:
+        except (Overloaded, InvalidRequest) as err:
             await context.abort(status_of(err), str(err))
             return
-        self.engine.submit(seq)
+        self.engine.submit(seq)  # no await since check_room: the room is still there
         done = False
         try:
             while not done:
@@ -171,4 +175,5 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             preemptions=e.stats.preemptions,
             requests_finished=e.stats.requests_finished,
             runner=self.runner,
+            max_pending_requests=e.limits.max_pending_requests,
         )

@@ -165,6 +165,21 @@ def test_one_configuration_for_the_whole_system(compose):
         assert s[name]["depends_on"]["kvcache"]["condition"] == "service_healthy"
 
 
+def test_the_tls_comment_names_real_variables(monkeypatch):
+    """compose.yaml turns TLS on only in a comment: each variable it names must still be one
+    its service reads."""
+    comment = "\n".join(line for line in COMPOSE.read_text().splitlines() if line.startswith("#"))
+    names = set(re.findall(r"\b(KV(?:CACHE|WORKER|GATEWAY)_TLS_\w+)", comment))
+    assert len(names) >= 10
+    for name in names:
+        module, prefix, parse = next(v for v in SERVICES.values() if name.startswith(v[1]))
+        for key in (prefix + "TLS_CERT", prefix + "TLS_KEY", name):  # a pair, or refused
+            monkeypatch.setenv(key, "x")
+        assert getattr(parse([]), name[len(prefix) :].lower()) == "x", (module, name)
+        for key in (name, prefix + "TLS_CERT", prefix + "TLS_KEY"):
+            monkeypatch.delenv(key, raising=False)
+
+
 def test_dockerfile():
     text = DOCKERFILE.read_text()
     assert re.search(r"^FROM python:3\.11-slim$", text, re.M)

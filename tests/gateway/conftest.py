@@ -3,6 +3,7 @@ gateway (HTTP on uvicorn and gRPC) on loopback ports, all in the test's event lo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -65,15 +66,24 @@ async def cache() -> AsyncIterator[RunningService]:
         yield svc
 
 
-@pytest.fixture
-async def stack(cache: RunningService, tokenizer: Tokenizer) -> AsyncIterator[Stack]:
+@contextlib.asynccontextmanager
+async def started_stack(
+    cache: RunningService, tokenizer: Tokenizer, **config: object
+) -> AsyncIterator[Stack]:
+    """Two fake workers and a gateway (``config``: GatewayConfig overrides)."""
     workers = [await FakeWorker(f"w{i}", cache.address).start() for i in range(2)]
     try:
         async with (
-            running(gateway_config(cache.address), tokenizer) as gw,
+            running(gateway_config(cache.address, **config), tokenizer) as gw,
             httpx.AsyncClient(base_url=f"http://{gw.http_address}", timeout=10) as http,
         ):
             yield Stack(cache, workers, gw, http)
     finally:
         for w in workers:
             await w.close()
+
+
+@pytest.fixture
+async def stack(cache: RunningService, tokenizer: Tokenizer) -> AsyncIterator[Stack]:
+    async with started_stack(cache, tokenizer) as s:
+        yield s

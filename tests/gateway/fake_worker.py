@@ -10,6 +10,7 @@ fail or be stopped to test fail-over.
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,6 +35,9 @@ class Behaviour:
     fail_with: grpc.StatusCode | None = None
     fail_message: str = "fake failure"
     fail_after: int = 0
+    # As a real worker's --max-pending-requests: a Generate beyond this many in flight is
+    # refused RESOURCE_EXHAUSTED before it leases anything (0: no limit).
+    max_pending: int = 0
 
 
 @dataclass
@@ -51,6 +55,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
         self.behaviour = Behaviour()
         self.record = Record()
         self.running = 0
+        self.pending = 0  # Generate calls in flight, leased or not
         self.runner = "paged"
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -116,6 +121,22 @@ class FakeWorker(pb_grpc.WorkerServicer):
         b = self.behaviour
         if b.fail_with is not None and not b.fail_after:
             await context.abort(b.fail_with, b.fail_message)
+        if b.max_pending and self.pending >= b.max_pending:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this worker holds {self.pending} requests (--max-pending-requests "
+                f"{b.max_pending})",
+            )
+        self.pending += 1
+        try:
+            async with aclosing(self._generate(request, context)) as stream:
+                async for msg in stream:
+                    yield msg
+        finally:
+            self.pending -= 1
+
+    async def _generate(self, request, context):
+        b = self.behaviour
         prompt = list(request.prompt_token_ids.ids)
         lease = await self._acquire(request, prompt)
         stub = kv_grpc.KVCacheServiceStub(self._channel)
@@ -177,5 +198,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
             num_blocks=self.num_blocks,
             free_blocks=self.num_blocks,
             running=self.running,
+            waiting=self.pending - self.running,
             runner=self.runner,
+            max_pending_requests=self.behaviour.max_pending,
         )

@@ -10,8 +10,15 @@ from gateway.router import Candidate, RouteReason, RoutingPolicy, choose_worker
 POLICY = RoutingPolicy(min_match_tokens=32, min_match_ratio=0.2, overload_slack=4)
 
 
-def cand(name: str, cached: int = 0, load: int = 0, free: int = 100, healthy: bool = True):
-    return Candidate(name, f"{name}:1", cached, load, free, healthy)
+def cand(
+    name: str,
+    cached: int = 0,
+    load: int = 0,
+    free: int = 100,
+    healthy: bool = True,
+    capacity: int = 0,
+):
+    return Candidate(name, f"{name}:1", cached, load, free, healthy, capacity)
 
 
 def test_no_candidates_means_no_decision():
@@ -87,6 +94,30 @@ def test_all_unhealthy_still_tries_them():
     assert d.chosen.pool_id == "a"  # the prefix still ranks first among the unhealthy
 
 
+def test_full_workers_are_tried_after_every_other():
+    """A worker at its request limit (--max-pending-requests) would refuse: the prefix holder
+    is passed over for it, even for an overloaded worker, and tried after."""
+    a, b = cand("a", 256, load=4, capacity=4), cand("b", 0, load=20)
+    c = cand("c", 0, load=0, healthy=False)
+    d = choose_worker([a, b, c], 300, POLICY)
+    assert d is not None
+    assert [x.pool_id for x in d.order] == ["b", "a", "c"]
+    assert d.reason is RouteReason.OVERLOADED
+    # Below its limit it competes as before; 0 is no limit.
+    d = choose_worker([cand("a", 256, load=3, capacity=4), b], 300, POLICY)
+    assert d is not None and d.chosen.pool_id == "a"
+    d = choose_worker([cand("a", 256, load=3, capacity=0), b], 300, POLICY)
+    assert d is not None and d.chosen.pool_id == "a"
+
+
+def test_all_full_still_tries_them_least_loaded_first():
+    full = [cand("a", 256, load=9, capacity=8), cand("b", load=4, capacity=4)]
+    d = choose_worker([*full, cand("c", healthy=False)], 300, POLICY)
+    assert d is not None
+    assert d.reason is RouteReason.FULL
+    assert [x.pool_id for x in d.order] == ["b", "a", "c"]
+
+
 candidates = st.lists(
     st.builds(
         Candidate,
@@ -96,6 +127,7 @@ candidates = st.lists(
         load=st.integers(0, 64),
         free_blocks=st.integers(0, 64),
         healthy=st.booleans(),
+        capacity=st.sampled_from([0, 1, 8, 64]),
     ),
     min_size=1,
     max_size=8,
@@ -110,15 +142,18 @@ def test_decision_properties(cs: list[Candidate], prompt_tokens: int):
     # Every candidate appears exactly once: all are fail-over targets.
     assert sorted(c.pool_id for c in d.order) == sorted(c.pool_id for c in cs)
     healthy = [c for c in cs if c.healthy]
-    if healthy:
-        assert d.chosen.healthy
-        min_load = min(c.load for c in healthy)
+    room = [c for c in healthy if not c.full]
+    if healthy and not room:
+        assert d.reason is RouteReason.FULL
+    if room:
+        assert d.chosen.healthy and not d.chosen.full
+        min_load = min(c.load for c in room)
         assert not POLICY.overloaded(d.chosen.load, min_load)
         # Nothing healthy, not overloaded, and with a longer counting match was passed over.
-        for c in healthy:
+        for c in room:
             if not POLICY.overloaded(c.load, min_load) and POLICY.counts(
                 c.cached_tokens, prompt_tokens
             ):
                 assert c.cached_tokens <= max(d.chosen.cached_tokens, 0)
-    else:
+    if not healthy:
         assert d.reason is RouteReason.UNHEALTHY

@@ -52,6 +52,18 @@ def test_explicit_settings_win_over_the_device(device) -> None:
     assert limits.pool_source == "0.25 of 100.0 GiB free"
 
 
+def test_the_request_limit_scales_with_the_batch_unless_set() -> None:
+    """--max-pending-requests: unset, 8 requests per batch slot (running + waiting); a value
+    wins, 0 included (no limit)."""
+    assert choose_limits("cpu", None, PER_BLOCK, WorkerConfig()).max_pending_requests == 128
+    assert choose_limits("gpu", None, PER_BLOCK, WorkerConfig()).max_pending_requests == 256
+    cfg = WorkerConfig(max_batch_size=3)
+    assert choose_limits("cpu", None, PER_BLOCK, cfg).max_pending_requests == 24
+    for value in (0, 5):
+        cfg = WorkerConfig(max_batch_size=3, max_pending_requests=value)
+        assert choose_limits("gpu", None, PER_BLOCK, cfg).max_pending_requests == value
+
+
 def test_a_pool_has_at_least_one_block() -> None:
     assert choose_limits("gpu", 1000, PER_BLOCK, WorkerConfig()).num_blocks == 1
     assert choose_limits("cpu", None, 10 * GIB, WorkerConfig()).num_blocks == 1
@@ -62,7 +74,7 @@ def test_the_log_line_names_device_pool_and_limits() -> None:
     line = limits.describe(16, MIB)
     assert "device gpu" in line
     assert "2048 blocks x 16 = 32768 tokens (2048 MiB, 0.5 of 4.0 GiB free)" in line
-    assert "batch 32 sequences, step 2048 tokens" in line
+    assert "batch 32 sequences, step 2048 tokens, up to 256 requests" in line
 
 
 # -- the memory probe -------------------------------------------------------------------------
@@ -148,6 +160,7 @@ def test_unset_flags_mean_the_device_default(clean_env) -> None:
     assert (cfg.num_blocks, cfg.kv_memory_mb, cfg.kv_memory_fraction) == (0, 0, 0.0)
     assert (cfg.max_batch_size, cfg.max_step_tokens) == (0, 0)
     assert cfg.warmup is True
+    assert cfg.max_pending_requests is None
 
 
 def test_flags_and_variables_parse(clean_env) -> None:
@@ -162,6 +175,9 @@ def test_flags_and_variables_parse(clean_env) -> None:
     cfg = WorkerConfig.from_args([])
     assert (cfg.warmup, cfg.kv_memory_fraction, cfg.kv_memory_mb) == (False, 0.7, 1024)
     assert WorkerConfig.from_args(["--warmup"]).warmup is True  # the flag wins
+    assert WorkerConfig.from_args(["--max-pending-requests", "0"]).max_pending_requests == 0
+    clean_env.setenv("KVWORKER_MAX_PENDING_REQUESTS", "12")
+    assert WorkerConfig.from_args([]).max_pending_requests == 12
 
 
 @pytest.mark.parametrize(
@@ -170,6 +186,7 @@ def test_flags_and_variables_parse(clean_env) -> None:
         ["--kv-memory-fraction", "1.5"],
         ["--kv-memory-fraction", "-0.1"],
         ["--max-batch-size", "-1"],
+        ["--max-pending-requests", "-1"],
         ["--kv-memory-mb", "-5"],
         ["--block-size", "0"],
     ],

@@ -17,7 +17,7 @@ from mlx_lm.generate import generate_step
 from kvcache_service.authority import CacheAuthority
 from kvcache_service.config import ServiceConfig
 from kvcache_service.server import running as cache_running
-from kvserve_launch.tls import channel as tls_channel
+from kvserve_launch.tls import Dialer
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kpb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as kpb_grpc
 from kvserve_proto.worker.v1 import worker_pb2 as pb
@@ -66,6 +66,8 @@ class System:
     stack: contextlib.AsyncExitStack
     model: LoadedModel
     authority: CacheAuthority  # the in-process cache service's state, for tests that watch it
+    # Builds the test's own channels to the cache service and to workers serving TLS.
+    dialer: Dialer = dataclasses.field(default_factory=Dialer)
 
     async def add_worker(self, **overrides) -> pb_grpc.WorkerStub:
         config = dataclasses.replace(
@@ -80,7 +82,10 @@ class System:
             **overrides,
         )
         w = await self.stack.enter_async_context(worker_running(config, self.model))
-        channel = await self.stack.enter_async_context(grpc.aio.insecure_channel(w.address))
+        plaintext = not config.tls_cert
+        channel = await self.stack.enter_async_context(
+            grpc.aio.insecure_channel(w.address) if plaintext else self.dialer.aio(w.address)
+        )
         self.workers.append(w)
         self.stubs.append(pb_grpc.WorkerStub(channel))
         return self.stubs[-1]
@@ -108,18 +113,20 @@ class System:
 
 @contextlib.asynccontextmanager
 async def started_system(
-    model: LoadedModel, tls_ca: str = "", **service: Any
+    model: LoadedModel, tls_ca: str = "", dialer: Dialer | None = None, **service: Any
 ) -> AsyncIterator[System]:
     """A cache service (`service`: ServiceConfig overrides) and no worker yet. ``tls_ca``: the
-    test's own channel to a TLS service verifies it with this CA bundle."""
+    test's own channel to a TLS service verifies it with this CA bundle; ``dialer``: the test's
+    channels are built by it instead (a client certificate for mutual TLS)."""
     config = dataclasses.replace(
         ServiceConfig(port=0, admin_token=TOKEN, lease_ttl_s=30), **service
     )
+    dialer = dialer or Dialer.from_files(tls_ca)
     async with contextlib.AsyncExitStack() as stack:
         svc = await stack.enter_async_context(cache_running(config))
-        channel = await stack.enter_async_context(tls_channel(svc.address, tls_ca))
+        channel = await stack.enter_async_context(dialer.aio(svc.address))
         admin = kpb_grpc.KVCacheAdminStub(channel)
-        s = System(svc.address, channel, admin, [], [], stack, model, svc.authority)
+        s = System(svc.address, channel, admin, [], [], stack, model, svc.authority, dialer)
         yield s
         await s.check()  # every test ends with the block accounting intact
 

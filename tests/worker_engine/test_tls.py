@@ -3,10 +3,7 @@ a CA and certificates this test makes with the openssl CLI."""
 
 from __future__ import annotations
 
-import dataclasses
-import shutil
 import ssl
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -21,58 +18,16 @@ from kvcache_service.config import ServiceConfig
 from kvcache_service.server import running as cache_running
 from kvserve_launch.startup import StartupError
 from kvserve_launch.tls import channel
+from tests.tls_certs import Certs, make_certs, needs_openssl
 from tests.worker_engine.conftest import generate, request, started_system
 from worker.model_loader import LoadedModel
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
-
-
-@dataclasses.dataclass(frozen=True)
-class Certs:
-    ca: str  # the CA that signed cert
-    cert: str  # for localhost and 127.0.0.1
-    key: str
-    other_ca: str  # a CA that signed nothing here
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _make_ca(d: Path, name: str) -> None:
-    _openssl(
-        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "1", "-subj", f"/CN={name}",
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-        cwd=d,
-    )  # fmt: skip
+pytestmark = needs_openssl
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
-    d = tmp_path_factory.mktemp("tls")
-    _make_ca(d, "ca")
-    _make_ca(d, "other-ca")
-    (d / "ext.cnf").write_text(
-        "basicConstraints=CA:FALSE\n"
-        "keyUsage=digitalSignature,keyEncipherment\n"
-        "extendedKeyUsage=serverAuth\n"
-        "subjectAltName=DNS:localhost,IP:127.0.0.1\n"
-    )
-    _openssl(
-        "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost",
-        cwd=d,
-    )  # fmt: skip
-    _openssl(
-        "x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-        "-CAcreateserial", "-out", "server.pem", "-days", "1", "-extfile", "ext.cnf",
-        cwd=d,
-    )  # fmt: skip
-    return Certs(
-        str(d / "ca.pem"), str(d / "server.pem"), str(d / "server.key"), str(d / "other-ca.pem")
-    )
+    return make_certs(tmp_path_factory.mktemp("tls"))
 
 
 async def _check_health(ch: grpc.aio.Channel) -> None:
