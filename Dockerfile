@@ -14,9 +14,9 @@ WORKDIR /app
 # `pip install .` resolve the dependencies from pyproject.toml alone (they include the BLAS
 # libraries the worker probes and preloads: docs/blas.md).
 COPY pyproject.toml ./
-RUN mkdir -p kvcache_service worker gateway kvserve_proto kvserve_launch \
+RUN mkdir -p kvcache_service worker gateway kvserve_proto kvserve_launch kvserve_model \
     && touch README.md kvcache_service/__init__.py worker/__init__.py gateway/__init__.py \
-             kvserve_proto/__init__.py kvserve_launch/__init__.py \
+             kvserve_proto/__init__.py kvserve_launch/__init__.py kvserve_model/__init__.py \
     && pip install . \
     && pip uninstall -y kvserve \
     && rm -rf /app/*
@@ -26,7 +26,7 @@ RUN mkdir -p kvcache_service worker gateway kvserve_proto kvserve_launch \
 COPY . .
 RUN touch README.md \
     && pip install --no-deps . \
-    && python -c "from worker.default_model import ensure_default_model as e; e()"
+    && python -c "from kvserve_model.default_model import ensure_default_model as e; e()"
 
 # Cache service (gRPC), worker (gRPC), gateway (HTTP and gRPC).
 EXPOSE 50051 50061 8000 50050

@@ -16,16 +16,16 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) -m kvserve_launch
 
-# Lint, type-check, then every test (under the fast BLAS the worker uses: worker/blas.py).
+# Lint, type-check, then every test (under the fast BLAS the worker uses: kvserve_model/blas.py).
 test: $(STAMP) lint typecheck
-	$(PY) -m worker.blas run -- $(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m kvserve_model.blas run -- $(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy kvcache_service gateway kvserve_launch worker
+	$(VENV)/bin/mypy kvcache_service gateway kvserve_launch kvserve_model worker
 
 # Regenerate kvserve_proto/ from proto/ (tests fail when they disagree).
 proto: $(STAMP)

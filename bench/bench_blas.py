@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from worker.blas import (  # noqa: E402
+from kvserve_model.blas import (  # noqa: E402
     PROBE_PREFIX_ENV,
     REEXEC_MARKER,
     candidates,

@@ -29,12 +29,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench_models import save_model  # noqa: E402
 
+from kvserve_model.blas import fast_blas_env  # noqa: E402
+from kvserve_model.default_model import ensure_default_model  # noqa: E402
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kpb  # noqa: E402
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as kpb_grpc  # noqa: E402
 from kvserve_proto.worker.v1 import worker_pb2 as pb  # noqa: E402
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc  # noqa: E402
-from worker.blas import fast_blas_env  # noqa: E402
-from worker.default_model import ensure_default_model  # noqa: E402
 
 TOKEN = "bench"
 

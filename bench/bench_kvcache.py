@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvcache_service.authority import AuthorityConfig, CacheAuthority  # noqa: E402
-from kvcache_service.leases import Grant  # noqa: E402
+from kvcache_service.ids import Namespace, PoolId  # noqa: E402
+from kvcache_service.leases import AcquireRequest, Grant  # noqa: E402
 from kvcache_service.pool import PoolSpec  # noqa: E402
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb  # noqa: E402
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc  # noqa: E402
@@ -90,7 +91,8 @@ def bench_in_process(num_blocks: int, fill: int, n: int) -> dict[str, float]:
     def one() -> tuple[float, float, int]:
         _, prompt = work.next_prompt()
         t0 = time.perf_counter()
-        grant, _ = auth.acquire("w", inc, "", prompt, RESERVE)  # type: ignore[arg-type]
+        req = AcquireRequest(PoolId("w"), inc, Namespace(""), tuple(prompt), RESERVE)
+        grant, _ = auth.acquire(req)
         t1 = time.perf_counter()
         assert isinstance(grant, Grant)
         final = prompt + work.fresh(GENERATED)

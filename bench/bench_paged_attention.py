@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from worker.blas import describe, ensure_fast_blas, measure_gflops
+from kvserve_model.blas import describe, ensure_fast_blas, measure_gflops
 
 # Before mlx is imported, so the restarted process maps OpenBLAS first.
 BLAS = ensure_fast_blas()

@@ -34,9 +34,9 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kvserve_model.blas import fast_blas_env  # noqa: E402
 from kvserve_proto.worker.v1 import worker_pb2 as pb  # noqa: E402
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc  # noqa: E402
-from worker.blas import fast_blas_env  # noqa: E402
 
 WORDS = ("the", "a", "system", "prompt", "cache", "block", "token", "model", "request", "answer")
 

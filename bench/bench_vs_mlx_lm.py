@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench_models import save_model  # noqa: E402
 
-from worker.blas import fast_blas_env  # noqa: E402
-from worker.default_model import SPECIAL_TOKENS, ensure_default_model  # noqa: E402
+from kvserve_model.blas import fast_blas_env  # noqa: E402
+from kvserve_model.default_model import SPECIAL_TOKENS, ensure_default_model  # noqa: E402
 
 MODEL_NAME = "bench-llama"
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 from gateway.router import RoutingPolicy
 from kvserve_launch.tls import check_server
+from kvserve_model.default_model import DEFAULT_MODEL_NAME
 
 ENV_PREFIX = "KVGATEWAY_"
-DEFAULT_MODEL = "kvserve-tiny-llama"
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +22,7 @@ class GatewayConfig:
     http_port: int = 8000
     grpc_port: int = 50050
     # What the workers serve; the tokenizer and chat template come from it.
-    model: str = DEFAULT_MODEL
+    model: str = DEFAULT_MODEL_NAME
     # The name clients put in "model"; empty: the model name itself.
     served_model_name: str = ""
     # Optional: lets the gateway read the cache service's per-pool stats for /metrics.
@@ -34,7 +34,7 @@ class GatewayConfig:
     api_key: str = ""
     # Worker addresses to use besides those registered with the cache service.
     workers: tuple[str, ...] = ()
-    # 0: the model config's max_position_embeddings.
+    # 0: the model's context length (kvserve_model.context, the workers' rule).
     max_model_len: int = 0
     max_body_bytes: int = 4 * 1024 * 1024
     # Checked before tokenizing; 0: 32 characters per token of context (limits.py).

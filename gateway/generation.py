@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from gateway.errors import InvalidRequest
-from worker import sampling_limits
+from kvserve_model import sampling_limits
 
 
 class FinishReason(StrEnum):
@@ -38,7 +38,7 @@ class SamplingParams:
 
 
 def check_sampling(s: SamplingParams, vocab_size: int) -> None:
-    """The worker's own limits (``worker.sampling_limits``, one definition for both), checked
+    """The workers' own limits (``kvserve_model.sampling_limits``, one definition for both), checked
     here so that a value no worker takes is a 400 / INVALID_ARGUMENT naming it, not a failed
     batch on a worker or a proto conversion error (a 500) before dispatch."""
     try:

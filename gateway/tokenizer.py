@@ -2,24 +2,23 @@
 
 The gateway tokenizes (rather than sending text to a worker) because the cache service's
 index is keyed by token ids: routing to the worker with the longest cached prefix needs the
-tokens before the worker is chosen. It loads the very tokenizer the workers load
-(``mlx_lm``'s loader over the same model directory), so both sides agree on every id.
+tokens before the worker is chosen. It loads the tokenizer files the workers load, the way
+mlx-lm loads them (``kvserve_model.tokenizer``, with no MLX), so both sides agree on every id;
+the context length is ``kvserve_model.context``'s, the workers' own rule.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import ContextLengthExceeded, InvalidRequest
+from kvserve_model.context import context_length, load_config
+from kvserve_model.resolve import resolve_model
+from kvserve_model.tokenizer import ModelTokenizer, load_tokenizer
 
-log = logging.getLogger(__name__)
-
-FALLBACK_CONTEXT = 2048
 # Inputs at least this long are tokenized (or templated) on a worker thread, never on the
 # event loop: a 4 MB prompt takes seconds to encode, and /health and every other client would
 # wait as long. The tokenizer's Rust encode releases the GIL, so the loop keeps running.
@@ -29,32 +28,24 @@ OFF_LOOP_CHARS = 4096
 
 @dataclass(frozen=True, slots=True)
 class Tokenizer:
-    """Wraps a Hugging Face tokenizer (``mlx_lm``'s ``TokenizerWrapper`` or the plain one)."""
+    """The model's tokenizer (``kvserve_model.tokenizer.ModelTokenizer``) with the gateway's
+    context budget."""
 
-    hf: Any
+    hf: ModelTokenizer
     max_context: int
     vocab_size: int
 
     @classmethod
     def load(cls, model: str, max_model_len: int = 0) -> Tokenizer:
-        """Tokenizer of ``model`` (a name ``worker.model_loader.resolve_model`` accepts)."""
-        from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-        from worker.model_loader import resolve_model
-
+        """Tokenizer of ``model`` (a name ``kvserve_model.resolve.resolve_model`` accepts);
+        ``max_model_len`` (when set) replaces the model's context length. Raises
+        ModelLoadError."""
         path = resolve_model(model)
-        config: dict[str, Any] = {}
-        try:
-            config = json.loads((path / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            log.warning("cannot read %s/config.json (%s); context defaults apply", path, e)
-        text_config = config.get("text_config", config)
-        context = max_model_len or int(
-            text_config.get("max_position_embeddings") or FALLBACK_CONTEXT
-        )
+        config = load_config(path)
         hf = load_tokenizer(path)
-        vocab = int(text_config.get("vocab_size") or len(hf._tokenizer))
-        return cls(hf, context, vocab)
+        text_config = config.get("text_config", config)
+        vocab = int(text_config.get("vocab_size") or len(hf))
+        return cls(hf, max_model_len or context_length(config), vocab)
 
     def encode(self, text: str) -> list[int]:
         """Plain text as the workers tokenize a text prompt (the tokenizer's own special
@@ -100,15 +91,14 @@ class Tokenizer:
         writes its own BOS): this is what the model saw in training, and it does not depend
         on the return type ``tokenize=True`` has in a given transformers version.
         """
-        if getattr(self.hf, "chat_template", None) is None:
+        if not self.hf.has_chat_template:
             raise InvalidRequest(
                 "this model has no chat template; use /v1/completions", param="messages"
             )
         try:
-            text = self.hf.apply_chat_template(
+            text = self.hf.render_chat(
                 list(messages),
                 tools=list(tools) if tools else None,
-                tokenize=False,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message,
                 **dict(template_kwargs or {}),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvcache_service.errors import (
     FencedIncarnation,
@@ -15,9 +15,10 @@ from kvcache_service.errors import (
     UnregisteredPool,
 )
 from kvcache_service.ids import BlockId, LeaseId, Namespace, PoolId, Tokens
-from kvcache_service.leases import Deferral, Grant
+from kvcache_service.leases import AcquireRequest, Deferral, Grant
 from kvcache_service.names import MAX_NAME_CHARS, check_name
-from kvcache_service.pool import Lookup, PoolSpec, PoolState
+from kvcache_service.pool import PoolSpec, PoolState
+from kvcache_service.pool_admin import Lookup
 
 MAX_TOKEN_ID = 2**31 - 1
 MAX_BLOCKS = 1 << 24
@@ -27,10 +28,10 @@ MAX_BLOCK_SIZE = 4096
 @dataclass(frozen=True, slots=True)
 class AuthorityConfig:
     lease_ttl_s: float = 30.0
-    # 0: any block size; otherwise every pool must register with this one.
-    block_size: int = 0
-    # Blocks one namespace may hold in a pool (0: no quota).
-    namespace_quota_blocks: int = 0
+    # None: any block size; otherwise every pool must register with this one.
+    block_size: int | None = None
+    # Blocks one namespace may hold in a pool (None: no quota).
+    namespace_quota_blocks: int | None = None
     # Registration bounds: each pool costs ~14 bytes of metadata per block, built while the
     # service is blocked (16M blocks: 229 MB, 1-1.5 s), so neither is left to the caller.
     max_pool_blocks: int = 1 << 22
@@ -97,19 +98,20 @@ class CacheAuthority:
 
     # -- workers ------------------------------------------------------------------------------
 
-    def register_pool(self, spec: PoolSpec, incarnation: int = 0) -> Registration:
+    def register_pool(self, spec: PoolSpec, incarnation: int | None = None) -> Registration:
         """Registers (or re-registers) a pool: a new incarnation with an empty index.
 
         A live pool (heartbeating within its TTL) is only re-registered by a caller that
-        presents its current incarnation (a worker recovering its own pool); anyone else gets
-        PoolInUse until the pool's TTL lapses, so a second registrant cannot wipe its index. A
-        restarted worker that lost its incarnation waits at most one TTL.
+        presents its current `incarnation` (a worker recovering its own pool); anyone else,
+        a caller holding none (None) included, gets PoolInUse until the pool's TTL lapses, so
+        a second registrant cannot wipe its index. A restarted worker that lost its
+        incarnation waits at most one TTL.
         """
         if not spec.pool_id:
             raise InvalidArgument("pool_id is empty")
         if not 1 <= spec.block_size <= MAX_BLOCK_SIZE:
             raise InvalidArgument(f"block_size must be in [1, {MAX_BLOCK_SIZE}]")
-        if self.config.block_size and spec.block_size != self.config.block_size:
+        if self.config.block_size is not None and spec.block_size != self.config.block_size:
             raise InvalidArgument(
                 f"block_size mismatch: pool has {spec.block_size}, "
                 f"this service requires {self.config.block_size}"
@@ -141,31 +143,17 @@ class CacheAuthority:
         pool = self._pool(pool_id, incarnation)
         return self._take_expired(pool_id), len(pool.leases)
 
-    def acquire(
-        self,
-        pool_id: PoolId,
-        incarnation: int,
-        ns: Namespace,
-        prompt: Sequence[int],
-        reserve_tokens: int = 0,
-        allow_defer: bool = False,
-        skip_cache: bool = False,
-    ) -> tuple[Grant | Deferral, list[LeaseId]]:
-        ns = self.namespace(ns)
-        tokens = as_tokens(prompt, "prompt")
-        pool = self._pool(pool_id, incarnation)
-        expired = self._take_expired(pool_id)
-        lease_id = LeaseId(self._next_lease)
-        result = pool.acquire(
-            lease_id,
-            ns,
-            tokens,
-            reserve_tokens,
-            self._live[pool_id].deadline,
-            self.clock(),
-            allow_defer=allow_defer,
-            skip_cache=skip_cache,
+    def acquire(self, req: AcquireRequest) -> tuple[Grant | Deferral, list[LeaseId]]:
+        """A lease (or a Deferral), and the caller's leases that expired since it last heard."""
+        # Checked before the pool is looked up (which renews it): a malformed call changes nothing.
+        req = replace(
+            req, namespace=self.namespace(req.namespace), prompt=as_tokens(req.prompt, "prompt")
         )
+        pool = self._pool(req.pool_id, req.incarnation)
+        expired = self._take_expired(req.pool_id)
+        lease_id = LeaseId(self._next_lease)
+        deadline = self._live[req.pool_id].deadline
+        result = pool.leases.acquire(lease_id, req, self.clock(), deadline)
         if isinstance(result, Grant):
             self._next_lease += 1
         return result, expired
@@ -174,7 +162,7 @@ class CacheAuthority:
         self, pool_id: PoolId, incarnation: int, items: Sequence[tuple[int, int]]
     ) -> list[tuple[LeaseId, list[BlockId]]]:
         pool = self._pool(pool_id, incarnation)
-        return pool.extend([(LeaseId(lease), n) for lease, n in items])
+        return pool.leases.extend([(LeaseId(lease), n) for lease, n in items])
 
     def commit(
         self, pool_id: PoolId, incarnation: int, items: Sequence[tuple[int, Sequence[int]]]
@@ -182,23 +170,28 @@ class CacheAuthority:
         pool = self._pool(pool_id, incarnation)
         checked = [(LeaseId(lease), as_tokens(t, "token_ids", True)) for lease, t in items]
         for lease, _ in checked:
-            pool.lease(lease)  # all known before any commits
+            pool.leases.get(lease)  # all known before any commits
         now = self.clock()
-        return [pool.commit(lease, tokens, now) for lease, tokens in checked]
+        return [pool.leases.commit(lease, tokens, now) for lease, tokens in checked]
 
     def release(
         self, pool_id: PoolId, incarnation: int, lease_id: int, tokens: Sequence[int] = ()
     ) -> int:
         pool = self._pool(pool_id, incarnation)
-        return pool.release(LeaseId(lease_id), as_tokens(tokens, "token_ids", True), self.clock())
+        tokens = as_tokens(tokens, "token_ids", True)
+        return pool.leases.release(LeaseId(lease_id), tokens, self.clock())
 
-    def route(self, ns: Namespace, prompt: Sequence[int], model: str = "") -> list[PoolRoute]:
+    def route(
+        self, ns: Namespace, prompt: Sequence[int], model: str | None = None
+    ) -> list[PoolRoute]:
+        """Every pool's cached prefix of `prompt`; only pools serving `model`, when given (a
+        pool that registered no model name serves any)."""
         ns = self.namespace(ns)
         tokens = as_tokens(prompt, "prompt")
         self.expire_due()
         out = []
         for pool_id, pool in self.pools.items():
-            if model and pool.spec.model and pool.spec.model != model:
+            if model is not None and pool.spec.model and pool.spec.model != model:
                 continue
             out.append(
                 PoolRoute(
@@ -230,7 +223,7 @@ class CacheAuthority:
                 continue
             if live.alive and live.deadline < now:
                 live.alive = False
-                expired = pool.expire_all()
+                expired = pool.leases.expire_all()
                 live.unreported.extend(expired)
                 n += len(expired)
             if not live.alive and not pool.leases and now - live.deadline > forget_at:
@@ -274,17 +267,17 @@ class CacheAuthority:
             raise UnknownPool(f"unknown pool {pool_id!r}")
         return pool
 
-    def select(self, pool_id: str) -> list[PoolState]:
-        """One pool by id, or every pool for an empty id."""
+    def select(self, pool_id: str | None) -> list[PoolState]:
+        """One pool by id, or every pool for None."""
         self.expire_due()
-        return [self.get_pool(pool_id)] if pool_id else list(self.pools.values())
+        return [self.get_pool(pool_id)] if pool_id is not None else list(self.pools.values())
 
     def lookup(
-        self, pool_id: str, ns: Namespace, prompt: Sequence[int]
+        self, pool_id: str | None, ns: Namespace, prompt: Sequence[int]
     ) -> list[tuple[str, Lookup]]:
         ns = self.namespace(ns)
         tokens = as_tokens(prompt, "prompt")
-        return [(p.spec.pool_id, p.lookup(ns, tokens)) for p in self.select(pool_id)]
+        return [(p.spec.pool_id, p.admin.lookup(ns, tokens)) for p in self.select(pool_id)]
 
     def check_integrity(self) -> list[str]:
         problems = []

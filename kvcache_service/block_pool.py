@@ -7,12 +7,17 @@ from kvcache_service.ids import BlockId
 from kvcache_service.integrity import BlockSnapshot
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """How many blocks hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
+
+
 class BlockPool:
     """Which blocks are free, and how many live leases reference each one.
 
     The pool knows nothing about the index: a block that is neither free nor referenced is
-    cached (indexed, evictable). Only PoolState calls these methods; it keeps refcounts equal
-    to the number of live leases listing a block, which check_integrity verifies.
+    cached (indexed, evictable). Only the Budget calls these methods; it keeps refcounts equal
+    to the number of live leases listing a block, which the pool's check_integrity verifies.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -27,9 +32,6 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         return len(self._free)
-
-    def is_free(self, block: BlockId) -> bool:
-        return bool(self._is_free[block])
 
     def allocate(self, n: int) -> list[BlockId]:
         """Takes n free blocks, all or nothing."""
@@ -56,6 +58,3 @@ class BlockPool:
         return BlockSnapshot(
             list(self._free), bytes(self._is_free), list(self.refcount), list(self.pins)
         )
-
-    def check_integrity(self) -> list[str]:
-        return self.snapshot().problems()

@@ -27,9 +27,10 @@ class ServiceConfig:
     max_pools: int = 64
     # Namespaces (cache salts) longer than this, or unprintable: INVALID_ARGUMENT.
     max_namespace_chars: int = 256
-    # 0: pools choose their block size; otherwise registration must match it.
-    block_size: int = 0
-    namespace_quota_blocks: int = 0
+    # None (flag: 0): pools choose their block size; otherwise registration must match it.
+    block_size: int | None = None
+    # Blocks one namespace may hold in a pool; None (flag: 0): no quota.
+    namespace_quota_blocks: int | None = None
     # How often leases of silent pools are expired when no call comes in.
     sweep_interval_s: float = 1.0
     # PEM paths: both set, the port serves TLS (kvserve_launch.tls); neither, plaintext.
@@ -66,11 +67,9 @@ class ServiceConfig:
             type=int,
             default=int(env("MAX_NAMESPACE_CHARS", d.max_namespace_chars)),
         )
-        p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", d.block_size)))
+        p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", 0)))
         p.add_argument(
-            "--namespace-quota-blocks",
-            type=int,
-            default=int(env("NAMESPACE_QUOTA_BLOCKS", d.namespace_quota_blocks)),
+            "--namespace-quota-blocks", type=int, default=int(env("NAMESPACE_QUOTA_BLOCKS", 0))
         )
         p.add_argument(
             "--sweep-interval-s",
@@ -97,8 +96,8 @@ class ServiceConfig:
             max_pool_blocks=a.max_pool_blocks,
             max_pools=a.max_pools,
             max_namespace_chars=a.max_namespace_chars,
-            block_size=a.block_size,
-            namespace_quota_blocks=a.namespace_quota_blocks,
+            block_size=a.block_size or None,
+            namespace_quota_blocks=a.namespace_quota_blocks or None,
             sweep_interval_s=a.sweep_interval_s,
             tls_cert=a.tls_cert,
             tls_key=a.tls_key,

@@ -4,10 +4,11 @@ clients import the generated code."""
 from __future__ import annotations
 
 from kvcache_service.authority import PoolRoute, Registration
-from kvcache_service.ids import PoolId
-from kvcache_service.leases import Deferral, Grant
+from kvcache_service.ids import Namespace, PoolId
+from kvcache_service.leases import AcquireRequest, Deferral, Grant, Reuse
 from kvcache_service.names import MAX_NAME_CHARS, check_id, check_name
-from kvcache_service.pool import Lookup, PoolSpec, PoolState
+from kvcache_service.pool import PoolSpec, PoolState
+from kvcache_service.pool_admin import Lookup
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 
 
@@ -27,12 +28,32 @@ def pool_spec(req: pb.RegisterPoolRequest) -> PoolSpec:
     )
 
 
+def incarnation(req: pb.RegisterPoolRequest) -> int | None:
+    """The incarnation a registrant holds; proto3's 0 (unset) is none."""
+    return req.incarnation or None
+
+
 def registration(reg: Registration) -> pb.RegisterPoolResponse:
     return pb.RegisterPoolResponse(
         incarnation=reg.incarnation,
         lease_ttl_s=reg.lease_ttl_s,
         heartbeat_interval_s=reg.heartbeat_interval_s,
         max_namespace_chars=reg.max_namespace_chars,
+    )
+
+
+def acquire_request(req: pb.AcquireLeaseRequest) -> AcquireRequest:
+    if req.skip_cache:
+        reuse = Reuse.NONE
+    else:
+        reuse = Reuse.SHARE_OR_DEFER if req.allow_defer else Reuse.SHARE
+    return AcquireRequest(
+        pool_id=PoolId(req.pool.pool_id),
+        incarnation=req.pool.incarnation,
+        namespace=Namespace(req.namespace),
+        prompt=tuple(req.prompt_token_ids),
+        reserve_tokens=req.reserve_tokens,
+        reuse=reuse,
     )
 
 
@@ -109,14 +130,17 @@ MAX_TREE_NODES = 10_000
 
 
 def tree(
-    pool: PoolState, namespace: str, max_depth: int, limit: int = MAX_TREE_NODES
+    pool: PoolState,
+    namespace: Namespace | None,
+    max_depth: int | None,
+    limit: int = MAX_TREE_NODES,
 ) -> pb.InspectTreeResponse:
-    """The index of ``pool`` as nodes, parents first, at most ``limit`` of them
-    (``truncated`` says the cap cut it short)."""
+    """The index of ``pool`` (one namespace, or all for None) as nodes, parents first, at most
+    ``limit`` of them (``truncated`` says the cap cut it short), to ``max_depth`` if given."""
     rc, pins = pool.blocks.refcount, pool.blocks.pins
     out: list[pb.TreeNode] = []
-    for ns, node, depth in pool.index.nodes(namespace or None):  # type: ignore[arg-type]
-        if max_depth and depth > max_depth:
+    for ns, node, depth in pool.index.nodes(namespace):
+        if max_depth is not None and depth > max_depth:
             continue
         if len(out) >= limit:
             return pb.InspectTreeResponse(nodes=out, truncated=True)

@@ -1,15 +1,39 @@
-"""Leases: one request's grant on one pool, and the values handed back to callers."""
+"""Leases: one request's grant on one pool, the request for one, and the values handed back."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-from kvcache_service.ids import BlockId, LeaseId, Namespace, Tokens
+from kvcache_service.ids import BlockId, LeaseId, Namespace, PoolId, Tokens
+
+
+class Reuse(enum.Enum):
+    """What an acquire may do with blocks the pool already holds for the prompt."""
+
+    NONE = "none"  # match nothing, compute the whole prompt; it still commits (benchmarks)
+    SHARE = "share"  # share the longest indexed prefix
+    # Share it, or answer Deferral while another live lease is still filling more of it, so
+    # that a burst with one prefix computes it once.
+    SHARE_OR_DEFER = "share_or_defer"
+
+
+@dataclass(frozen=True, slots=True)
+class AcquireRequest:
+    """One AcquireLease call, built once at the edge (convert.py). The authority checks the
+    namespace and the token ids before anything uses them."""
+
+    pool_id: PoolId
+    incarnation: int
+    namespace: Namespace
+    prompt: Tokens
+    reserve_tokens: int = 0  # token slots beyond the prompt (the first decode steps)
+    reuse: Reuse = Reuse.SHARE
 
 
 @dataclass(slots=True, eq=False)
 class Lease:
-    """A live grant. Owned by its PoolState; callers only see Grant values.
+    """A live grant. Owned by its pool's LeaseBook; callers only see Grant values.
 
     A sequence's token regions, by block position in `table`:
 

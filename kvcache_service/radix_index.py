@@ -1,4 +1,10 @@
-"""The radix index: token prefixes (per namespace) to the ids of blocks holding their KV."""
+"""The radix index: token prefixes (per namespace) to the ids of blocks holding their KV.
+
+Over 300 lines on purpose: one data structure whose invariants (the tree stays compressed,
+sibling keys are distinct first chunks, the block-to-node map agrees with the tree) every
+mutation maintains and ``check_integrity`` checks. Split across files, the code that must
+keep an invariant would sit away from the code that checks it.
+"""
 
 from __future__ import annotations
 
@@ -62,8 +68,9 @@ def common_prefix_len(a: Tokens, b: Tokens) -> int:
 class RadixIndex:
     """A compressed radix tree per namespace over block-sized token chunks.
 
-    It stores block ids, never KV, and only committed full blocks. Only PoolState mutates it;
-    it does not know about refcounts, so callers decide what may be removed.
+    It stores block ids, never KV, and only committed full blocks. Only the lease book (insert
+    on commit) and the budget (remove on eviction) mutate it; it does not know about
+    refcounts, so callers decide what may be removed.
     """
 
     def __init__(self, block_size: int) -> None:

@@ -102,7 +102,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     @service_only
     async def RegisterPool(self, request, context):
-        reg = self.auth.register_pool(convert.pool_spec(request), request.incarnation)
+        reg = self.auth.register_pool(convert.pool_spec(request), convert.incarnation(request))
         log.info(
             "registered pool %r: %d blocks of %d tokens, incarnation %d",
             request.pool_id,
@@ -119,15 +119,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     @service_only
     async def AcquireLease(self, request, context):
-        result, expired = self.auth.acquire(
-            PoolId(request.pool.pool_id),
-            request.pool.incarnation,
-            Namespace(request.namespace),
-            request.prompt_token_ids,
-            reserve_tokens=request.reserve_tokens,
-            allow_defer=request.allow_defer,
-            skip_cache=request.skip_cache,
-        )
+        result, expired = self.auth.acquire(convert.acquire_request(request))
         return convert.acquire_response(result, expired)
 
     @service_only
@@ -162,8 +154,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     @service_only
     async def Route(self, request, context):
+        # proto3 has no absent string: an empty model asks for the pools of every model.
         routes = self.auth.route(
-            Namespace(request.namespace), request.prompt_token_ids, request.model
+            Namespace(request.namespace), request.prompt_token_ids, request.model or None
         )
         return pb.RouteResponse(pools=[convert.pool_route(r) for r in routes])
 
@@ -182,6 +175,9 @@ def admin_only(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
 
 
 class AdminServicer(pb_grpc.KVCacheAdminServicer):
+    """proto3 has no absent field: where a pool id, a namespace or a depth filters, empty (0)
+    asks for every one, None to the domain."""
+
     def __init__(self, authority: CacheAuthority, token: str) -> None:
         if not token:
             raise ValueError("the admin service needs a token")
@@ -191,7 +187,7 @@ class AdminServicer(pb_grpc.KVCacheAdminServicer):
 
     @admin_only
     async def GetStats(self, request, context):
-        pools = self.auth.select(request.pool_id)
+        pools = self.auth.select(request.pool_id or None)
         return pb.StatsResponse(
             pools=[convert.pool_stats(p, self.auth.is_alive(p.spec.pool_id)) for p in pools]
         )
@@ -199,12 +195,13 @@ class AdminServicer(pb_grpc.KVCacheAdminServicer):
     @admin_only
     async def InspectTree(self, request, context):
         pool = self.auth.get_pool(request.pool_id)
-        return convert.tree(pool, self.auth.namespace(request.namespace), request.max_depth)
+        ns = self.auth.namespace(request.namespace) if request.namespace else None
+        return convert.tree(pool, ns, request.max_depth or None)
 
     @admin_only
     async def Lookup(self, request, context):
         found = self.auth.lookup(
-            request.pool_id, Namespace(request.namespace), request.prompt_token_ids
+            request.pool_id or None, Namespace(request.namespace), request.prompt_token_ids
         )
         return pb.LookupResponse(pools=[convert.pool_lookup(p, lk) for p, lk in found])
 
@@ -213,12 +210,12 @@ class AdminServicer(pb_grpc.KVCacheAdminServicer):
         pool = self.auth.get_pool(request.pool_id)
         target = request.WhichOneof("target")
         if target == "num_blocks":
-            n = pool.evict_lru(request.num_blocks)
+            n = pool.admin.evict_lru(request.num_blocks)
         elif target == "namespace":
-            n = pool.evict_namespace(self.auth.namespace(request.namespace))
+            n = pool.admin.evict_namespace(self.auth.namespace(request.namespace))
         elif target == "prefix":
             tokens = as_tokens(request.prefix.token_ids, "prefix")
-            n = pool.evict_prefix(self.auth.namespace(request.prefix.namespace), tokens)
+            n = pool.admin.evict_prefix(self.auth.namespace(request.prefix.namespace), tokens)
         else:
             raise InvalidArgument("evict needs num_blocks, namespace or prefix")
         log.info("admin evicted %d blocks from pool %r (%s)", n, request.pool_id, target)
@@ -226,7 +223,7 @@ class AdminServicer(pb_grpc.KVCacheAdminServicer):
 
     @admin_only
     async def Flush(self, request, context):
-        n = sum(pool.flush() for pool in self.auth.select(request.pool_id))
+        n = sum(pool.admin.flush() for pool in self.auth.select(request.pool_id or None))
         log.info("admin flushed %d blocks", n)
         return pb.EvictResponse(evicted_blocks=n)
 
@@ -235,7 +232,7 @@ class AdminServicer(pb_grpc.KVCacheAdminServicer):
         pool = self.auth.get_pool(request.pool_id)
         tokens = as_tokens(request.prefix.token_ids, "prefix")
         return pb.PinResponse(
-            blocks=pool.pin(self.auth.namespace(request.prefix.namespace), tokens)
+            blocks=pool.admin.pin(self.auth.namespace(request.prefix.namespace), tokens)
         )
 
     @admin_only
@@ -243,7 +240,7 @@ class AdminServicer(pb_grpc.KVCacheAdminServicer):
         pool = self.auth.get_pool(request.pool_id)
         tokens = as_tokens(request.prefix.token_ids, "prefix")
         return pb.PinResponse(
-            blocks=pool.unpin(self.auth.namespace(request.prefix.namespace), tokens)
+            blocks=pool.admin.unpin(self.auth.namespace(request.prefix.namespace), tokens)
         )
 
     @admin_only

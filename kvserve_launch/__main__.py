@@ -39,7 +39,7 @@ Try:
     -d '{{"model": "{cfg.model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
 
   {curl} {http}/admin/cache/stats -H 'Authorization: Bearer {cfg.admin_token}'
-  python -m kvcache_service.admin --address {s.cache_address} --token {cfg.admin_token}{admin_tls} stats
+  python -m kvcache_service.admin_cli --address {s.cache_address} --token {cfg.admin_token}{admin_tls} stats
 
 Ctrl-C stops everything.
 """

@@ -13,13 +13,15 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from kvserve_model.default_model import DEFAULT_MODEL_NAME
+
 ENV_PREFIX = "KVSERVE_"
 
 
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
     workers: int = 1
-    model: str = "kvserve-tiny-llama"
+    model: str = DEFAULT_MODEL_NAME
     # Where the gateway listens (0.0.0.0 to serve other machines or a container's host).
     host: str = "127.0.0.1"
     # Where the cache service and the workers listen: only the gateway and the admin CLI
@@ -96,9 +98,8 @@ def check_tls(cert: str, key: str, ca: str, server_name: str, client_ca: str) ->
     and dials, so the pair and the CA go together: a pair without the CA would leave the
     children unable to verify each other, a CA without the pair dials ports that serve
     plaintext."""
-    # Imported here: worker.blas (`python -m worker.blas run`, a worker's BLAS re-exec) reaches
-    # this module through diagnosis, and the grpc that kvserve_launch.tls imports would add
-    # 0.1 s to its import.
+    # Imported here: the grpc that kvserve_launch.tls imports would add 0.1 s to every import
+    # of this module (diagnosis and the launcher's tests read it without checking TLS).
     from kvserve_launch.tls import check_server
 
     if problem := check_server(cert, key, client_ca):

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from kvserve_launch.config import ENV_PREFIX, LaunchConfig
 from kvserve_launch.process import Child, Sink, print_sink
 from kvserve_launch.startup import setting
-
-DEFAULT_MODEL = "kvserve-tiny-llama"
+from kvserve_model.blas import fast_blas_env
+from kvserve_model.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
 
 @dataclass
@@ -130,16 +130,12 @@ def worker_env(cfg: LaunchConfig) -> dict[str, str]:
     """The environment workers start in: with the fast BLAS preloaded where one exists (the
     worker would re-execute itself to get it; starting with it saves that restart), and the
     cache service's service token."""
-    from worker.blas import fast_blas_env
-
     return {**fast_blas_env(), "KVWORKER_CACHE_TOKEN": cfg.service_token}
 
 
 def prepare_model(model: str, say: Callable[[str], None]) -> None:
     """Create the embedded default model once, before N workers would race to."""
-    if model == DEFAULT_MODEL:
-        from worker.default_model import ensure_default_model
-
+    if model == DEFAULT_MODEL_NAME:
         ensure_default_model(log=say)
 
 

@@ -16,6 +16,15 @@ from grpc_tools import protoc
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PACKAGE = "kvserve_proto"
+# The top package's __init__.py: what tests/test_import_rules.py asks of every package.
+PACKAGE_DOC = '''"""Generated from proto/ by `make proto` (scripts/protogen.py): the gRPC contracts'
+messages and stubs (kvcache.v1, worker.v1). Do not edit.
+
+May import: protobuf and grpc only. Imported only at the processes' edges (servers,
+servicers, converters, clients), never by domain code nor by kvserve_model
+(docs/architecture.md, "Import rules").
+"""
+'''
 
 
 def proto_files() -> list[Path]:
@@ -41,6 +50,7 @@ def generate(out_dir: Path) -> list[Path]:
     for d in [out_dir / PACKAGE, *(p for p in (out_dir / PACKAGE).rglob("*") if p.is_dir())]:
         if d.name != "__pycache__":
             (d / "__init__.py").touch()
+    (out_dir / PACKAGE / "__init__.py").write_text(PACKAGE_DOC)
     return sorted(p for p in (out_dir / PACKAGE).rglob("*") if p.is_file())
 
 

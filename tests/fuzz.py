@@ -19,14 +19,16 @@ import contextlib
 import threading
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, ServiceDescriptor
 from google.protobuf.message import Message
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from kvserve_proto.worker.v1 import worker_pb2 as worker_pb
 
 T = TypeVar("T")
 F = FieldDescriptor
@@ -91,7 +93,14 @@ def _repeated(field: FieldDescriptor, one: st.SearchStrategy[Any]) -> st.SearchS
     many = st.lists(one, max_size=12)
     if field.type == F.TYPE_MESSAGE:
         return many
-    # Long lists of one value: a size the handler must bound, not a shape it must parse.
+    # Long lists of one value: a size the handler must bound, not a shape it must parse. Strings
+    # in them stay short: 50,000 copies of a 20,000-character string is a 1 GB message, and
+    # the mutations below repeat a message up to 50 times (the test process once asked for
+    # 28 GB and was killed); the handlers' size limits have tests of their own.
+    if field.type == F.TYPE_STRING:
+        one = st.text(_CHARS, max_size=64)
+    elif field.type == F.TYPE_BYTES:
+        one = st.binary(max_size=64)
     return st.one_of(many, st.tuples(one, st.integers(1_000, 50_000)).map(lambda p: [p[0]] * p[1]))
 
 
@@ -254,7 +263,8 @@ def mutated(good: bytes) -> st.SearchStrategy[bytes]:
         st.binary(max_size=512),
         flip(),
         st.integers(0, max(len(good) - 1, 0)).map(lambda n: good[:n]),
-        st.integers(2, 50).map(lambda n: good * n),
+        # Repeated up to 50 times, at most ~8 MB (twice the servers' default message limit).
+        st.integers(2, 50).map(lambda n: good * max(2, min(n, (8 << 20) // max(len(good), 1)))),
         st.sampled_from([b"\xff" * 16, b"\x0a\xff\xff\xff\xff\x0f", b"\x08" + b"\xff" * 10]),
     )
 
@@ -268,3 +278,57 @@ def budget(n: int) -> settings:
         deadline=None,
         suppress_health_check=list(HealthCheck),
     )
+
+
+# -- worker.v1.Worker: the gateway's gRPC edge and the worker's own --------------------------
+
+GENERATE_HINTS: dict[str, st.SearchStrategy] = {
+    "prompt_text": st.sampled_from(["Hello", "Hi there", " ", "\x00"]),
+    "ids": st.integers(0, 255),
+    "max_tokens": st.integers(0, 8),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0, 1),
+    "top_k": st.integers(0, 50),
+    "min_p": st.floats(0, 1),
+    "logprobs": st.integers(0, 5),
+    "repetition_penalty": st.floats(0.5, 2),
+    "namespace": st.sampled_from(["", "a", "tenant-1"]),
+}
+
+
+class WorkerTarget(Protocol):
+    def call(self, name: str, request: Any) -> None:
+        """Calls the RPC ``name``; asserts the status is one the edge may answer."""
+
+    def settle(self) -> None:
+        """Asserts the server is unharmed: it serves a good request, nothing is held."""
+
+
+def fuzz_worker_messages(target: WorkerTarget, n: int) -> None:
+    """``n`` Generate (9 in 10) and GetInfo messages from the descriptors, then settle."""
+    generate = messages(worker_pb.GenerateRequest, GENERATE_HINTS)
+    info = messages(worker_pb.GetInfoRequest)
+
+    @budget(n)
+    @given(st.data())
+    def run(data: st.DataObject) -> None:
+        if data.draw(st.integers(0, 9)) == 0:
+            target.call("GetInfo", data.draw(info))
+        else:
+            target.call("Generate", data.draw(generate))
+
+    run()
+    target.settle()
+
+
+def fuzz_worker_bytes(target: WorkerTarget, n: int) -> None:
+    """``n`` Generate calls whose bytes are random or a good message mutated, then settle."""
+
+    @budget(n)
+    @given(st.data())
+    def run(data: st.DataObject) -> None:
+        good = data.draw(messages(worker_pb.GenerateRequest, GENERATE_HINTS)).SerializeToString()
+        target.call("Generate", data.draw(mutated(good)))
+
+    run()
+    target.settle()

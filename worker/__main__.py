@@ -9,7 +9,7 @@ import signal
 import sys
 
 from kvserve_launch.startup import StartupError, report
-from worker.blas import describe, ensure_fast_blas, measure_gflops
+from kvserve_model.blas import describe, ensure_fast_blas, measure_gflops
 from worker.config import WorkerConfig
 from worker.server import running
 

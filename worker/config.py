@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserve_launch.tls import check_server
+from kvserve_model.default_model import DEFAULT_MODEL_NAME
 
 ENV_PREFIX = "KVWORKER_"
 _OFF = ("0", "false", "no", "off")
@@ -25,7 +26,7 @@ class WorkerConfig:
     advertise_address: str = ""
     # Pool id at the cache service; empty: "<hostname>-<port>".
     worker_id: str = ""
-    model: str = "kvserve-tiny-llama"
+    model: str = DEFAULT_MODEL_NAME
     block_size: int = 32
     # Pool size, the first one set of: a block count, a memory budget, a fraction of the device
     # memory free after the weights load. 0 everywhere: the device's default

@@ -57,7 +57,3 @@ class RecurrentStateError(UnsupportedModelError):
     """The model's layers keep recurrent or SSM state (``ArraysCache``, alone or inside a
     ``CacheList``) besides plain K/V: not pageable, but servable by the dense per-sequence
     runner (``worker.dense_runner``)."""
-
-
-class ModelLoadError(WorkerError):
-    """A model name or path could not be resolved or loaded."""

@@ -21,7 +21,8 @@ import mlx.core as mx
 
 from worker.forward_batch import SeqInput
 from worker.model_spec import ModelSpec
-from worker.sampling import RowFailed, RowSampler, Sampled, sample_rows
+from worker.sampling import RowSampler, sample_rows
+from worker.sampling_params import RowFailed, Sampled
 from worker.scheduler import Step
 from worker.step_budget import ForwardTime
 

@@ -1,9 +1,6 @@
-"""Typed ids, so a block id is never passed where a token id is expected."""
+"""Typed ids, so a block id is never passed where a position or a count is expected."""
 
 from typing import NewType
 
 BlockId = NewType("BlockId", int)
 """A physical block of one worker's pool, 0..num_blocks-1, assigned by the cache service."""
-
-TokenId = NewType("TokenId", int)
-"""A vocabulary index of the model's tokenizer."""

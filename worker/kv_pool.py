@@ -30,8 +30,6 @@ from worker.ids import BlockId
 from worker.model_spec import LayerSpec, ModelSpec
 
 DEFAULT_BLOCK_SIZE = 32
-LAYOUT = "kv_heads,blocks,block_size,head_dim"
-"""Axis order of each layer's K and V array, as registered with the cache service."""
 
 
 def bytes_per_block(layers: Sequence[LayerSpec], block_size: int, dtype: mx.Dtype) -> int:
@@ -88,10 +86,6 @@ class KVPool:
                     f"{memory_bytes} bytes hold no block of {per_block} bytes plus the trash block"
                 )
         return cls(spec.layers, num_blocks, block_size, spec.dtype)
-
-    @property
-    def layout(self) -> str:
-        return LAYOUT
 
     @property
     def trash_block(self) -> BlockId:

@@ -1,17 +1,28 @@
-"""The worker's client of the cache service: leases as plain values, failures as typed errors.
+"""The worker's client of the cache service: its messages and status codes in, the plain
+values and typed errors of ``worker.lease`` out.
 
-Only this module (and the servicer) touch the generated kvcache protos on the worker side.
+Only this module touches the generated kvcache protos on the worker side.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import grpc
 
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+from worker.lease import (
+    CacheUnavailable,
+    Deferred,
+    Fenced,
+    Lease,
+    LeaseError,
+    LeaseLost,
+    NoRoom,
+    PoolRegistration,
+    Rejected,
+)
 
 RPC_TIMEOUT_S = 10.0
 # Heartbeats at most this share of the lease TTL apart, whatever interval the service suggests
@@ -19,68 +30,6 @@ RPC_TIMEOUT_S = 10.0
 HEARTBEAT_TTL_FRACTION = 0.25
 # A namespace's longest length when the service does not say (one that predates the field).
 DEFAULT_MAX_NAMESPACE_CHARS = 256
-
-
-class LeaseError(Exception):
-    """Base of the cache-service failures the engine handles."""
-
-
-class NoRoom(LeaseError):
-    """RESOURCE_EXHAUSTED: wait for blocks to come back, or preempt."""
-
-
-class Fenced(LeaseError):
-    """FAILED_PRECONDITION: the pool is unknown (the service restarted) or our incarnation is
-    fenced: register again.
-
-    `incarnation` is the one the call was made with. An answer to a call sent before the latest
-    registration is stale: the pool has already registered again, and must not do it twice.
-    """
-
-    def __init__(self, details: str, incarnation: int = 0) -> None:
-        super().__init__(details)
-        self.incarnation = incarnation
-
-
-class LeaseLost(LeaseError):
-    """NOT_FOUND: the lease expired or was released."""
-
-
-class CacheUnavailable(LeaseError):
-    """The cache service could not be reached."""
-
-
-class Rejected(LeaseError):
-    """INVALID_ARGUMENT from the cache service: a bug or a bad request."""
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    lease_id: int
-    block_table: tuple[int, ...]
-    cached_tokens: int
-    copy_on_write: tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Deferred:
-    waiting_on: int
-    cached_tokens: int
-    pending_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class PoolRegistration:
-    pool_id: str
-    num_blocks: int
-    block_size: int
-    model: str
-    model_fingerprint: str
-    worker_address: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
 
 
 # The cache service's codes (kvcache.proto) -> what the engine does about them. Decided by the

@@ -1,8 +1,9 @@
-"""Resolve a model name to a directory, load it with mlx-lm, and fingerprint it.
+"""Load a model's weights with mlx-lm, and fingerprint it.
 
-``kvserve-tiny-llama`` (the default) is the embedded model made locally by
-``worker.default_model``; any other name is what ``mlx_lm.load`` accepts: a local model
-directory or a Hugging Face id (downloaded where a network or a local copy exists).
+The name resolves to a directory through ``kvserve_model.resolve`` (the embedded default
+``kvserve-tiny-llama``, a model directory, or a Hugging Face id, downloaded where a network or a
+local copy exists), as the gateway resolves it for its tokenizer; this module is the part that
+needs MLX.
 
 The fingerprint travels with the worker's pool registration: the cache service must never match
 a prefix computed by one model against blocks of another, and two workers with the same
@@ -24,8 +25,9 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from worker.errors import ModelLoadError
+from kvserve_model.context import load_config
+from kvserve_model.errors import ModelLoadError
+from kvserve_model.resolve import resolve_model
 
 SAMPLE_BYTES = 1 << 20
 
@@ -39,31 +41,6 @@ class LoadedModel:
     path: Path
     fingerprint: str
     config: dict[str, Any]
-
-
-def resolve_model(name_or_path: str | None = None) -> Path:
-    """The local directory of a model: the embedded default, a directory, or a hub download."""
-    if not name_or_path or name_or_path == DEFAULT_MODEL_NAME:
-        return ensure_default_model()
-    path = Path(name_or_path).expanduser()
-    if path.exists():
-        if not (path / "config.json").exists():
-            raise ModelLoadError(f"{path} has no config.json: not a model directory")
-        return path
-    if _is_path(name_or_path):
-        raise ModelLoadError(f"model directory {path} does not exist")
-    from mlx_lm.utils import _download  # mlx_lm.load's own resolution of hub ids
-
-    try:
-        return Path(_download(name_or_path))
-    except Exception as e:  # the hub client raises many types; all mean "not available"
-        raise ModelLoadError(f"cannot resolve model {name_or_path!r}: {e}") from e
-
-
-def _is_path(name: str) -> bool:
-    """A Hugging Face id is ``name`` or ``owner/name``; anything else names a directory (the
-    hub client would answer it with a puzzling "Repo id must be in the form ...")."""
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1
 
 
 def load_model(name_or_path: str | None = None, *, fp32_on_cpu: bool = True) -> LoadedModel:
@@ -90,10 +67,7 @@ def load_model(name_or_path: str | None = None, *, fp32_on_cpu: bool = True) -> 
 def model_fingerprint(path: Path) -> str:
     """A stable id of the model in ``path``: ``sha256:<hex>`` (see the module docstring)."""
     h = hashlib.sha256()
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path}/config.json unreadable: {e}") from e
+    config = load_config(path)
     h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
     for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
         file = path / name

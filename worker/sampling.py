@@ -1,4 +1,4 @@
-"""Sampling parameters, their validation, and the per-step sampler.
+"""The per-step sampler (its parameters and results: ``worker.sampling_params``).
 
 Every request samples from its own PRNG key, never from MLX's global random state: a seeded
 request's key for a token derives from (seed, position), an unseeded one's from a seed drawn
@@ -26,52 +26,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
-from worker.errors import InvalidRequest
-from worker.sampling_limits import SamplingLimitError, check_sampling
+from worker.sampling_params import RowFailed, Sampled, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 0  # 0: up to the context
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int = 0
-    repetition_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-
-    def validate(self, vocab_size: int) -> None:
-        """The limits of ``worker.sampling_limits``, the ones the gateway checks too."""
-        try:
-            check_sampling(self, vocab_size)
-        except SamplingLimitError as e:
-            raise InvalidRequest(e.message) from None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class Sampled:
-    token: int
-    logprob: float = 0.0
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class RowFailed:
-    """A row whose sampling raised: its request ends (INTERNAL), the batch goes on."""
-
-    error: Exception
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from worker.sampling import Sampled
+from worker.sampling_params import Sampled
 from worker.sequence import Finish, Sequence, Status, StreamEvent
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker.errors import WorkerError
-from worker.lease_client import Lease
-from worker.sampling import RowSampler, Sampled, SamplingParams
+from worker.lease import Lease
+from worker.sampling_params import Sampled, SamplingParams
+
+if TYPE_CHECKING:  # the sampler runs MLX; the sequence only carries it
+    from worker.sampling import RowSampler
 
 
 class Status(enum.Enum):
@@ -90,7 +93,8 @@ class TextStream:
 
 @dataclass(eq=False)
 class Sequence:
-    """A request's state. Only the engine (on the event loop) mutates it.
+    """A request's state, mutated on the event loop only: by the scheduler (progress through
+    the tokens, output), the lease sync (lease, block table, deferral) and the engine (ending).
 
     Token regions::
 
@@ -111,19 +115,21 @@ class Sequence:
     sampler: RowSampler
     text: TextStream
     eos_ids: frozenset[int]
+    block_size: int
     out: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
     output: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     lease: Lease | None = None
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
-    cached_tokens: int = -1  # of the first admission, for usage; -1 until admitted
+    cached_tokens: int | None = None  # of the first admission, for usage
     pending_cow: tuple[tuple[int, int], ...] = ()
     committed_tokens: int = 0
-    deferred_generation: int = -1  # commit generation when the cache service deferred us
+    # The lease sync's publish count when the cache service deferred this request (its
+    # prefix was being computed by another lease); None: not deferred.
+    deferred_at: int | None = None
     aborted: bool = False
     preemptions: int = 0
-    block_size: int = 0
     admitted_tokens: int = 0  # tokens the current lease was acquired for
 
     @property
@@ -150,18 +156,17 @@ class Sequence:
         """Token slots the lease's block table covers."""
         return len(self.block_table) * self.block_size
 
-    def admit(self, lease: Lease, block_size: int) -> None:
+    def admit(self, lease: Lease) -> None:
         self.lease = lease
         self.admitted_tokens = self.num_tokens
         self.block_table = list(lease.block_table)
         self.num_computed = lease.cached_tokens
         self.pending_cow = lease.copy_on_write
-        self.committed_tokens = lease.cached_tokens // block_size * block_size
-        self.block_size = block_size
-        if self.cached_tokens < 0:
+        self.committed_tokens = lease.cached_tokens // self.block_size * self.block_size
+        if self.cached_tokens is None:
             self.cached_tokens = lease.cached_tokens
         self.status = Status.RUNNING
-        self.deferred_generation = -1
+        self.deferred_at = None
 
     def drop_lease(self) -> None:
         """Back to waiting without a lease (preempted, expired or fenced): the output so far

@@ -15,16 +15,19 @@ from grpc_reflection.v1alpha import reflection
 from kvserve_launch.malformed import MalformedRequests
 from kvserve_launch.startup import EXCLUSIVE_PORT, ModelUnavailable, add_port, setting
 from kvserve_launch.tls import Dialer, server_credentials
+from kvserve_model.context import context_length
+from kvserve_model.errors import ModelLoadError
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker.config import ENV_PREFIX, WorkerConfig
 from worker.dense_runner import DenseRunner, check_dense_parity, dense_limits, estimate_state
 from worker.device_defaults import WorkerLimits, choose_limits, device_kind, free_memory
 from worker.engine import Engine, EngineLimits
-from worker.errors import ModelLoadError, RecurrentStateError, UnsupportedModelError
+from worker.errors import RecurrentStateError, UnsupportedModelError
 from worker.executor import ModelExecutor, Runner
 from worker.kv_pool import bytes_per_block
-from worker.lease_client import LeaseClient, PoolRegistration
+from worker.lease import PoolRegistration
+from worker.lease_client import LeaseClient
 from worker.model_loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner
 from worker.model_spec import LayerSpec, probe
@@ -45,14 +48,6 @@ class RunningWorker:
     address: str
     worker_id: str
     loaded: LoadedModel
-
-
-def _max_context(config: dict) -> int:
-    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
-        if isinstance(config.get(key), int):
-            return int(config[key])
-    text = config.get("text_config")
-    return _max_context(text) if isinstance(text, dict) else 4096
 
 
 def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExecutor, WorkerLimits]:
@@ -95,7 +90,7 @@ def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExec
             raise UnsupportedModelError(f"a one-token forward failed: {e}") from e
         device = device_kind()
         limits = dense_limits(
-            estimate, device, free_memory(device), config, _max_context(loaded.config)
+            estimate, device, free_memory(device), config, context_length(loaded.config)
         )
         per_block = max(1, config.block_size * estimate.bytes_per_token)
         log.info("%s", limits.describe(config.block_size, per_block))
@@ -170,7 +165,7 @@ async def running(
         head_dim=layer.k_head_dim,
         dtype=str(runner.spec.dtype),
     )
-    max_context = _max_context(loaded.config)
+    max_context = context_length(loaded.config)
     limits = EngineLimits(
         max_batch_size=chosen.max_batch_size,
         max_step_tokens=chosen.max_step_tokens,

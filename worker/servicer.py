@@ -25,7 +25,7 @@ from worker.errors import (
     StepFailed,
     WorkerError,
 )
-from worker.sampling import SamplingParams
+from worker.sampling_params import SamplingParams
 from worker.sequence import Finish, Sequence, StreamEvent
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,6 @@ FINISH_REASON = {
     Finish.LENGTH: pb.FINISH_REASON_LENGTH,
     Finish.ABORT: pb.FINISH_REASON_ABORT,
 }
-MAX_PROMPT_CHARS = 4_000_000
 
 
 def sampling_params(p: pb.SamplingParams) -> SamplingParams:
@@ -94,9 +93,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if which == "prompt_token_ids":
             return list(request.prompt_token_ids.ids)
         if which == "prompt_text":
-            if len(request.prompt_text) > MAX_PROMPT_CHARS:
-                raise InvalidRequest(f"prompt_text is longer than {MAX_PROMPT_CHARS} characters")
-            return list(self.engine.tokenizer.encode(request.prompt_text))
+            return self.engine.intake.tokenize(request.prompt_text)
         raise InvalidRequest("the request has no prompt (prompt_token_ids or prompt_text)")
 
     async def Generate(
@@ -104,8 +101,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            self.engine.check_room()  # before tokenizing: a full worker refuses at once
-            seq = self.engine.new_sequence(
+            intake = self.engine.intake
+            intake.check_room(self.engine.held_requests)  # before tokenizing: refuse at once
+            seq = intake.sequence(
                 request_id,
                 self._prompt(request),
                 sampling_params(request.sampling),
@@ -141,7 +139,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             resp.usage.CopyFrom(
                 pb.Usage(
                     prompt_tokens=len(seq.prompt),
-                    cached_tokens=max(seq.cached_tokens, 0),
+                    cached_tokens=seq.cached_tokens or 0,
                     completion_tokens=len(seq.output),
                 )
             )
@@ -172,7 +170,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             waiting=waiting,
             prefilled_tokens=e.stats.prefilled_tokens,
             generated_tokens=e.stats.generated_tokens,
-            preemptions=e.stats.preemptions,
+            preemptions=e.leases.preemptions,
             requests_finished=e.stats.requests_finished,
             runner=self.runner,
             max_pending_requests=e.limits.max_pending_requests,

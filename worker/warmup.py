@@ -38,7 +38,8 @@ from typing import Any
 
 from worker.executor import ModelExecutor
 from worker.forward_batch import SeqInput
-from worker.sampling import RowSampler, SamplingParams
+from worker.sampling import RowSampler
+from worker.sampling_params import SamplingParams
 from worker.sequence import TextStream
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from gateway.config import GatewayConfig
-from kvcache_service import admin
+from kvcache_service import admin_cli
 from kvcache_service.config import ServiceConfig
 from kvserve_launch.__main__ import banner
 from kvserve_launch.config import LaunchConfig
@@ -151,9 +151,9 @@ def test_make_run_over_mutual_tls(tmp_path: Path, capsys):
 
         base = ["--address", fields["cache"], "--token", "tls-admin", "--tls-ca", certs.ca]
         identity = ["--tls-cert", certs.client_cert, "--tls-key", certs.client_key]
-        assert admin.main([*base, *identity, "stats"]) == 0
+        assert admin_cli.main([*base, *identity, "stats"]) == 0
         assert "worker-0" in capsys.readouterr().out
-        assert admin.main([*base, "stats"]) == 1  # no client certificate: refused
+        assert admin_cli.main([*base, "stats"]) == 1  # no client certificate: refused
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0, log.read_text()

@@ -191,7 +191,7 @@ async def test_grpc_servers_do_not_share_a_port():
 
 
 async def test_a_worker_with_an_unsupported_model_type_names_it(tmp_path: Path):
-    from worker.default_model import ensure_default_model
+    from kvserve_model.default_model import ensure_default_model
     from worker.server import running as worker_running
 
     model = tmp_path / "odd-model"

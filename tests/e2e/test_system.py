@@ -164,7 +164,7 @@ def test_grpc_generate_through_the_gateway(system: System):
 
 def test_admin_cli_and_http_admin(system: System, http: httpx.Client):
     out = subprocess.run(
-        [sys.executable, "-m", "kvcache_service.admin", "--address", system.cache_address,
+        [sys.executable, "-m", "kvcache_service.admin_cli", "--address", system.cache_address,
          "--token", ADMIN_TOKEN, "stats"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -26,7 +26,15 @@ from kvcache_service.config import ServiceConfig
 from kvcache_service.server import running as running_cache
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kv
 from kvserve_proto.worker.v1 import worker_pb2 as pb
-from tests.fuzz import STRINGS, LoopThread, budget, invoke, messages, mutated, rpcs
+from tests.fuzz import (
+    STRINGS,
+    LoopThread,
+    budget,
+    fuzz_worker_bytes,
+    fuzz_worker_messages,
+    invoke,
+    rpcs,
+)
 from tests.gateway.conftest import ADMIN_TOKEN, gateway_config
 from tests.gateway.fake_worker import MODEL, OUTPUT, FakeWorker
 
@@ -118,47 +126,6 @@ def target() -> Iterator[Target]:
             print(f"gateway fuzz: {t.calls} calls; {t.grpc_seen}; {t.http_seen}")
     finally:
         loop.close()
-
-
-GENERATE_HINTS: dict[str, st.SearchStrategy] = {
-    "prompt_text": st.sampled_from(["Hello", "Hi there", " "]),
-    "ids": st.integers(0, 255),
-    "max_tokens": st.integers(0, 8),
-    "temperature": st.floats(0, 2),
-    "top_p": st.floats(0, 1),
-    "top_k": st.integers(0, 50),
-    "min_p": st.floats(0, 1),
-    "logprobs": st.integers(0, 5),
-    "repetition_penalty": st.floats(0.5, 2),
-    "namespace": st.sampled_from(["", "a", "tenant-1"]),
-}
-
-
-def fuzz_grpc(target: Target, n: int) -> None:
-    gen = messages(pb.GenerateRequest, GENERATE_HINTS)
-    info = messages(pb.GetInfoRequest)
-
-    @budget(n)
-    @given(st.data())
-    def run(data: st.DataObject) -> None:
-        if data.draw(st.integers(0, 9)) == 0:
-            target.call("GetInfo", data.draw(info))
-        else:
-            target.call("Generate", data.draw(gen))
-
-    run()
-    target.settle()
-
-
-def fuzz_grpc_bytes(target: Target, n: int) -> None:
-    @budget(n)
-    @given(st.data())
-    def run(data: st.DataObject) -> None:
-        good = data.draw(messages(pb.GenerateRequest, GENERATE_HINTS)).SerializeToString()
-        target.call("Generate", data.draw(mutated(good)))
-
-    run()
-    target.settle()
 
 
 # A JSON-schema-to-strategy for the subset FastAPI and pydantic emit, with hostile values
@@ -256,11 +223,11 @@ def test_openapi_declares_bodies_and_errors(target: Target) -> None:
 
 
 def test_grpc_messages_from_the_descriptors(target: Target) -> None:
-    fuzz_grpc(target, 1000)
+    fuzz_worker_messages(target, 1000)
 
 
 def test_grpc_raw_bytes(target: Target) -> None:
-    fuzz_grpc_bytes(target, 300)
+    fuzz_worker_bytes(target, 300)
 
 
 def test_http_from_the_openapi_schema(target: Target) -> None:
@@ -269,6 +236,6 @@ def test_http_from_the_openapi_schema(target: Target) -> None:
 
 @pytest.mark.long
 def test_many_more(target: Target) -> None:
-    fuzz_grpc(target, 10_000)
-    fuzz_grpc_bytes(target, 3_000)
+    fuzz_worker_messages(target, 10_000)
+    fuzz_worker_bytes(target, 3_000)
     fuzz_http(target, target.http.get("/openapi.json").json(), 10_000)

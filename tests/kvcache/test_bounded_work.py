@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from kvcache_service.admin import show_tree
+from kvcache_service.admin_cli import show_tree
 from kvcache_service.config import ServiceConfig
 from kvcache_service.ids import Namespace, PoolId
+from kvcache_service.leases import AcquireRequest
 from kvcache_service.server import RunningService, running
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -87,13 +88,13 @@ async def test_long_or_unprintable_namespaces_are_refused(
 def index_prompts(svc: RunningService, ref: pb.PoolRef, n: int) -> None:
     """``n`` distinct 4-block prompts indexed, and ``n // 4`` leases left live."""
     auth = svc.authority
-    pool_id = PoolId(ref.pool_id)
+    pool_id, ns = PoolId(ref.pool_id), Namespace("ns")
     for i in range(n):
         prompt = [i, *range(1, 4 * BS)]
-        grant, _ = auth.acquire(pool_id, ref.incarnation, Namespace("ns"), prompt)
+        grant, _ = auth.acquire(AcquireRequest(pool_id, ref.incarnation, ns, tuple(prompt)))
         auth.release(pool_id, ref.incarnation, grant.lease_id, prompt)  # type: ignore[union-attr]
     for i in range(n // 4):
-        auth.acquire(pool_id, ref.incarnation, Namespace("ns"), [i, *range(1, 4 * BS), 7])
+        auth.acquire(AcquireRequest(pool_id, ref.incarnation, ns, (i, *range(1, 4 * BS), 7)))
 
 
 async def test_heartbeats_are_answered_while_a_big_pool_is_checked(

@@ -2,7 +2,8 @@
 
 Every step runs one operation on the real CacheAuthority and mirrors it on the reference;
 then the index content, refcounts, free count, eviction order and lease tables must agree,
-and check_integrity() must find nothing.
+and check_integrity() must find nothing. Twice: without a namespace quota, and with one
+(a namespace over it evicts its own blocks first).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvcache_service.authority import AuthorityConfig, CacheAuthority
 from kvcache_service.errors import NotFound, OutOfBlocks
-from kvcache_service.leases import Deferral, Grant
+from kvcache_service.ids import Namespace, PoolId
+from kvcache_service.leases import AcquireRequest, Deferral, Grant, Reuse
 from kvcache_service.pool import PoolSpec, PoolState
 from tests.kvcache.reference import RefLease, RefPool
 
@@ -51,25 +53,53 @@ prompts = st.builds(
 
 
 class PoolMachine(RuleBasedStateMachine):
+    QUOTA: int | None = None  # blocks one namespace may hold in a pool
+    SIZES = POOLS
+
     @initialize()
     def setup(self) -> None:
         self.now = 1000.0
-        self.auth = CacheAuthority(AuthorityConfig(lease_ttl_s=TTL), clock=lambda: self.now)
+        config = AuthorityConfig(lease_ttl_s=TTL, namespace_quota_blocks=self.QUOTA)
+        self.auth = CacheAuthority(config, clock=lambda: self.now)
         self.inc: dict[str, int] = {}
         self.ref: dict[str, RefPool] = {}
         for pool_id in POOLS:
             self._register(pool_id)
 
     def _register(self, pool_id: str) -> None:
-        n, bs = POOLS[pool_id]
-        # A live pool re-registers only with its own incarnation (0 before the first time).
+        n, bs = self.SIZES[pool_id]
+        # A live pool re-registers only with its own incarnation (None before the first time).
         spec = PoolSpec(pool_id, n, bs)  # type: ignore[arg-type]
-        reg = self.auth.register_pool(spec, self.inc.get(pool_id, 0))
+        reg = self.auth.register_pool(spec, self.inc.get(pool_id))
         self.inc[pool_id] = reg.incarnation
         self.ref[pool_id] = RefPool(n, bs)
 
-    def _mirror_evictions(self, ref: RefPool, count: int, held: set[int]) -> None:
-        for b in [b for b in ref.evictable() if b not in held][:count]:
+    def _victims(self, ref: RefPool, needs: dict[str, int], held: set[int]) -> list[int] | None:
+        """The blocks the pool must evict to allocate `needs` fresh blocks per namespace, or
+        None when they do not fit: first, for each namespace the quota would overflow, its own
+        oldest evictable blocks; then the globally oldest. `held` (cache hits) never goes."""
+        evictable = [b for b in ref.evictable() if b not in held]
+        victims: list[int] = []
+        for ns, n in needs.items():
+            if self.QUOTA is None:
+                break
+            over = sum(1 for v in ref.allocated.values() if v == ns) + n - self.QUOTA
+            if over <= 0:
+                continue
+            own = [b for b in evictable if ref.allocated[b] == ns]
+            if over > len(own):
+                return None
+            event("quota: evicts its own namespace")
+            victims += own[:over]
+        rest = [b for b in evictable if b not in victims]
+        short = sum(needs.values()) - ref.num_free() - len(victims)
+        if short > len(rest):
+            return None
+        return victims + rest[: max(0, short)]
+
+    def _evict(self, ref: RefPool, victims: list[int] | None) -> None:
+        assert victims is not None, "the pool found room the reference does not see"
+        for b in victims:
             ref.evict(b)
 
     # -- lease lifecycle ----------------------------------------------------------------------
@@ -94,21 +124,29 @@ class PoolMachine(RuleBasedStateMachine):
         expect_defer = allow_defer and not skip_cache and full < len(prompt) // bs and pending > 0
         need = -(-(len(prompt) + reserve) // bs) - full
         held = set(full_blocks[:full])
+        reuse = Reuse.SHARE_OR_DEFER if allow_defer else Reuse.SHARE
+        reuse = Reuse.NONE if skip_cache else reuse
+        req = AcquireRequest(
+            PoolId(pool_id), self.inc[pool_id], Namespace(ns), prompt, reserve, reuse
+        )
         try:
-            result, _ = self.auth.acquire(
-                pool_id, self.inc[pool_id], ns, prompt, reserve, allow_defer, skip_cache
-            )
+            result, _ = self.auth.acquire(req)
         except OutOfBlocks:
             event("acquire: out of blocks")
-            evictable = [b for b in ref.evictable() if b not in held]
-            # The copy-on-write source is held too, so it may be what made it not fit.
-            src_may_be_evictable = cached % bs and any(
-                ref.content[b][1][: full * bs] == prompt[: full * bs]
+            # The copy-on-write source is held too, so it may be what made it not fit: any
+            # evictable block holding the matched part of the prompt's next block may be it.
+            sources = [
+                b
+                for b in ref.evictable()
+                if cached % bs
+                and ref.content[b][0] == ns
                 and len(ref.content[b][1]) == (full + 1) * bs
-                for b in evictable
-                if ref.content[b][0] == ns
+                and ref.content[b][1][:cached] == prompt[:cached]
+            ]
+            assert any(
+                self._victims(ref, {ns: need}, held | ({src} if src is not None else set())) is None
+                for src in [None, *sources]
             )
-            assert need > ref.num_free() + len(evictable) - (1 if src_may_be_evictable else 0)
             return
         event(f"acquire: {type(result).__name__}, cached={cached > 0}")
         if expect_defer:
@@ -133,7 +171,7 @@ class PoolMachine(RuleBasedStateMachine):
             ref.ref(lease, src, full)
         else:
             assert result.copy_on_write == ()
-        self._mirror_evictions(ref, max(0, need - ref.num_free()), held)
+        self._evict(ref, self._victims(ref, {ns: need}, held))
         for pos, b in enumerate(result.block_table[full:], start=full):
             assert b not in ref.allocated, f"block {b} handed out while in use"
             ref.allocated[b] = ns
@@ -168,13 +206,17 @@ class PoolMachine(RuleBasedStateMachine):
         ref = self.ref[pool_id]
         ids = data.draw(st.lists(st.sampled_from(sorted(ref.leases)), min_size=1, unique=True))
         items = [(i, len(ref.leases[i].table) * ref.bs + data.draw(st.integers(0, 5))) for i in ids]
-        need = sum(max(0, -(-n // ref.bs) - len(ref.leases[i].table)) for i, n in items)
+        needs: dict[str, int] = {}
+        for i, n in items:
+            ns = ref.leases[i].ns
+            needs[ns] = needs.get(ns, 0) + max(0, -(-n // ref.bs) - len(ref.leases[i].table))
+        victims = self._victims(ref, needs, set())
         try:
             out = self.auth.extend(pool_id, self.inc[pool_id], items)
         except OutOfBlocks:
-            assert need > ref.num_free() + len(ref.evictable())
+            assert victims is None
             return
-        self._mirror_evictions(ref, max(0, need - ref.num_free()), set())
+        self._evict(ref, victims)
         for lease_id, fresh in out:
             lease = ref.leases[lease_id]
             for b in fresh:
@@ -230,7 +272,7 @@ class PoolMachine(RuleBasedStateMachine):
     def evict_lru(self, pool_id, n) -> None:
         ref = self.ref[pool_id]
         expected = min(n, len(ref.evictable()))
-        assert self.auth.get_pool(pool_id).evict_lru(n) == expected
+        assert self.auth.get_pool(pool_id).admin.evict_lru(n) == expected
         for _ in range(expected):
             ref.evict(ref.evictable()[0])
 
@@ -238,7 +280,7 @@ class PoolMachine(RuleBasedStateMachine):
     def evict_namespace(self, pool_id, ns) -> None:
         ref = self.ref[pool_id]
         victims = [b for b in ref.evictable() if ref.content[b][0] == ns]
-        assert self.auth.get_pool(pool_id).evict_namespace(ns) == len(victims)
+        assert self.auth.get_pool(pool_id).admin.evict_namespace(ns) == len(victims)
         for b in victims:
             ref.evict(b)
 
@@ -251,7 +293,7 @@ class PoolMachine(RuleBasedStateMachine):
             cns, toks = key
             return cns == ns and len(toks) >= (k + 1) * ref.bs and toks[: len(prefix)] == prefix
 
-        pool = self.auth.get_pool(pool_id)
+        pool = self.auth.get_pool(pool_id).admin
         if not any(extends(key) for key in ref.by_content):
             with pytest.raises(NotFound):
                 pool.evict_prefix(ns, prefix)
@@ -265,7 +307,7 @@ class PoolMachine(RuleBasedStateMachine):
     def flush(self, pool_id) -> None:
         ref = self.ref[pool_id]
         victims = ref.evictable()
-        assert self.auth.get_pool(pool_id).flush() == len(victims)
+        assert self.auth.get_pool(pool_id).admin.flush() == len(victims)
         for b in victims:
             ref.evict(b)
 
@@ -273,7 +315,7 @@ class PoolMachine(RuleBasedStateMachine):
     def pin(self, pool_id, ns, prefix) -> None:
         ref = self.ref[pool_id]
         key = (ns, prefix[: len(prefix) // ref.bs * ref.bs])
-        pool = self.auth.get_pool(pool_id)
+        pool = self.auth.get_pool(pool_id).admin
         if key in ref.pins:
             assert pool.pin(ns, prefix) == len(ref.pins[key])
             return
@@ -292,7 +334,7 @@ class PoolMachine(RuleBasedStateMachine):
         pool_id = data.draw(st.sampled_from([p for p, r in self.ref.items() if r.pins]))
         ref = self.ref[pool_id]
         ns, tokens = data.draw(st.sampled_from(sorted(ref.pins)))
-        assert self.auth.get_pool(pool_id).unpin(ns, tokens) == len(ref.pins[(ns, tokens)])
+        assert self.auth.get_pool(pool_id).admin.unpin(ns, tokens) == len(ref.pins[(ns, tokens)])
         ref.unpin((ns, tokens))
 
     # -- the comparison -----------------------------------------------------------------------
@@ -310,7 +352,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert [pool.blocks.refcount[b] for b in range(ref.n)] == [
                 ref.refcount(b) for b in range(ref.n)
             ]
-            assert {i: lease.table for i, lease in pool.leases.items()} == {
+            assert {i: lease.table for i, lease in pool.leases.live.items()} == {
                 i: lease.table for i, lease in ref.leases.items()
             }
 
@@ -322,3 +364,29 @@ PoolMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestPoolModel = PoolMachine.TestCase
+
+
+class QuotaPoolMachine(PoolMachine):
+    # Larger blocks than PoolMachine's, so that most prompts fit within the quota.
+    QUOTA = 6
+    SIZES = {"a": (14, 4), "b": (20, 5)}
+
+    @rule(pool_id=st.sampled_from(list(POOLS)), ns=st.sampled_from(NAMESPACES), prompt=prompts)
+    def whole_request(self, pool_id, ns, prompt) -> None:
+        """Acquire, then release committing the prompt: fills a namespace with cached blocks."""
+        ref = self.ref[pool_id]
+        before = set(ref.leases)
+        self._acquire(pool_id, ns, prompt, 0, False, False)
+        for lease_id in set(ref.leases) - before:
+            self.auth.release(pool_id, self.inc[pool_id], lease_id, prompt)
+            ref.commit(lease_id, prompt)
+            ref.end(lease_id)
+
+
+QuotaPoolMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestQuotaPoolModel = QuotaPoolMachine.TestCase

@@ -13,11 +13,13 @@ from kvcache_service.authority import AuthorityConfig, CacheAuthority
 from kvcache_service.config import ServiceConfig
 from kvcache_service.errors import PoolInUse, RegistrationLimit, UnregisteredPool
 from kvcache_service.ids import Namespace, PoolId
+from kvcache_service.leases import AcquireRequest
 from kvcache_service.pool import PoolSpec
 from kvcache_service.server import RunningService, running
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
-from worker.lease_client import CacheUnavailable, LeaseClient, PoolRegistration
+from worker.lease import CacheUnavailable, PoolRegistration
+from worker.lease_client import LeaseClient
 
 SERVICE_TOKEN = "test-service-token"
 AUTH = [("authorization", f"Bearer {SERVICE_TOKEN}")]
@@ -174,7 +176,7 @@ def test_a_dead_pool_is_forgotten_after_its_grace() -> None:
     )
     spec = PoolSpec(PoolId("w1"), num_blocks=8, block_size=BS)
     inc = auth.register_pool(spec).incarnation
-    auth.acquire(PoolId("w1"), inc, Namespace(""), [1, 2, 3])
+    auth.acquire(AcquireRequest(PoolId("w1"), inc, Namespace(""), (1, 2, 3)))
     other = PoolSpec(PoolId("w2"), num_blocks=8, block_size=BS)
     with pytest.raises(RegistrationLimit):
         auth.register_pool(other)

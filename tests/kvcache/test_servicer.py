@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvcache_service import admin as admin_cli
+from kvcache_service import admin_cli
 from kvcache_service.config import ServiceConfig
 from kvcache_service.server import RunningService, running
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb

@@ -12,8 +12,7 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
-from tests.worker.helpers import TOL, DenseSeq, PagedSeq, decode_together
-from worker.default_model import (
+from kvserve_model.default_model import (
     DEFAULT_MODEL_NAME,
     EOS,
     IM_END,
@@ -21,8 +20,10 @@ from worker.default_model import (
     ensure_default_model,
     write_default_model,
 )
-from worker.errors import ModelLoadError
-from worker.model_loader import load_model, model_fingerprint, resolve_model
+from kvserve_model.errors import ModelLoadError
+from kvserve_model.resolve import resolve_model
+from tests.worker.helpers import TOL, DenseSeq, PagedSeq, decode_together
+from worker.model_loader import load_model, model_fingerprint
 from worker.model_runner import ModelRunner
 
 

@@ -12,10 +12,10 @@ import logging
 import pytest
 
 from kvserve_launch.startup import ModelUnavailable
+from kvserve_model.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from tests.worker.helpers import FAMILIES, TOL, tiny_model
 from worker import model_spec
 from worker.config import WorkerConfig
-from worker.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from worker.forward_batch import ForwardBatch
 from worker.model_loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner

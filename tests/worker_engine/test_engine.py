@@ -159,7 +159,7 @@ async def test_text_prompt_and_info(system: System) -> None:
     out = await generate(stub, req)
     tokenizer = system.model.tokenizer
     assert out["last"].usage.prompt_tokens == len(tokenizer.encode("Hello, caché!"))
-    special = system.workers[0].engine.special_ids
+    special = system.workers[0].engine.intake.special_ids
     assert out["text"] == tokenizer.decode([t for t in out["tokens"] if t not in special])
     info = await stub.GetInfo(pb.GetInfoRequest())
     assert info.model == "kvserve-tiny-llama" and info.num_blocks == 256
@@ -176,7 +176,7 @@ async def test_a_failing_admission_or_heartbeat_recovers(model, reference) -> No
         calls = {"heartbeat": 0}
 
         def failing(name: str):
-            real = getattr(engine.client, name)
+            real = getattr(engine.leases.client, name)
 
             async def call(*args, **kwargs):
                 calls[name] = calls.get(name, 0) + 1
@@ -187,15 +187,15 @@ async def test_a_failing_admission_or_heartbeat_recovers(model, reference) -> No
 
             return call
 
-        engine.client.acquire = failing("acquire")  # type: ignore[method-assign]
-        engine.client.heartbeat = failing("heartbeat")  # type: ignore[method-assign]
+        engine.leases.client.acquire = failing("acquire")  # type: ignore[method-assign]
+        engine.leases.client.heartbeat = failing("heartbeat")  # type: ignore[method-assign]
         p = prompt(40, 50)
         got = await generate(stub, request(p, max_tokens=8))
         assert got["tokens"] == reference(p, 8)[0]
         assert faults["acquire"] == 0
-        incarnation = engine.client.incarnation
+        incarnation = engine.leases.client.incarnation
         while calls["heartbeat"] < 4:  # two failed beats, then two that went through
             await asyncio.sleep(0.1)
-        assert engine.client.incarnation == incarnation  # the pool never lapsed
-        assert not any(t.done() for t in engine._tasks)
+        assert engine.leases.client.incarnation == incarnation  # the pool never lapsed
+        assert not any(t.done() for t in [engine._task, *engine.leases._tasks])
         await system.check()

@@ -121,7 +121,7 @@ async def test_a_failed_step_publishes_nothing_and_the_worker_serves_on(
     await system.check()
 
     # The worker is up: its loops run, and it serves the next requests exactly.
-    assert not any(t.done() for t in engine._tasks)
+    assert not any(t.done() for t in [engine._task, *engine.leases._tasks])
     q = prompt(71, 40)
     assert (await generate(stub, request(q, max_tokens=8)))["tokens"] == reference(q, 8)[0]
     again = await generate(stub, request(p, max_tokens=8))
@@ -137,9 +137,9 @@ async def test_a_cache_service_that_forgot_the_pool_is_answered_by_registering(
     """FAILED_PRECONDITION (not a message to parse) tells the worker to register again."""
     stub = await system.add_worker(warmup=False)
     engine = system.workers[0].engine
-    first = engine.client.incarnation
+    first = engine.leases.client.incarnation
     system.authority.pools.clear()  # as after a restart of the cache service
     system.authority._live.clear()
     p = prompt(80, 30)
     assert (await generate(stub, request(p, max_tokens=6)))["tokens"] == reference(p, 6)[0]
-    assert engine.client.incarnation != first
+    assert engine.leases.client.incarnation != first

@@ -18,14 +18,12 @@ from typing import Any
 
 import grpc
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from kvcache_service.config import ServiceConfig
 from kvcache_service.server import running as running_cache
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kv
 from kvserve_proto.worker.v1 import worker_pb2 as pb
-from tests.fuzz import LoopThread, budget, invoke, messages, mutated, rpcs
+from tests.fuzz import LoopThread, fuzz_worker_bytes, fuzz_worker_messages, invoke, rpcs
 from worker.config import WorkerConfig
 from worker.model_loader import load_model
 from worker.server import running as running_worker
@@ -122,50 +120,9 @@ def target() -> Iterator[Target]:
         loop.close()
 
 
-HINTS: dict[str, st.SearchStrategy] = {
-    "prompt_text": st.sampled_from(["Hello", "Hi there", " ", "\x00"]),
-    "ids": st.integers(0, 255),
-    "max_tokens": st.integers(0, 8),
-    "temperature": st.floats(0, 2),
-    "top_p": st.floats(0, 1),
-    "top_k": st.integers(0, 50),
-    "min_p": st.floats(0, 1),
-    "logprobs": st.integers(0, 5),
-    "repetition_penalty": st.floats(0.5, 2),
-    "namespace": st.sampled_from(["", "a", "tenant-1"]),
-}
-
-
-def fuzz_messages(target: Target, n: int) -> None:
-    generate = messages(pb.GenerateRequest, HINTS)
-    info = messages(pb.GetInfoRequest)
-
-    @budget(n)
-    @given(st.data())
-    def run(data: st.DataObject) -> None:
-        if data.draw(st.integers(0, 9)) == 0:
-            target.call("GetInfo", data.draw(info))
-        else:
-            target.call("Generate", data.draw(generate))
-
-    run()
-    target.settle()
-
-
-def fuzz_bytes(target: Target, n: int) -> None:
-    @budget(n)
-    @given(st.data())
-    def run(data: st.DataObject) -> None:
-        good = data.draw(messages(pb.GenerateRequest, HINTS)).SerializeToString()
-        target.call("Generate", data.draw(mutated(good)))
-
-    run()
-    target.settle()
-
-
 def test_messages_from_the_descriptors(target: Target) -> None:
-    fuzz_messages(target, 1_000)
-    # Most of the fuzz must get past the edge's checks, or it only proves the checks refuse.
+    fuzz_worker_messages(target, 1_000)
+    # Some of the fuzz must get past the edge's checks, or it only proves the checks refuse.
     assert grpc.StatusCode.OK in target.seen["Generate"]
 
 
@@ -183,10 +140,10 @@ def test_namespaces_the_cache_service_would_refuse(target: Target, namespace: st
 
 
 def test_raw_bytes(target: Target) -> None:
-    fuzz_bytes(target, 300)
+    fuzz_worker_bytes(target, 300)
 
 
 @pytest.mark.long
 def test_many_messages(target: Target) -> None:
-    fuzz_messages(target, 10_000)
-    fuzz_bytes(target, 3_000)
+    fuzz_worker_messages(target, 10_000)
+    fuzz_worker_bytes(target, 3_000)

@@ -22,7 +22,7 @@ import pytest
 
 from tests.worker_engine.conftest import System, generate, request, started_system
 from tests.worker_engine.test_engine import prompt
-from worker.lease_client import Fenced
+from worker.lease import Fenced
 from worker.model_loader import LoadedModel
 from worker.step_budget import TTL_FRACTION
 
@@ -63,7 +63,7 @@ async def test_a_slow_long_prefill_keeps_the_pool_alive(
     system = short_ttl
     stub = await system.add_worker(max_step_tokens=512)
     engine = system.workers[0].engine
-    assert engine.client.heartbeat_interval_s <= TTL_S / 4
+    assert engine.leases.client.heartbeat_interval_s <= TTL_S / 4
     runner, slow = engine.executor.runner, SLOW[kind]
     forward, delays = runner.forward, []
 
@@ -83,13 +83,13 @@ async def test_a_slow_long_prefill_keeps_the_pool_alive(
 
     monkeypatch.setattr(system.authority, "_pool", renewing)
     registrations: list[int] = []
-    register = engine.client.register
+    register = engine.leases.client.register
 
     async def counted(reg):
         registrations.append(await register(reg))
         return registrations[-1]
 
-    monkeypatch.setattr(engine.client, "register", counted)
+    monkeypatch.setattr(engine.leases.client, "register", counted)
     before = await system.stats()
 
     async with asyncio.timeout(20):  # ~5 s; a pool that keeps expiring recomputes forever
@@ -111,13 +111,13 @@ async def test_a_stale_fenced_answer_does_not_register_again(system: System) -> 
     stub = await system.add_worker()
     engine = system.workers[0].engine
     first = (await system.stats()).incarnation
-    engine._on_lease_error(Fenced("fenced off", incarnation=first - 1))
+    engine.leases._on_lease_error(Fenced("fenced off", incarnation=first - 1))
     await asyncio.sleep(0.3)
     assert (await system.stats()).incarnation == first
-    engine._on_lease_error(Fenced("fenced off", incarnation=first))
+    engine.leases._on_lease_error(Fenced("fenced off", incarnation=first))
     for _ in range(100):
         if (await system.stats()).incarnation != first:
             break
         await asyncio.sleep(0.02)
-    assert engine.client.incarnation == (await system.stats()).incarnation != first
+    assert engine.leases.client.incarnation == (await system.stats()).incarnation != first
     assert len((await generate(stub, request(prompt(81, 20), max_tokens=4)))["tokens"]) == 4

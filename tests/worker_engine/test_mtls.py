@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import GatewayConfig
 from gateway.server import running as gateway_running
-from kvcache_service import admin
+from kvcache_service import admin_cli
 from kvcache_service.config import ServiceConfig
 from kvcache_service.server import running as cache_running
 from kvserve_launch import healthcheck
@@ -77,8 +77,8 @@ async def test_cache_service_requires_a_client_certificate_its_ca_signed(certs: 
         # The admin CLI and the container health check (synchronous: run beside the loop).
         base = ["--address", svc.address, "--token", TOKEN, "--tls-ca", certs.ca]
         identity = ["--tls-cert", certs.client_cert, "--tls-key", certs.client_key]
-        assert await asyncio.to_thread(admin.main, [*base, *identity, "check"]) == 0
-        assert await asyncio.to_thread(admin.main, [*base, "check"]) == 1
+        assert await asyncio.to_thread(admin_cli.main, [*base, *identity, "check"]) == 0
+        assert await asyncio.to_thread(admin_cli.main, [*base, "check"]) == 1
         probe = ["grpc", svc.address, "--tls-ca", certs.ca, "--timeout-s", "5"]
         assert await asyncio.to_thread(healthcheck.main, [*probe, *identity]) == 0
         assert await asyncio.to_thread(healthcheck.main, probe) == 1

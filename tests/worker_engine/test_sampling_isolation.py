@@ -10,10 +10,10 @@ import grpc
 import mlx.core as mx
 import pytest
 
+from kvserve_model.sampling_limits import INT32_MAX
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from tests.worker_engine.conftest import System, generate, request
 from worker.sampling import RowSampler
-from worker.sampling_limits import INT32_MAX
 
 
 def prompt(seed: int, n: int) -> list[int]:

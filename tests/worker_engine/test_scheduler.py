@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from worker.lease_client import Lease
-from worker.model_loader import resolve_model
-from worker.sampling import RowSampler, Sampled, SamplingParams
+from kvserve_model.resolve import resolve_model
+from worker.lease import Lease
+from worker.sampling import RowSampler
+from worker.sampling_params import Sampled, SamplingParams
 from worker.scheduler import Scheduler
 from worker.sequence import Finish, Sequence, TextStream
 
@@ -32,8 +33,9 @@ def make_seq(tokenizer, n_prompt: int, arrival: float, blocks: int, **params) ->
         sampler=RowSampler(p),
         text=TextStream(tokenizer.detokenizer, p.stop, p.include_stop_str_in_output),
         eos_ids=frozenset({257}),
+        block_size=BS,
     )
-    seq.admit(Lease(int(arrival * 10), tuple(range(blocks)), 0, ()), BS)
+    seq.admit(Lease(int(arrival * 10), tuple(range(blocks)), 0, ()))
     return seq
 
 

@@ -1,4 +1,4 @@
-"""Admin CLI: `python -m kvcache_service.admin stats|tree|lookup|evict|flush|pin|unpin|check`.
+"""Admin CLI: `python -m kvcache_service.admin_cli stats|tree|lookup|evict|flush|pin|unpin|check`.
 
 Talks to a running cache service with the admin bearer token (--token or
 KVCACHE_ADMIN_TOKEN) and prints readable tables (or --json). A TLS service: --tls-ca (and
@@ -106,7 +106,7 @@ def show_tree(resp: pb.InspectTreeResponse) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvcache_service.admin", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m kvcache_service.admin_cli", description=__doc__)
     p.add_argument("--address", default=os.environ.get("KVCACHE_ADDRESS", "127.0.0.1:50051"))
     p.add_argument("--token", default=os.environ.get("KVCACHE_ADMIN_TOKEN", ""))
     p.add_argument("--json", action="store_true", help="print the raw response as JSON")

@@ -26,9 +26,10 @@ import struct
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported only to write the model: the configs import this module
+    import numpy as np
 
 DEFAULT_MODEL_NAME = "kvserve-tiny-llama"
 MODEL_DIR_ENV = "KVSERVE_MODEL_DIR"
@@ -171,6 +172,8 @@ def _weight_shapes() -> dict[str, tuple[int, ...]]:
 
 def _weights() -> dict[str, np.ndarray]:
     """Seeded weights: norms one, projections N(0, 1/fan_in), embeddings N(0, EMBED_STD²)."""
+    import numpy as np
+
     rng = np.random.Generator(np.random.PCG64(SEED))
     weights = {}
     for name, shape in sorted(_weight_shapes().items()):
@@ -185,6 +188,8 @@ def _weights() -> dict[str, np.ndarray]:
 def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     """The safetensors format by hand (8-byte header length, JSON header, raw little-endian
     data), with sorted names, so the bytes do not depend on a library version."""
+    import numpy as np
+
     header: dict[str, object] = {"__metadata__": {"format": "mlx"}}
     offset = 0
     for name in sorted(tensors):

@@ -38,6 +38,11 @@ choice; ``KVSERVE_BLAS_PROBE_PREFIX`` runs the probes under a command (``qemu-x8
 Haswell`` shows what a CPU without AVX-512 would choose). BLAS threads spin while they wait: on
 a machine whose cores are shared with other busy processes, all-core OpenBLAS fell from 240 to
 11-20 GFLOPS here while one thread kept 137, so colocated services on few cores want 1.
+
+MLX is imported only inside functions (``_gpu_available``, ``matmul_seconds``), so importing
+this module loads none; the launcher's ``fast_blas_env`` call still asks MLX whether a GPU is
+there. Over 300 lines: one mechanism in three marked sections that run in that order
+(candidates, probing, this process), not yet split.
 """
 
 from __future__ import annotations
@@ -60,8 +65,6 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-from kvserve_launch.diagnosis import describe_exit
 
 logger = logging.getLogger(__name__)
 
@@ -306,7 +309,7 @@ import json, sys
 import numpy as np
 import mlx.core as mx
 sys.path.insert(0, sys.argv[2])
-from worker.blas import blas_provider, library_config, matmul_seconds
+from kvserve_model.blas import blas_provider, library_config, matmul_seconds
 
 provider = blas_provider()
 rng = np.random.default_rng(0)
@@ -331,10 +334,17 @@ _TOLERANCE = 1e-4  # max |error| / max |product|: fp32 over K <= 1000 is ~1e-6
 
 
 def describe_signal(returncode: int) -> str:
-    """The launcher's words for a child's death (``killed by SIGILL (illegal instruction)``),
-    and for SIGILL what it means of a BLAS: built for another CPU."""
-    text = describe_exit(returncode)
-    if returncode == -signal.SIGILL:
+    """A probe child's death by signal (``killed by SIGILL (illegal instruction)``), and for
+    SIGILL what it means of a BLAS: built for another CPU. (The launcher's
+    ``kvserve_launch.diagnosis.describe_exit`` says the same of its children; this package
+    imports nothing of the launcher's.)"""
+    try:
+        sig = signal.Signals(-returncode)
+    except ValueError:
+        return f"killed by signal {-returncode}"
+    meaning = (signal.strsignal(sig) or "").lower()
+    text = f"killed by {sig.name}" + (f" ({meaning})" if meaning else "")
+    if sig == signal.SIGILL:
         text += ": an instruction this CPU lacks, so the library was built for another CPU"
     return text
 
@@ -636,12 +646,12 @@ def describe(status: BlasStatus, gflops: float | None = None) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m worker.blas [--reprobe]``: probe, choose and report;
-    ``python -m worker.blas run CMD...``: exec CMD on the chosen BLAS."""
+    """``python -m kvserve_model.blas [--reprobe]``: probe, choose and report;
+    ``python -m kvserve_model.blas run CMD...``: exec CMD on the chosen BLAS."""
     if argv[:1] == ["run"]:
         cmd = argv[2:] if argv[1:2] == ["--"] else argv[1:]
         if not cmd:
-            print("usage: python -m worker.blas run [--] CMD [ARGS...]", file=sys.stderr)
+            print("usage: python -m kvserve_model.blas run [--] CMD [ARGS...]", file=sys.stderr)
             return 2
         os.execvpe(cmd[0], cmd, fast_blas_env())
     if "--reprobe" in argv and not os.environ.get(REEXEC_MARKER):

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from worker import blas
-from worker.blas import (
+from kvserve_model import blas
+from kvserve_model.blas import (
     REEXEC_MARKER,
     BlasLibrary,
     ProbeResult,
@@ -67,7 +67,7 @@ def _python(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]
 
 _CORRECT = (
     "import numpy as np, mlx.core as mx\n"
-    "from worker.blas import blas_provider\n"
+    "from kvserve_model.blas import blas_provider\n"
     "a = np.random.default_rng(0).standard_normal((300, 200)).astype(np.float32)\n"
     "b = np.random.default_rng(1).standard_normal((200, 100)).astype(np.float32)\n"
     "got = np.array(mx.array(a) @ mx.array(b))\n"
@@ -141,7 +141,8 @@ def test_thread_count_goes_to_the_chosen_librarys_variable():
 @with_fast_blas
 def test_ensure_fast_blas_reexecutes_once():
     code = (
-        "from worker.blas import ensure_fast_blas; s = ensure_fast_blas(); print(s.fast, s.library)"
+        "from kvserve_model.blas import ensure_fast_blas; "
+        "s = ensure_fast_blas(); print(s.fast, s.library)"
     )
     done = _python(_clean_env(), "-c", code)
     assert done.returncode == 0, done.stderr
@@ -151,7 +152,8 @@ def test_ensure_fast_blas_reexecutes_once():
 
 def test_disabled_or_looping_falls_back_with_a_warning():
     code = (
-        "from worker.blas import ensure_fast_blas; s = ensure_fast_blas(); print(s.fast, s.detail)"
+        "from kvserve_model.blas import ensure_fast_blas; "
+        "s = ensure_fast_blas(); print(s.fast, s.detail)"
     )
     done = _python(_clean_env(KVSERVE_FAST_BLAS="0"), "-c", code)
     assert done.stdout.startswith("False disabled"), done.stderr
@@ -162,7 +164,7 @@ def test_disabled_or_looping_falls_back_with_a_warning():
 
 @with_fast_blas
 def test_module_launcher_reports_the_library_and_its_speed():
-    done = _python(_clean_env(), "-m", "worker.blas")
+    done = _python(_clean_env(), "-m", "kvserve_model.blas")
     assert done.returncode == 0, done.stderr
     assert "preloaded" in done.stdout and "GFLOPS" in done.stdout
 
@@ -223,7 +225,7 @@ def test_selection_skips_a_crashing_library_for_one_that_works(
 def test_worker_process_survives_an_explicit_crashing_library(fake_libs, private_cache: Path):
     """KVSERVE_BLAS_LIB names a library that dies: the process runs on, on reference BLAS."""
     env = _clean_env(KVSERVE_BLAS_LIB=fake_libs["crash"].path, XDG_CACHE_HOME=str(private_cache))
-    done = _python(env, "-m", "worker.blas")
+    done = _python(env, "-m", "kvserve_model.blas")
     assert done.returncode == 0, done.stderr
     assert "MLX's reference BLAS" in done.stdout and "GFLOPS" in done.stdout
     assert "SIGILL" in done.stderr and "reference BLAS" in done.stderr
@@ -262,7 +264,7 @@ def test_on_a_cpu_without_avx512_a_portable_blas_is_chosen_and_correct(private_c
 
 def _config(path: str) -> str:
     lib = next(c for c in blas.candidates() if c.path == path)
-    code = "from worker.blas import library_config; print(library_config())"
+    code = "from kvserve_model.blas import library_config; print(library_config())"
     return _python(library_env(lib, _clean_env()), "-c", code).stdout
 
 

@@ -1,0 +1,125 @@
+"""What an operator does to one pool: evict, flush, pin and unpin prefixes, look a prompt up."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from kvcache_service.block_pool import blocks_for
+from kvcache_service.budget import Budget
+from kvcache_service.errors import NotFound
+from kvcache_service.eviction import EvictionOrder
+from kvcache_service.ids import BlockId, Namespace, Tokens
+from kvcache_service.inflight import chain_hashes
+from kvcache_service.lease_book import LeaseBook, reusable_tokens
+from kvcache_service.radix_index import RadixIndex
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """A dry run of an acquire: what of a prompt the pool holds, and what it would allocate."""
+
+    cached_tokens: int
+    matched_blocks: tuple[BlockId, ...]
+    pending_tokens: int  # past the cached ones, being filled by live leases
+    blocks_needed: int
+
+
+class PoolAdmin:
+    """Operator actions on one pool; owns the pinned prefixes.
+
+    Every action is safe while requests run: evictions take only evictable blocks (indexed,
+    unreferenced, unpinned), leaves first, through the budget; a pin holds blocks that are
+    already indexed. A pinned block is never evicted, by flush either, until unpinned.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        index: RadixIndex,
+        order: EvictionOrder,
+        budget: Budget,
+        leases: LeaseBook,
+    ) -> None:
+        self.block_size = block_size
+        self.index = index
+        self.order = order
+        self.budget = budget
+        self.leases = leases
+        self._pins: dict[tuple[Namespace, Tokens], tuple[BlockId, ...]] = {}
+
+    # -- eviction -----------------------------------------------------------------------------
+
+    def evict_lru(self, n: int) -> int:
+        done = 0
+        while done < n and len(self.order):
+            self.budget.evict(self.order.oldest())
+            done += 1
+        return done
+
+    def evict_namespace(self, ns: Namespace) -> int:
+        root = self.index.roots.get(ns)
+        return self._evict_all(self.index.blocks_leaves_first(root)) if root else 0
+
+    def evict_prefix(self, ns: Namespace, prefix: Tokens) -> int:
+        starts = self.index.subtrees_under(ns, prefix)
+        if not starts:
+            raise NotFound(f"no indexed sequence extends that prefix in namespace {ns!r}")
+        blocks = [b for node, j in starts for b in self.index.blocks_leaves_first(node, j)]
+        return self._evict_all(blocks)
+
+    def flush(self) -> int:
+        return sum(self.evict_namespace(ns) for ns in list(self.index.roots))
+
+    def _evict_all(self, leaves_first: list[BlockId]) -> int:
+        done = 0
+        for b in leaves_first:
+            # A referenced or pinned block's ancestors are referenced or pinned too, so
+            # skipping it never strands an evictable child.
+            if b in self.order:
+                self.budget.evict(b)
+                done += 1
+        return done
+
+    # -- pins ---------------------------------------------------------------------------------
+
+    def pin(self, ns: Namespace, prefix: Tokens) -> int:
+        """Protects the indexed full blocks of `prefix` from eviction until unpinned."""
+        key = self._pin_key(ns, prefix)
+        if key in self._pins:
+            return len(self._pins[key])
+        match = self.index.match(ns, key[1])
+        if not match.blocks:
+            raise NotFound(f"no full block of that prefix is indexed in namespace {ns!r}")
+        self._pins[key] = match.blocks
+        for b in match.blocks:
+            self.budget.pin(b)
+        return len(match.blocks)
+
+    def unpin(self, ns: Namespace, prefix: Tokens) -> int:
+        blocks = self._pins.pop(self._pin_key(ns, prefix), None)
+        if blocks is None:
+            raise NotFound(f"that prefix is not pinned in namespace {ns!r}")
+        for b in reversed(blocks):  # deepest first, as the eviction order needs
+            self.budget.unpin(b)
+        return len(blocks)
+
+    def _pin_key(self, ns: Namespace, prefix: Tokens) -> tuple[Namespace, Tokens]:
+        return ns, prefix[: len(prefix) // self.block_size * self.block_size]
+
+    def pin_counts(self) -> Counter[BlockId]:
+        """How many pinned prefixes hold each block (what its pin count must be)."""
+        counts: Counter[BlockId] = Counter()
+        for blocks in self._pins.values():
+            counts.update(blocks)
+        return counts
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    def lookup(self, ns: Namespace, prompt: Tokens) -> Lookup:
+        bs = self.block_size
+        match = self.index.match(ns, prompt)
+        cached = reusable_tokens(match, bs, len(prompt))
+        full = cached // bs
+        pending, _ = self.leases.pending(chain_hashes(ns, prompt, bs), full, cached, len(prompt))
+        return Lookup(cached, match.blocks[:full], pending, blocks_for(len(prompt), bs) - full)

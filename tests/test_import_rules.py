@@ -1,0 +1,187 @@
+"""The import rules of docs/architecture.md ("Import rules"), enforced.
+
+Statically: every import statement of every .py file of the six top-level packages (function-local
+ones and those under ``if TYPE_CHECKING`` included) names only packages its package may import.
+Dynamically: importing a process's entry module in a fresh interpreter loads none of what that
+process must not load, whatever path it takes to get there (the static check sees one file at a
+time; this one sees the whole import graph).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = ("kvcache_service", "worker", "gateway", "kvserve_launch", "kvserve_model", "kvserve_proto")
+MLX = ("mlx", "mlx_lm")
+RPC = ("grpc", "grpc_health", "grpc_reflection", "google", "kvserve_proto")
+
+# Of our packages, which each may import (besides itself).
+MAY_IMPORT: dict[str, set[str]] = {
+    "kvserve_proto": set(),
+    "kvserve_model": set(),
+    "kvserve_launch": {"kvserve_model"},
+    "kvcache_service": {"kvserve_launch", "kvserve_proto"},
+    "worker": {"kvserve_model", "kvserve_launch", "kvserve_proto"},
+    "gateway": {"kvserve_model", "kvserve_launch", "kvserve_proto"},
+}
+# Third-party packages each must not import: only the worker runs a model.
+MUST_NOT_IMPORT: dict[str, set[str]] = {
+    "kvserve_proto": {*MLX},
+    "kvserve_model": {*MLX, *RPC},
+    "kvserve_launch": {*MLX},
+    "kvcache_service": {*MLX},
+    "worker": set(),
+    "gateway": {*MLX},
+}
+# (file, package): why it may. Each exception is for imports inside functions only.
+EXCEPTIONS = {
+    ("kvserve_model/blas.py", "mlx"): "measures MLX's CPU backend, asks MLX whether a GPU is there",
+}
+
+
+def _imports(path: Path) -> list[tuple[str, int, bool]]:
+    """(top-level module, line, inside a function) for every import statement in ``path``."""
+    return _imports_in(path.read_text(), path.relative_to(ROOT).parent.parts)
+
+
+def _imports_in(source: str, package: tuple[str, ...]) -> list[tuple[str, int, bool]]:
+    tree = ast.parse(source)
+    found: list[tuple[str, int, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        if isinstance(node, ast.Import):
+            found.extend((a.name.split(".")[0], node.lineno, in_function) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the file's package
+                base = package[: len(package) - node.level + 1]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            found.append((module.split(".")[0], node.lineno, in_function))
+        inner = in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+def _files(package: str) -> list[Path]:
+    return sorted(p for p in (ROOT / package).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_the_checker_sees_every_kind_of_import() -> None:
+    source = (
+        "import a.b, c\n"
+        "from d.e import f\n"
+        "from . import g\n"
+        "from ..h import i\n"
+        "if TYPE_CHECKING:\n"
+        "    import j\n"
+        "def k():\n"
+        "    import mlx.core\n"
+        "    class L:\n"
+        "        from m import n\n"
+        "async def o():\n"
+        "    from p import q\n"
+    )
+    found = [(m, f) for m, _, f in _imports_in(source, ("gateway", "sub"))]
+    assert found == [
+        ("a", False),
+        ("c", False),
+        ("d", False),
+        ("gateway", False),
+        ("gateway", False),
+        ("j", False),
+        ("mlx", True),
+        ("m", True),
+        ("p", True),
+    ]
+
+
+@pytest.mark.parametrize("package", OURS)
+def test_static_imports_follow_the_rules(package: str) -> None:
+    files = _files(package)
+    assert files
+    broken = []
+    for path in files:
+        name = str(path.relative_to(ROOT))
+        for module, line, in_function in _imports(path):
+            if module in OURS and module != package and module not in MAY_IMPORT[package]:
+                broken.append(f"{name}:{line} imports {module}")
+            elif module in MUST_NOT_IMPORT[package]:
+                if (name, module) in EXCEPTIONS and in_function:
+                    continue
+                broken.append(f"{name}:{line} imports {module}")
+    assert not broken, "import rules (docs/architecture.md) broken:\n" + "\n".join(broken)
+
+
+def test_every_exception_is_still_needed() -> None:
+    for file, module in EXCEPTIONS:
+        assert any(m == module for m, _, _ in _imports(ROOT / file)), (file, module)
+
+
+@pytest.mark.parametrize("package", OURS)
+def test_each_package_says_what_it_owns_and_may_import(package: str) -> None:
+    doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
+    assert doc and "May import" in doc, f"{package}/__init__.py: say what it owns and may import"
+
+
+def _loaded_after(code: str) -> set[str]:
+    """The top-level packages loaded in a fresh interpreter after running ``code``."""
+    tops = "sorted({m.split('.')[0] for m in sys.modules})"
+    probe = f"{code}\nimport json, sys\nprint(json.dumps({tops}))"
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return set(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_the_gateway_process_never_loads_mlx_or_the_worker() -> None:
+    """Importing the gateway and loading its tokenizer (what ``python -m gateway`` does before
+    it serves) loads no MLX, no mlx-lm, nothing of the worker's or the cache service's."""
+    loaded = _loaded_after(
+        "import gateway.server, gateway.__main__\n"
+        "from gateway.tokenizer import Tokenizer\n"
+        "tokenizer = Tokenizer.load('kvserve-tiny-llama')\n"
+        "tokenizer.apply_chat_template([{'role': 'user', 'content': 'hi'}])"
+    )
+    assert "gateway" in loaded and "transformers" in loaded
+    assert not loaded & {*MLX, "worker", "kvcache_service"}
+
+
+def test_the_cache_service_loads_no_mlx_worker_or_gateway() -> None:
+    loaded = _loaded_after("import kvcache_service.server, kvcache_service.__main__")
+    assert "kvcache_service" in loaded
+    assert not loaded & {*MLX, "worker", "gateway", "kvserve_model"}
+
+
+def test_the_shared_package_and_the_launcher_load_no_mlx_and_no_service() -> None:
+    modules = [p.stem for p in _files("kvserve_model") if p.stem != "__init__"]
+    loaded = _loaded_after(
+        "\n".join(f"import kvserve_model.{m}" for m in modules)
+        + "\nimport kvserve_launch.system, kvserve_launch.__main__"
+    )
+    assert {"kvserve_model", "kvserve_launch"} <= loaded
+    assert not loaded & {*MLX, "worker", "gateway", "kvcache_service", "kvserve_proto"}
+
+
+def test_the_scheduler_imports_no_mlx_and_no_rpc() -> None:
+    """worker/scheduler.py is pure policy: no MLX, no gRPC, no generated protos (its value types
+    come from pure modules, not from the RPC client)."""
+    loaded = _loaded_after("import worker.scheduler")
+    assert not loaded & {*MLX, *RPC}, sorted(loaded & {*MLX, *RPC})

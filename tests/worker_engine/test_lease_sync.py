@@ -1,0 +1,291 @@
+"""The lease sync against the real cache-service domain, in process: no gRPC, no model.
+
+``InProcessClient`` answers the lease client's calls from a ``CacheAuthority`` and turns its
+errors into the worker's typed lease errors through the two real tables (the service's
+``STATUS_OF`` and the lease client's code table), so only the wire is left out. A seeded random
+walk then drives the worker's side (requests arriving, admission, steps that grow and publish,
+finishes, client aborts, missed heartbeats that expire every lease, a cache service that
+restarts and forgets the pool) and after every operation checks, once the calls in flight
+have landed:
+
+- the authority's own integrity check passes;
+- every running sequence's lease is live at the authority with the block table the worker
+  holds, and no live lease belongs to nobody (a leak);
+- at the end, with every request ended, no block is referenced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from kvcache_service.authority import AuthorityConfig, CacheAuthority
+from kvcache_service.errors import CacheError
+from kvcache_service.ids import Namespace, PoolId
+from kvcache_service.leases import AcquireRequest, Deferral, Reuse
+from kvcache_service.pool import PoolSpec
+from kvcache_service.servicer import status_of
+from worker.errors import WorkerError
+from worker.lease import Deferred, Lease, LeaseError, PoolRegistration
+from worker.lease_client import DEFAULT_MAX_NAMESPACE_CHARS, _translate
+from worker.lease_sync import LeasePolicy, LeaseSync
+from worker.sampling_params import Sampled, SamplingParams
+from worker.scheduler import Scheduler
+from worker.sequence import Finish, Sequence, Status, StreamEvent, TextStream
+
+BS = 4
+TTL = 10.0
+POOL = PoolId("w0")
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [20, 21, 22, 23, 24, 25], [40, 41]]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _RpcError(grpc.aio.AioRpcError):
+    """The status a CacheError becomes on the wire, for the lease client's own table."""
+
+    def __init__(self, err: CacheError) -> None:
+        super().__init__(status_of(err), grpc.aio.Metadata(), grpc.aio.Metadata(), str(err))
+
+
+class InProcessClient:
+    """The lease client's interface, answered by a CacheAuthority in this process."""
+
+    def __init__(self, authority: CacheAuthority) -> None:
+        self.authority = authority
+        self.pool_id = ""
+        self.incarnation = 0
+        self.lease_ttl_s = 0.0
+        self.heartbeat_interval_s = 1.0
+        self.max_namespace_chars = DEFAULT_MAX_NAMESPACE_CHARS
+
+    async def _call(self, fn, *args):  # type: ignore[no-untyped-def]
+        incarnation = self.incarnation
+        await asyncio.sleep(0)  # a real call yields to the loop: let others interleave
+        try:
+            return fn(*args)
+        except CacheError as err:
+            raise _translate(_RpcError(err), incarnation) from err
+
+    async def register(self, reg: PoolRegistration) -> int:
+        spec = PoolSpec(POOL, reg.num_blocks, reg.block_size)
+        r = await self._call(self.authority.register_pool, spec, self.incarnation or None)
+        self.pool_id, self.incarnation = reg.pool_id, r.incarnation
+        self.lease_ttl_s, self.heartbeat_interval_s = r.lease_ttl_s, r.heartbeat_interval_s
+        return r.incarnation
+
+    async def heartbeat(self) -> list[int]:
+        expired, _ = await self._call(self.authority.heartbeat, POOL, self.incarnation)
+        return list(expired)
+
+    async def acquire(
+        self, tokens: list[int], namespace: str, reserve: int, skip_cache: bool
+    ) -> tuple[Lease | Deferred, list[int]]:
+        reuse = Reuse.NONE if skip_cache else Reuse.SHARE_OR_DEFER
+        req = AcquireRequest(
+            POOL, self.incarnation, Namespace(namespace), tuple(tokens), reserve, reuse
+        )
+        result, expired = await self._call(self.authority.acquire, req)
+        if isinstance(result, Deferral):
+            return Deferred(result.waiting_on, result.cached_tokens, result.pending_tokens), expired
+        g = result
+        return Lease(g.lease_id, tuple(g.block_table), g.cached_tokens, g.copy_on_write), expired
+
+    async def extend(self, items: list[tuple[int, int]]) -> dict[int, list[int]]:
+        grown = await self._call(self.authority.extend, POOL, self.incarnation, items)
+        return {lease: list(blocks) for lease, blocks in grown}
+
+    async def commit(self, items: list[tuple[int, list[int]]]) -> None:
+        await self._call(self.authority.commit, POOL, self.incarnation, items)
+
+    async def release(self, lease_id: int, tokens: list[int]) -> None:
+        await self._call(self.authority.release, POOL, self.incarnation, lease_id, tokens)
+
+    async def close(self) -> None:
+        pass
+
+
+class _Detokenizer:
+    """Text for the sequences' streams: one character per token."""
+
+    def __init__(self) -> None:
+        self.last_segment = ""
+
+    def add_token(self, token: int) -> None:
+        self.last_segment = chr(65 + token % 26)
+
+    def finalize(self) -> None:
+        self.last_segment = ""
+
+
+@dataclass
+class Walk:
+    rng: random.Random
+    clock: FakeClock = field(default_factory=FakeClock)
+    ended: list[Sequence] = field(default_factory=list)
+    arrivals: int = 0
+
+    def __post_init__(self) -> None:
+        self.authority = self.new_authority()
+        self.client = InProcessClient(self.authority)
+        self.scheduler = Scheduler(max_batch_size=4, max_step_tokens=16, max_context=256)
+        self.sync = LeaseSync(
+            self.client,  # type: ignore[arg-type]
+            PoolRegistration("w0", 12, BS, "m", "fp", "127.0.0.1:1", 1, 1, 4, "float32"),
+            LeasePolicy(
+                max_batch_size=4, reserve_tokens=4, extend_ahead_tokens=2, prefix_caching=True
+            ),
+            self.scheduler,
+            step_lock=asyncio.Lock(),
+            wake_steps=lambda: None,
+            end=self.end,
+        )
+
+    def new_authority(self) -> CacheAuthority:
+        return CacheAuthority(AuthorityConfig(lease_ttl_s=TTL), clock=self.clock)
+
+    def end(self, seq: Sequence, error: WorkerError) -> None:
+        """What the engine does to end a request."""
+        seq.aborted = True
+        self.scheduler.remove(seq)
+        self.sync.release(seq)
+        if seq.status is not Status.FINISHED:
+            seq.status = Status.FINISHED
+            seq.out.put_nowait(StreamEvent([], "", [], Finish.ABORT, error))
+        self.ended.append(seq)
+
+    # -- operations ---------------------------------------------------------------------------
+
+    def submit(self) -> None:
+        self.arrivals += 1
+        prompt = list(self.rng.choice(PREFIXES)) + [
+            self.rng.randrange(100, 120) for _ in range(self.rng.randint(0, 9))
+        ]
+        params = SamplingParams(max_tokens=self.rng.randint(1, 24))
+        self.scheduler.add(
+            Sequence(
+                request_id=f"r{self.arrivals}",
+                prompt=prompt,
+                params=params,
+                namespace=self.rng.choice(["", "", "t"]),
+                max_tokens=params.max_tokens,
+                arrival=float(self.arrivals),
+                sampler=None,  # type: ignore[arg-type]  # the walk samples itself
+                text=TextStream(_Detokenizer(), (), False),
+                eos_ids=frozenset(),
+                block_size=BS,
+            )
+        )
+        self.sync.wake_admission()
+
+    async def admit(self) -> None:
+        await self.sync._admit_pass()
+
+    async def step(self) -> None:
+        self.sync.extend_ahead()
+        await self.settle()
+        step = self.scheduler.schedule()
+        if step is None:
+            return
+        sampled = [
+            Sampled(self.rng.randrange(100, 200)) if item.samples else None for item in step.items
+        ]
+        finished = self.scheduler.postprocess(step, sampled)
+        self.sync.publish(step)
+        for seq in finished:
+            self.sync.release(seq)
+            self.ended.append(seq)
+
+    def abort(self) -> None:
+        live = [*self.scheduler.running, *self.scheduler.waiting]
+        if live:
+            self.end(self.rng.choice(live), WorkerError("cancelled"))
+
+    async def heartbeat(self) -> None:
+        await self.sync._heartbeat_once()
+
+    async def lapse(self) -> None:
+        """The worker went silent for more than a TTL: every lease of the pool expires."""
+        self.clock.now += TTL * 1.5
+        await self.sync._heartbeat_once()
+
+    async def restart_service(self) -> None:
+        """The cache service restarted: a new authority that never heard of the pool."""
+        self.authority = self.client.authority = self.new_authority()
+        await self.sync._heartbeat_once()
+
+    # -- checks -------------------------------------------------------------------------------
+
+    async def settle(self) -> None:
+        """Lets every call in flight land (releases, commits, an extension, a recovery)."""
+        for _ in range(200):
+            ext = self.sync._extension
+            if not self.sync._background and (ext is None or ext.done()):
+                return
+            await asyncio.sleep(0)
+        raise AssertionError("calls in flight never landed")
+
+    def check(self) -> None:
+        assert self.authority.check_integrity() == []
+        pool = self.authority.pools.get(POOL)
+        live = dict(pool.leases.live) if pool is not None else {}
+        for seq in self.scheduler.running:
+            assert seq.lease is not None, seq.request_id
+            held = live.pop(seq.lease.lease_id, None)
+            assert held is not None, f"{seq.request_id} runs on a lease the service lost"
+            assert list(held.table) == seq.block_table, seq.request_id
+        assert not live, f"leases nobody holds: {sorted(live)}"
+
+
+async def walk(seed: int, steps: int = 300) -> Walk:
+    w = Walk(random.Random(seed))
+    await w.sync._register()
+    ops = [
+        (w.submit, 5),
+        (w.admit, 5),
+        (w.step, 12),
+        (w.abort, 1),
+        (w.heartbeat, 2),
+        (w.lapse, 0.3),
+        (w.restart_service, 0.3),
+    ]
+    fns, weights = zip(*ops, strict=True)
+    for _ in range(steps):
+        result = w.rng.choices(fns, weights)[0]()
+        if asyncio.iscoroutine(result):
+            await result
+        await w.settle()
+        w.check()
+    for seq in [*w.scheduler.running, *w.scheduler.waiting]:
+        w.end(seq, WorkerError("the walk is over"))
+    await w.settle()
+    w.check()
+    assert w.authority.pools[POOL].referenced_blocks == 0
+    return w
+
+
+async def test_random_walks_keep_the_books() -> None:
+    walks = [await walk(seed) for seed in range(12)]
+    # What the walks went through, or they prove little: requests finished by length within
+    # their max_tokens, preemptions, expiries and recoveries all happened.
+    finished = [s for w in walks for s in w.ended if not s.aborted]
+    assert finished and all(len(s.output) <= s.max_tokens for s in finished)
+    assert sum(w.sync.preemptions for w in walks) > 0
+
+
+async def test_a_lease_error_is_typed_by_the_real_tables() -> None:
+    """The adapter maps through the service's and the client's tables, not its own."""
+    walk = Walk(random.Random(0))
+    await walk.sync._register()
+    with pytest.raises(LeaseError):
+        await walk.client.release(12345, [])

@@ -1,0 +1,110 @@
+"""Every check a request passes before the engine queues it, in one place, and the
+:class:`~worker.sequence.Sequence` it becomes.
+
+A request that fails a check is refused with :class:`~worker.errors.InvalidRequest` (or
+:class:`~worker.errors.Overloaded` for a full worker) before it holds anything: no lease, no
+block, no place in the queue. The servicer (the gRPC edge) calls this and nothing else does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from worker.errors import InvalidRequest, Overloaded
+from worker.sampling import RowSampler
+from worker.sampling_params import SamplingParams
+from worker.sequence import Sequence, TextStream
+
+MAX_PROMPT_CHARS = 4_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    max_context: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    max_pending_requests: int = 0  # running + waiting; 0: no limit
+
+
+class Intake:
+    def __init__(
+        self, limits: RequestLimits, tokenizer: Any, max_namespace_chars: Callable[[], int]
+    ) -> None:
+        """``max_namespace_chars``: the cache service's limit, as it announced at registration
+        (asked per request: a re-registration may change it)."""
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self._max_namespace_chars = max_namespace_chars
+        self.eos_ids = frozenset(tokenizer.eos_token_ids)
+        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ())) | self.eos_ids
+
+    def check_room(self, held: int) -> None:
+        """Raises Overloaded when the worker already holds ``max_pending_requests`` requests.
+        Called before the request is tokenized or validated, so a full worker refuses in
+        microseconds; the engine's ``submit`` must follow with no ``await`` between, or another
+        request could take the room."""
+        limit = self.limits.max_pending_requests
+        if limit and held >= limit:
+            raise Overloaded(
+                f"this worker holds {held} requests (running + waiting), its limit "
+                f"(--max-pending-requests {limit}); retry on another worker or later"
+            )
+
+    def tokenize(self, text: str) -> list[int]:
+        if len(text) > MAX_PROMPT_CHARS:
+            raise InvalidRequest(f"prompt_text is longer than {MAX_PROMPT_CHARS} characters")
+        return list(self.tokenizer.encode(text))
+
+    def sequence(
+        self, request_id: str, prompt: list[int], params: SamplingParams, namespace: str
+    ) -> Sequence:
+        """The request checked against the model, the pool and the cache service's rules."""
+        lim = self.limits
+        if not prompt:
+            raise InvalidRequest("the prompt is empty")
+        if min(prompt) < 0 or max(prompt) >= lim.vocab_size:
+            raise InvalidRequest(f"prompt token ids must be in [0, {lim.vocab_size})")
+        params.validate(lim.vocab_size)
+        # The cache service's rule for what it stores (and its admin tools print).
+        max_chars = self._max_namespace_chars()
+        if len(namespace) > max_chars:
+            raise InvalidRequest(f"namespace is longer than {max_chars} characters")
+        if not namespace.isprintable():
+            raise InvalidRequest("namespace holds non-printable characters")
+        room = lim.max_context - len(prompt)
+        if room <= 0:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt)} tokens; the model's context is {lim.max_context}"
+            )
+        max_tokens = params.max_tokens or room
+        if max_tokens > room:
+            raise InvalidRequest(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"the model's context of {lim.max_context} tokens"
+            )
+        need = -(-(len(prompt) + max_tokens) // lim.block_size)
+        if need > lim.num_blocks:
+            raise InvalidRequest(
+                f"the request needs {need} KV blocks; this worker's pool has {lim.num_blocks}"
+            )
+        return Sequence(
+            request_id=request_id,
+            prompt=list(prompt),
+            params=params,
+            namespace=namespace,
+            max_tokens=max_tokens,
+            arrival=time.monotonic(),
+            sampler=RowSampler(params),
+            text=TextStream(
+                self.tokenizer.detokenizer,
+                params.stop,
+                params.include_stop_str_in_output,
+                self.special_ids if params.skip_special_tokens else frozenset(),
+            ),
+            eos_ids=self.eos_ids,
+            block_size=lim.block_size,
+        )

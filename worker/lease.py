@@ -1,0 +1,72 @@
+"""Leases as the worker sees them: plain values and the typed failures of lease traffic.
+
+Pure Python (no gRPC, no protos, no MLX): the sequence, the scheduler and the lease sync
+import these; only ``worker.lease_client`` turns the cache service's messages and status codes
+into them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class LeaseError(Exception):
+    """Base of the cache-service failures the engine handles."""
+
+
+class NoRoom(LeaseError):
+    """RESOURCE_EXHAUSTED: wait for blocks to come back, or preempt."""
+
+
+class Fenced(LeaseError):
+    """FAILED_PRECONDITION: the pool is unknown (the service restarted) or our incarnation is
+    fenced: register again.
+
+    `incarnation` is the one the call was made with. An answer to a call sent before the latest
+    registration is stale: the pool has already registered again, and must not do it twice.
+    """
+
+    def __init__(self, details: str, incarnation: int = 0) -> None:
+        super().__init__(details)
+        self.incarnation = incarnation
+
+
+class LeaseLost(LeaseError):
+    """NOT_FOUND: the lease expired or was released."""
+
+
+class CacheUnavailable(LeaseError):
+    """The cache service could not be reached."""
+
+
+class Rejected(LeaseError):
+    """INVALID_ARGUMENT from the cache service: a bug or a bad request."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: int
+    block_table: tuple[int, ...]
+    cached_tokens: int
+    copy_on_write: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    waiting_on: int
+    cached_tokens: int
+    pending_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRegistration:
+    pool_id: str
+    num_blocks: int
+    block_size: int
+    model: str
+    model_fingerprint: str
+    worker_address: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str

@@ -1,0 +1,398 @@
+"""Everything the worker says to the cache service, as one object beside the step loop.
+
+The engine steps the model; ``LeaseSync`` keeps the leases its sequences need in step with the
+cache service, on its own tasks so the service is never on the per-token path:
+
+- **registration** at start, and again after the service forgot or fenced the pool (restart):
+  every running request is requeued (its output kept) and no block of a void lease is written
+  after that, because the step lock is held throughout;
+- **the heartbeat**, on a fixed cadence (a fraction of the TTL the service announced), never
+  behind a step; it reports leases that expired, whose sequences are requeued;
+- **admission**: leases for waiting requests, oldest first; a request the pool cannot hold yet
+  blocks those behind it, one the service deferred (its prefix is being computed by another
+  lease) waits until something is committed, and running requests that must grow come first;
+- **extend-ahead**: one batched ExtendLeases per step for every sequence about to outgrow its
+  blocks, overlapping the forward; when the pool has no block left, the youngest running
+  sequence is preempted (released, its committed prefix stays cached, requeued);
+- **publishing**: full prompt blocks are committed as soon as a step writes them (so deferred
+  requests can share them at once), and a finished or ended request's lease is released with
+  the tokens whose K/V it wrote.
+
+Calls that fail are typed (``worker.lease``): no room waits or preempts, a lost lease asks for a
+heartbeat, a fenced pool re-registers, an unreachable service backs admission off
+(``worker.outage``). The interface to the engine is narrow: ``start``/``stop``,
+``wake_admission``, ``extend_ahead``, ``publish``, ``release``.
+
+Longer than 300 lines on purpose: these five conversations share one state (the publish count
+deferrals wait on, growth blocked by preemption, recovery in progress) and split across files
+they would need it passed around again, as the engine's eight attributes were.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from worker.errors import CacheRejected, WorkerError
+from worker.lease import (
+    CacheUnavailable,
+    Deferred,
+    Fenced,
+    LeaseError,
+    LeaseLost,
+    NoRoom,
+    PoolRegistration,
+    Rejected,
+)
+from worker.lease_client import LeaseClient
+from worker.outage import Outage
+from worker.scheduler import Scheduler, Step
+from worker.sequence import Sequence, Status
+from worker.step_budget import StepBudget
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 0.1  # admission retry tick (deferrals on dead leases, unreachable service)
+
+
+@dataclass(frozen=True, slots=True)
+class LeasePolicy:
+    max_batch_size: int
+    reserve_tokens: int
+    """Token slots leased beyond the prompt at admission."""
+    extend_ahead_tokens: int
+    """How far ahead of need a running sequence asks for its next block."""
+    prefix_caching: bool
+    publish_blocks: bool = True
+    """Commit written blocks to the cache service's index. Off for the dense runner
+    (``worker.dense_runner``): its leased blocks hold no K/V, so an index entry would offer
+    another request a prefix that is not there."""
+
+
+class LeaseSync:
+    def __init__(
+        self,
+        client: LeaseClient,
+        registration: PoolRegistration,
+        policy: LeasePolicy,
+        scheduler: Scheduler,
+        *,
+        step_lock: asyncio.Lock,
+        wake_steps: Callable[[], None],
+        end: Callable[[Sequence, WorkerError], None],
+        budget: StepBudget | None = None,
+    ) -> None:
+        """``step_lock``: held by the step loop around each step (recovery takes it, so no step
+        runs on void leases). ``wake_steps``: a sequence can step (admitted, grown, requeued).
+        ``end``: ends a sequence with a typed error (the engine's). ``budget``: told the TTL."""
+        self.client = client
+        self.registration = registration
+        self.policy = policy
+        self.scheduler = scheduler
+        self.block_size = registration.block_size
+        self._step_lock = step_lock
+        self._wake_steps = wake_steps
+        self._end = end
+        self._budget = budget
+        self.preemptions = 0
+        self._admit = asyncio.Event()
+        self._outage = Outage(base_s=RETRY_S)
+        # Bumped by every commit and release that came back: a deferred request is retried only
+        # once something was published since the service deferred it.
+        self._published = 0
+        self._recovering = False
+        self._growth_blocked = False
+        self._extension: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Registers the pool (retrying until the service answers), then admits and beats."""
+        await self._register()
+        self._tasks += [
+            asyncio.create_task(self._admit_loop()),
+            asyncio.create_task(self._heartbeat_loop()),
+        ]
+
+    async def stop(self) -> None:
+        """Stops admitting and beating; lets the releases already sent finish; closes."""
+        for task in self._tasks:
+            task.cancel()
+        if self._extension is not None:
+            self._extension.cancel()
+        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
+        await self.client.close()
+
+    @property
+    def max_namespace_chars(self) -> int:
+        return self.client.max_namespace_chars
+
+    async def _register(self) -> None:
+        delay = 0.1
+        while True:
+            try:
+                inc = await self.client.register(self.registration)
+            except LeaseError as err:
+                log.warning("cannot register with the cache service (%s); retrying", err)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            log.info(
+                "registered pool %r, incarnation %d (lease TTL %.1fs, heartbeat every %.2fs)",
+                self.registration.pool_id,
+                inc,
+                self.client.lease_ttl_s,
+                self.client.heartbeat_interval_s,
+            )
+            if self._budget is not None:
+                self._budget.set_ttl(self.client.lease_ttl_s)
+            return
+
+    # -- what the engine calls ----------------------------------------------------------------
+
+    def wake_admission(self) -> None:
+        """A request is waiting (submitted, requeued) or blocks may have come back."""
+        self._admit.set()
+
+    def extend_ahead(self) -> None:
+        """One batched ExtendLeases, in the background, for every sequence about to outgrow
+        its blocks. It runs while the model steps: a sequence only stalls if its extension has
+        not come back in time."""
+        if self._extension is not None and not self._extension.done():
+            return
+        ahead = self.policy.extend_ahead_tokens
+        items = [
+            (s.lease.lease_id, (len(s.block_table) + 1) * self.block_size)
+            for s in self.scheduler.running
+            if s.lease is not None and s.capacity - s.num_tokens < ahead
+        ]
+        if items:
+            self._extension = asyncio.create_task(self._extend(items))
+        elif self._growth_blocked:
+            self._growth_blocked = False  # nobody is waiting to grow any more
+            self._admit.set()
+
+    def publish(self, step: Step) -> None:
+        """Commits the full prompt blocks ``step`` wrote, so concurrent requests with the same
+        prefix (deferred by the cache service) can share them at once. Call it only once
+        nothing of the step can fail any more."""
+        if not self.policy.publish_blocks:
+            return
+        items = []
+        for item in step.items:
+            seq = item.seq
+            if seq.lease is None or item.start >= seq.admitted_tokens:
+                continue
+            full = seq.num_computed // self.block_size * self.block_size
+            if full > seq.committed_tokens:
+                seq.committed_tokens = full
+                items.append((seq.lease.lease_id, seq.tokens[: seq.num_computed]))
+        if items:
+            self._spawn(self._commit(items))
+
+    def release(self, seq: Sequence) -> None:
+        """Releases ``seq``'s lease, if it holds one, with the tokens whose K/V it wrote (the
+        service commits their full blocks to the index)."""
+        lease = seq.lease
+        if lease is None:
+            return
+        tokens = seq.tokens[: seq.num_computed] if self.policy.publish_blocks else []
+        seq.lease = None
+        self._spawn(self._release(lease.lease_id, tokens))
+
+    # -- lease traffic ------------------------------------------------------------------------
+
+    async def _extend(self, items: list[tuple[int, int]]) -> None:
+        try:
+            grown = await self.client.extend(items)
+        except NoRoom:
+            self._growth_blocked = True  # running sequences get blocks before new ones
+            victim = self.scheduler.youngest()
+            if victim is not None:
+                # Its committed prefix stays cached, so resuming it recomputes little.
+                log.info("preempted %s: no block to grow into", victim.request_id)
+                self.preemptions += 1
+                victim.preemptions += 1
+                self.release(victim)
+                self.scheduler.requeue(victim)
+            self._wake_steps()
+            return
+        except LeaseLost:
+            await self._heartbeat_once()
+            return
+        except LeaseError as err:
+            self._on_lease_error(err)
+            return
+        self._growth_blocked = False
+        by_lease = {s.lease.lease_id: s for s in self.scheduler.running if s.lease is not None}
+        for lease_id, blocks in grown.items():
+            if lease_id in by_lease:
+                by_lease[lease_id].block_table.extend(blocks)
+        self._wake_steps()
+        self._admit.set()
+
+    async def _commit(self, items: list[tuple[int, list[int]]]) -> None:
+        try:
+            await self.client.commit(items)
+        except LeaseError as err:
+            log.debug("commit failed: %s", err)
+        self._published += 1
+        self._admit.set()
+
+    async def _release(self, lease_id: int, tokens: list[int]) -> None:
+        try:
+            await self.client.release(lease_id, tokens)
+        except LeaseError as err:
+            log.debug("release of lease %d failed: %s", lease_id, err)
+        self._published += 1
+        self._admit.set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- admission ----------------------------------------------------------------------------
+
+    async def _admit_loop(self) -> None:
+        while True:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+            # lands as its timeout fires, and this loop would outlive stop().
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(RETRY_S, self._outage.retry_in())):
+                    await self._admit.wait()
+            self._admit.clear()
+            if not self._recovering and self._outage.retry_in() == 0:
+                try:
+                    await self._admit_pass()
+                except Exception:  # a bug must not stop admission silently for good
+                    log.exception("admission pass failed; retrying")
+
+    async def _admit_pass(self) -> None:
+        """Leases for waiting requests, oldest first. A request the pool cannot hold yet
+        blocks those behind it (no starvation of long prompts); a deferred one does not."""
+        for seq in list(self.scheduler.waiting):
+            if len(self.scheduler.running) >= self.policy.max_batch_size or self._recovering:
+                return
+            if self._growth_blocked and self.scheduler.running:
+                return  # blocks go to running sequences that must grow first
+            if seq.deferred_at == self._published:
+                continue  # nothing published since the cache service told it to wait
+            remaining = seq.max_tokens - len(seq.output)
+            reserve = min(self.policy.reserve_tokens, remaining)
+            # Taken before the call: a commit that lands while it is in flight must wake us.
+            published = self._published
+            try:
+                result, expired = await self.client.acquire(
+                    seq.tokens, seq.namespace, reserve, not self.policy.prefix_caching
+                )
+            except NoRoom:
+                return
+            except Rejected as err:
+                self._end(seq, CacheRejected(f"the cache service rejected the lease: {err}"))
+                continue
+            except LeaseError as err:
+                self._on_lease_error(err)
+                return
+            self._outage.recovered()
+            self._drop_expired(expired)
+            if isinstance(result, Deferred):
+                log.debug(
+                    "%s waits for lease %d (%d tokens pending)",
+                    seq.request_id,
+                    result.waiting_on,
+                    result.pending_tokens,
+                )
+                seq.deferred_at = published
+                continue
+            if seq.status is Status.FINISHED or seq not in self.scheduler.waiting:
+                self._spawn(self._release(result.lease_id, []))  # aborted meanwhile
+                continue
+            log.debug(
+                "%s admitted: lease %d, %d cached tokens",
+                seq.request_id,
+                result.lease_id,
+                result.cached_tokens,
+            )
+            seq.admit(result)
+            self.scheduler.admitted(seq)
+            self._wake_steps()
+
+    # -- liveness -----------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        """Renews the pool's liveness on a fixed cadence, never behind the step lock or a step:
+        only a blocked event loop delays it, and a beat that comes more than an interval late
+        says so in the log."""
+        due = time.monotonic()
+        while True:
+            interval = self.client.heartbeat_interval_s
+            due += interval
+            await asyncio.sleep(due - time.monotonic())
+            late = time.monotonic() - due
+            if late > interval:
+                log.warning(
+                    "heartbeat %.2fs late (lease TTL %.1fs): the event loop was blocked",
+                    late,
+                    self.client.lease_ttl_s,
+                )
+                due = time.monotonic()
+            try:
+                await self._heartbeat_once()
+            except Exception:  # a bug here would let the pool's liveness lapse: keep beating
+                log.exception("heartbeat failed; retrying at the next beat")
+
+    async def _heartbeat_once(self) -> None:
+        try:
+            self._drop_expired(await self.client.heartbeat())
+            self._outage.recovered()
+        except LeaseError as err:
+            self._on_lease_error(err)
+
+    def _drop_expired(self, lease_ids: list[int]) -> None:
+        """Leases the cache service expired: stop using their blocks before any newer lease's
+        blocks are written (this runs before the caller uses a new lease)."""
+        if not lease_ids:
+            return
+        expired = set(lease_ids)
+        for seq in list(self.scheduler.running):
+            if seq.lease is not None and seq.lease.lease_id in expired:
+                log.warning("lease of %s expired; recomputing it", seq.request_id)
+                self.scheduler.requeue(seq)
+        self._admit.set()
+
+    def _on_lease_error(self, err: LeaseError) -> None:
+        if isinstance(err, Fenced):
+            if err.incarnation != self.client.incarnation:
+                # Sent before the latest registration: registering again would fence off the
+                # new incarnation's calls in flight, and their answers would do it again.
+                log.debug("stale answer for incarnation %d: %s", err.incarnation, err)
+            elif not self._recovering:
+                self._spawn(self._recover(str(err)))
+        elif isinstance(err, CacheUnavailable):
+            self._outage.failed(err)  # backs admission off; logs at most every 10 s
+        else:
+            log.warning("cache service error: %s", err)
+
+    async def _recover(self, why: str) -> None:
+        """The cache service forgot us (restart) or fenced us: every lease is void. Stop
+        stepping, requeue every running request (its output so far is kept), register a new
+        incarnation, and resume. No block of a void lease is written after this."""
+        self._recovering = True
+        log.warning("re-registering with the cache service: %s", why)
+        try:
+            async with self._step_lock:
+                for seq in list(self.scheduler.running):
+                    self.scheduler.requeue(seq)
+                await self._register()
+        finally:
+            self._recovering = False
+            self._admit.set()
+            self._wake_steps()
