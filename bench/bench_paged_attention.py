@@ -42,8 +42,8 @@ import numpy as np  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache  # noqa: E402
 
-from worker.forward_batch import SeqInput  # noqa: E402
-from worker.model_runner import ModelRunner  # noqa: E402
+from worker.model.forward_batch import SeqInput  # noqa: E402
+from worker.model.runner import ModelRunner  # noqa: E402
 
 
 @dataclass(frozen=True)

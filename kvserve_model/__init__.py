@@ -11,6 +11,6 @@ where ``MLXLM_USE_MODELSCOPE`` asks for it, as mlx-lm does); nothing of kvserve'
 (it is the bottom layer: the services and the launcher import it). No ``mlx`` or ``mlx_lm``,
 except inside ``blas``'s functions, which measure MLX's CPU backend and ask MLX whether a GPU is
 there (``tokenizer`` runs mlx-lm's Python chat templates from their files, without importing
-``mlx_lm``). Loading weights is the worker's (``worker/model_loader.py``). docs/architecture.md,
+``mlx_lm``). Loading weights is the worker's (``worker/model/loader.py``). docs/architecture.md,
 "Import rules"; tests/test_import_rules.py.
 """

@@ -2,7 +2,7 @@
 
 Builds each family of the installed mlx-lm tiny (``tests/worker/families.py``), classifies it
 (paged / recurrent / unsupported), runs the full batched scenarios against dense per-sequence
-mlx-lm (``tests/worker/sweep.py``) and asks the startup self-check (``worker/self_check.py``)
+mlx-lm (``tests/worker/sweep.py``) and asks the startup self-check (``worker/model/self_check.py``)
 whether it would refuse the family. The output holds no timings, so it is the same on every run
 of one mlx-lm and BLAS.
 
@@ -23,8 +23,8 @@ import mlx_lm  # noqa: E402
 
 from tests.worker import families, sweep  # noqa: E402
 from tests.worker.test_family_sweep import KNOWN_FAILING  # noqa: E402
-from worker.dense_runner import DenseRunner, check_dense_parity, estimate_state  # noqa: E402
-from worker.self_check import check_paged_parity  # noqa: E402
+from worker.model.dense_runner import DenseRunner, check_dense_parity, estimate_state  # noqa: E402
+from worker.model.self_check import check_paged_parity  # noqa: E402
 
 STEPS = 6
 # Why a family that fails parity fails, where the sweep's error alone does not say.
@@ -45,17 +45,17 @@ Every module of `mlx_lm.models` that defines `Model` and `ModelArgs` is built as
 with seeded random weights (`tests/worker/families.py`: 2-4 layers, width 64, vocabulary 128,
 sliding windows of 16) and classified:
 
-- **paged**: every layer speaks the KV-cache protocol; `worker.model_spec.probe` accepts it. Its
+- **paged**: every layer speaks the KV-cache protocol; `worker.model.spec.probe` accepts it. Its
   parity is measured on batched paged forwards (block size 8) against dense per-sequence mlx-lm
   (`tests/worker/sweep.py`): 1, 2 and 3 sequences of different lengths in one step, prefills
   mixed with decodes, a shared prefix aligned to a block and one copied on write, chunked
   prefill, preempt-and-resume (full blocks reused, the tail recomputed); {steps} greedy decode
   steps each. Pass: max |logit diff| <= {tol:g} and identical greedy
-  tokens. The *self-check* column is what `worker.self_check` says at startup (refused models
+  tokens. The *self-check* column is what `worker.model.self_check` says at startup (refused models
   are never served).
 - **recurrent/hybrid**: layers keep recurrent or SSM state (`ArraysCache`, alone or inside a
   `CacheList`), which blocks of K/V cannot hold. The worker serves them with its dense
-  per-sequence runner (`worker/dense_runner.py`: one mlx-lm cache per sequence, continuous
+  per-sequence runner (`worker/model/dense_runner.py`: one mlx-lm cache per sequence, continuous
   batching across requests, one forward per sequence, no prefix reuse, nothing published to
   the index); the parity column is its startup check (`check_dense_parity`: a prompt in three
   chunks then decodes, and one that idles a step between decodes, against one-shot mlx-lm,

@@ -181,7 +181,7 @@ def test_the_shared_package_and_the_launcher_load_no_mlx_and_no_service() -> Non
 
 
 def test_the_scheduler_imports_no_mlx_and_no_rpc() -> None:
-    """worker/scheduler.py is pure policy: no MLX, no gRPC, no generated protos (its value types
+    """worker/engine/scheduler.py is pure policy: no MLX, no gRPC, no generated protos (its value types
     come from pure modules, not from the RPC client)."""
-    loaded = _loaded_after("import worker.scheduler")
+    loaded = _loaded_after("import worker.engine.scheduler")
     assert not loaded & {*MLX, *RPC}, sorted(loaded & {*MLX, *RPC})

@@ -8,6 +8,6 @@ model path (KV pool, paged cache, forward batch, block attention, runners), weig
 May import: ``kvserve_model`` (model name, tokenizer files, context length, BLAS, sampling
 limits), ``kvserve_launch``'s startup and TLS helpers, ``kvserve_proto`` (at its edges: the
 servicer, the lease client), ``mlx`` and ``mlx_lm``. Never ``gateway`` or ``kvcache_service``:
-it reaches the cache service over gRPC. ``worker/scheduler.py`` loads no MLX and no RPC
+it reaches the cache service over gRPC. ``worker/engine/scheduler.py`` loads no MLX and no RPC
 (docs/architecture.md, "Import rules"; tests/test_import_rules.py).
 """

@@ -52,7 +52,7 @@ class WorkerConfig:
     # kernel compilation and allocation (worker.warmup).
     warmup: bool = True
     # Check the paged path against mlx-lm's dense path on a small batch at startup and refuse a
-    # model whose logits differ (worker.self_check).
+    # model whose logits differ (worker.model.self_check).
     self_check: bool = True
     # TLS (kvserve_launch.tls). The gRPC port: PEM certificate and key, both or neither; the
     # same pair is the worker's client certificate when it dials the cache service over TLS.

@@ -56,4 +56,4 @@ class UnsupportedModelError(WorkerError):
 class RecurrentStateError(UnsupportedModelError):
     """The model's layers keep recurrent or SSM state (``ArraysCache``, alone or inside a
     ``CacheList``) besides plain K/V: not pageable, but servable by the dense per-sequence
-    runner (``worker.dense_runner``)."""
+    runner (``worker.model.dense_runner``)."""

@@ -20,18 +20,18 @@ from kvserve_model.errors import ModelLoadError
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker.config import ENV_PREFIX, WorkerConfig
-from worker.dense_runner import DenseRunner, check_dense_parity, dense_limits, estimate_state
 from worker.device_defaults import WorkerLimits, choose_limits, device_kind, free_memory
-from worker.engine import Engine, EngineLimits
+from worker.engine.executor import ModelExecutor, Runner
+from worker.engine.lease import PoolRegistration
+from worker.engine.lease_client import LeaseClient
+from worker.engine.loop import Engine, EngineLimits
 from worker.errors import RecurrentStateError, UnsupportedModelError
-from worker.executor import ModelExecutor, Runner
-from worker.kv_pool import bytes_per_block
-from worker.lease import PoolRegistration
-from worker.lease_client import LeaseClient
-from worker.model_loader import LoadedModel, load_model
-from worker.model_runner import ModelRunner
-from worker.model_spec import LayerSpec, probe
-from worker.self_check import check_paged_parity
+from worker.model.dense_runner import DenseRunner, check_dense_parity, dense_limits, estimate_state
+from worker.model.kv_pool import bytes_per_block
+from worker.model.loader import LoadedModel, load_model
+from worker.model.runner import ModelRunner
+from worker.model.self_check import check_paged_parity
+from worker.model.spec import LayerSpec, probe
 from worker.servicer import WorkerServicer
 from worker.warmup import warm_up
 
@@ -54,11 +54,11 @@ def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExec
     """The model thread with its runner and pool, and the limits the engine runs with: flags
     where set, else the device's defaults (``worker.device_defaults``), sized on the model
     thread once the weights are in memory. Unless ``config.self_check`` is off, the paged path
-    is checked against mlx-lm's dense path first (``worker.self_check``); a model that fails
+    is checked against mlx-lm's dense path first (``worker.model.self_check``); a model that fails
     raises UnsupportedModelError.
 
     A model whose layers keep recurrent state (``probe`` raises RecurrentStateError) gets the
-    dense per-sequence runner instead (``worker.dense_runner``), checked the same way."""
+    dense per-sequence runner instead (``worker.model.dense_runner``), checked the same way."""
     chosen: list[WorkerLimits] = []
 
     def build() -> Runner:

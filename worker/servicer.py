@@ -15,7 +15,9 @@ import grpc
 
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
-from worker.engine import Engine
+from worker.engine.loop import Engine
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.sequence import Finish, Sequence, StreamEvent
 from worker.errors import (
     CacheRejected,
     Cancelled,
@@ -25,8 +27,6 @@ from worker.errors import (
     StepFailed,
     WorkerError,
 )
-from worker.sampling_params import SamplingParams
-from worker.sequence import Finish, Sequence, StreamEvent
 
 log = logging.getLogger(__name__)
 

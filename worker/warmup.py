@@ -36,11 +36,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from worker.executor import ModelExecutor
-from worker.forward_batch import SeqInput
-from worker.sampling import RowSampler
-from worker.sampling_params import SamplingParams
-from worker.sequence import TextStream
+from worker.engine.executor import ModelExecutor
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.sequence import TextStream
+from worker.model.forward_batch import SeqInput
+from worker.model.sampling import RowSampler
 
 log = logging.getLogger(__name__)
 

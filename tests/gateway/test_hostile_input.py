@@ -21,7 +21,7 @@ from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 from tests.gateway.conftest import Stack, gateway_config
 from tests.gateway.fake_worker import FakeWorker
-from worker.outage import Outage
+from worker.engine.outage import Outage
 
 
 async def generate(stack: Stack, req: pb.GenerateRequest) -> grpc.StatusCode:
@@ -221,13 +221,13 @@ def test_outage_backs_off_and_logs_rarely(caplog: pytest.LogCaptureFixture) -> N
     now = [0.0]
     outage = Outage(base_s=0.1, cap_s=5.0, log_every_s=10.0, clock=lambda: now[0])
     delays = []
-    with caplog.at_level(logging.WARNING, logger="worker.outage"):
+    with caplog.at_level(logging.WARNING, logger="worker.engine.outage"):
         for _ in range(200):  # 200 failures in a row, each retried when due
             outage.failed("unavailable")
             delays.append(outage.retry_in())
             now[0] += outage.retry_in()
     assert delays[:4] == pytest.approx([0.1, 0.2, 0.4, 0.8]) and max(delays) == pytest.approx(5.0)
-    lines = [r for r in caplog.records if r.name == "worker.outage"]
+    lines = [r for r in caplog.records if r.name == "worker.engine.outage"]
     assert len(lines) <= now[0] / 10 + 1 < 200
     outage.recovered()
     assert outage.retry_in() == 0

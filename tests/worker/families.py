@@ -7,10 +7,10 @@ config is :data:`BASE` (one value for each size field under every name families 
 
 :func:`classify` sorts a family into one of three classes:
 
-- ``paged``: every layer speaks the KV-cache protocol; ``worker.model_spec.probe`` accepts it.
+- ``paged``: every layer speaks the KV-cache protocol; ``worker.model.spec.probe`` accepts it.
 - ``recurrent``: recurrent or hybrid layers (``ArraysCache``, ``MambaCache``, ...) whose state
   blocks of K/V cannot hold; ``probe`` refuses to page it (RecurrentStateError) and the worker
-  serves it with the dense per-sequence runner (``worker.dense_runner``).
+  serves it with the dense per-sequence runner (``worker.model.dense_runner``).
 - ``unsupported``: not built here, with the reason (:data:`UNSUPPORTED`), or built but refused
   by ``probe`` for another reason (its message).
 
@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from worker.errors import UnsupportedModelError
-from worker.model_spec import probe
+from worker.model.spec import probe
 
 VOCAB = 128
 EMB_STD = 1.0  # large enough that a token's embedding, not the norms' bias, steers the output

@@ -18,8 +18,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from worker.forward_batch import SeqInput
-from worker.model_runner import ModelRunner
+from worker.model.forward_batch import SeqInput
+from worker.model.runner import ModelRunner
 
 TOL = 1e-4
 EMB_STD = 0.3  # embeddings small enough that the context, not the last token, drives decoding

@@ -1,6 +1,6 @@
 """Batched paged forwards of a tiny model against dense per-sequence mlx-lm, recorded, not asserted.
 
-Each scenario drives :class:`worker.model_runner.ModelRunner` the way the engine does (block size
+Each scenario drives :class:`worker.model.runner.ModelRunner` the way the engine does (block size
 8, so prompts span several blocks; decode attention from the pool blocks, the CPU default) and
 every sequence alone on mlx-lm's own caches (``tests.worker.helpers.DenseSeq``). A forward's
 logits are compared at every position it computes; greedy decoding feeds the dense path's token to
@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from tests.worker.helpers import TOL, DenseSeq, PagedSeq, max_diff, prompts
-from worker.model_runner import ModelRunner
+from worker.model.runner import ModelRunner
 
 BS = 8
 NUM_BLOCKS = 64

@@ -23,8 +23,8 @@ from kvserve_model.default_model import (
 from kvserve_model.errors import ModelLoadError
 from kvserve_model.resolve import resolve_model
 from tests.worker.helpers import TOL, DenseSeq, PagedSeq, decode_together
-from worker.model_loader import load_model, model_fingerprint
-from worker.model_runner import ModelRunner
+from worker.model.loader import load_model, model_fingerprint
+from worker.model.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

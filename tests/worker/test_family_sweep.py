@@ -3,7 +3,7 @@
 Each family of the installed mlx-lm (``tests.worker.families``) is built tiny and classified. A
 ``paged`` family must match dense per-sequence mlx-lm on batched paged forwards
 (``tests.worker.sweep``: max |logit diff| <= 1e-4 in fp32, identical greedy tokens), or be
-refused at startup by ``worker.self_check``; a recurrent one is served by the dense per-sequence
+refused at startup by ``worker.model.self_check``; a recurrent one is served by the dense per-sequence
 runner and must pass its startup check against one-shot mlx-lm (``check_dense_parity``: chunked
 prefill and decode, fp32 tolerance 1e-3); an otherwise unsupported one must be refused when its
 runner is built. The default run uses the fast composite scenario (all families,
@@ -18,11 +18,11 @@ import functools
 import pytest
 
 from tests.worker import families, sweep
-from worker.dense_runner import DenseRunner, check_dense_parity, estimate_state
 from worker.errors import RecurrentStateError, UnsupportedModelError
-from worker.model_runner import ModelRunner
-from worker.model_spec import probe
-from worker.self_check import SelfCheckResult, check_paged_parity
+from worker.model.dense_runner import DenseRunner, check_dense_parity, estimate_state
+from worker.model.runner import ModelRunner
+from worker.model.self_check import SelfCheckResult, check_paged_parity
+from worker.model.spec import probe
 
 # Families that fail parity and that the startup self-check does not refuse: served wrong today.
 # Families that fail parity and are not refused yet, each with its reason; empty: none is served

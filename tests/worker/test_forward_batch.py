@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from tests.worker.helpers import tiny_model
 from worker.errors import BatchError
-from worker.forward_batch import ForwardBatch, SeqInput
-from worker.model_runner import ModelRunner
-from worker.model_spec import probe
+from worker.model.forward_batch import ForwardBatch, SeqInput
+from worker.model.runner import ModelRunner
+from worker.model.spec import probe
 
 BS = 4
 NUM_BLOCKS = 16

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from worker.errors import BatchError, PoolConfigError
-from worker.forward_batch import ForwardBatch, SeqInput
-from worker.kv_pool import KVPool
-from worker.model_spec import LayerSpec, ModelSpec
+from worker.model.forward_batch import ForwardBatch, SeqInput
+from worker.model.kv_pool import KVPool
+from worker.model.spec import LayerSpec, ModelSpec
 
 BS = 4
 LAYERS = (LayerSpec(n_kv_heads=2, k_head_dim=3, v_head_dim=5), LayerSpec(1, 2, 2))

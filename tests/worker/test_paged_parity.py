@@ -28,8 +28,8 @@ from tests.worker.helpers import (
     prompts,
     tiny_model,
 )
-from worker import block_attention
-from worker.model_runner import ModelRunner
+from worker.model import block_attention
+from worker.model.runner import ModelRunner
 
 STEPS = 32
 BS = 8

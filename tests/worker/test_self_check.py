@@ -14,12 +14,12 @@ import pytest
 from kvserve_launch.startup import ModelUnavailable
 from kvserve_model.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from tests.worker.helpers import FAMILIES, TOL, tiny_model
-from worker import model_spec
 from worker.config import WorkerConfig
-from worker.forward_batch import ForwardBatch
-from worker.model_loader import LoadedModel, load_model
-from worker.model_runner import ModelRunner
-from worker.self_check import check_paged_parity
+from worker.model import spec as model_spec
+from worker.model.forward_batch import ForwardBatch
+from worker.model.loader import LoadedModel, load_model
+from worker.model.runner import ModelRunner
+from worker.model.self_check import check_paged_parity
 from worker.server import build_executor, running
 
 
@@ -108,7 +108,7 @@ def test_a_model_that_needs_int_offsets_runs_one_forward_per_position():
     one int offset, and batches of sequences at different positions run as separate forwards,
     matching dense mlx-lm (it was refused by this self-check before)."""
     from tests.worker import families
-    from worker.model_spec import probe
+    from worker.model.spec import probe
 
     if "gpt_bigcode" not in families.families():
         pytest.skip("this mlx-lm has no gpt_bigcode")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.forward_batch import ForwardBatch
+from worker.model.forward_batch import ForwardBatch
 from worker.warmup import decode_sizes, plan
 
 

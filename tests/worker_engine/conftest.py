@@ -23,7 +23,7 @@ from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as kpb_grpc
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig
-from worker.model_loader import LoadedModel, load_model
+from worker.model.loader import LoadedModel, load_model
 from worker.server import RunningWorker
 from worker.server import running as worker_running
 

@@ -14,6 +14,7 @@ import pytest
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kpb
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from tests.worker_engine.conftest import AUTH, BS, System, generate, request
+from worker.engine.scheduler import Step
 from worker.errors import (
     BatchError,
     CacheRejected,
@@ -22,8 +23,7 @@ from worker.errors import (
     ShuttingDown,
     StepFailed,
 )
-from worker.forward_batch import SeqInput
-from worker.scheduler import Step
+from worker.model.forward_batch import SeqInput
 from worker.servicer import status_of
 
 VOCAB = 256

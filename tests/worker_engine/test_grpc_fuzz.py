@@ -25,7 +25,7 @@ from kvserve_proto.kvcache.v1 import kvcache_pb2 as kv
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from tests.fuzz import LoopThread, fuzz_worker_bytes, fuzz_worker_messages, invoke, rpcs
 from worker.config import WorkerConfig
-from worker.model_loader import load_model
+from worker.model.loader import load_model
 from worker.server import running as running_worker
 
 SERVICE_TOKEN = "fuzz-service-token"

@@ -29,13 +29,13 @@ from kvcache_service.ids import Namespace, PoolId
 from kvcache_service.leases import AcquireRequest, Deferral, Reuse
 from kvcache_service.pool import PoolSpec
 from kvcache_service.servicer import status_of
+from worker.engine.lease import Deferred, Lease, LeaseError, PoolRegistration
+from worker.engine.lease_client import DEFAULT_MAX_NAMESPACE_CHARS, _translate
+from worker.engine.lease_sync import LeasePolicy, LeaseSync
+from worker.engine.sampling_params import Sampled, SamplingParams
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Finish, Sequence, Status, StreamEvent, TextStream
 from worker.errors import WorkerError
-from worker.lease import Deferred, Lease, LeaseError, PoolRegistration
-from worker.lease_client import DEFAULT_MAX_NAMESPACE_CHARS, _translate
-from worker.lease_sync import LeasePolicy, LeaseSync
-from worker.sampling_params import Sampled, SamplingParams
-from worker.scheduler import Scheduler
-from worker.sequence import Finish, Sequence, Status, StreamEvent, TextStream
 
 BS = 4
 TTL = 10.0

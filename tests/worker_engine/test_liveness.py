@@ -22,9 +22,9 @@ import pytest
 
 from tests.worker_engine.conftest import System, generate, request, started_system
 from tests.worker_engine.test_engine import prompt
-from worker.lease import Fenced
-from worker.model_loader import LoadedModel
-from worker.step_budget import TTL_FRACTION
+from worker.engine.lease import Fenced
+from worker.engine.step_budget import TTL_FRACTION
+from worker.model.loader import LoadedModel
 
 TTL_S = 2.0
 S_PER_TOKEN = 0.008  # slow-down per padded token of a forward

@@ -26,7 +26,7 @@ from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 from tests.tls_certs import Certs, make_certs, needs_openssl
 from tests.worker_engine.conftest import TOKEN, generate, request, started_system
 from worker.config import WorkerConfig
-from worker.model_loader import LoadedModel
+from worker.model.loader import LoadedModel
 
 pytestmark = needs_openssl
 

@@ -16,11 +16,11 @@ from mlx_lm.generate import generate_step
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from tests.worker import families
 from tests.worker_engine.conftest import BS, System, generate, request, started_system
-from worker.dense_runner import DenseRunner
 from worker.errors import BatchError, RecurrentStateError
-from worker.forward_batch import SeqInput
-from worker.model_loader import LoadedModel, load_model
-from worker.model_spec import probe
+from worker.model.dense_runner import DenseRunner
+from worker.model.forward_batch import SeqInput
+from worker.model.loader import LoadedModel, load_model
+from worker.model.spec import probe
 
 # mamba: every layer recurrent. jamba: recurrent layers and attention layers (KVCache).
 FAMILIES = ("mamba", "jamba", "falcon_h1", "recurrent_gemma")
@@ -157,7 +157,7 @@ async def test_a_small_pool_preempts_and_resumes_from_scratch(system: System, fa
 
 
 def test_a_continuation_the_runner_does_not_hold_is_refused() -> None:
-    from worker.dense_runner import estimate_state
+    from worker.model.dense_runner import estimate_state
 
     model = families.build("mamba")
     runner = DenseRunner(model, estimate_state(model), block_size=BS, num_blocks=8)

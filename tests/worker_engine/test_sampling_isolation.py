@@ -13,7 +13,7 @@ import pytest
 from kvserve_model.sampling_limits import INT32_MAX
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from tests.worker_engine.conftest import System, generate, request
-from worker.sampling import RowSampler
+from worker.model.sampling import RowSampler
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from kvserve_model.resolve import resolve_model
-from worker.lease import Lease
-from worker.sampling import RowSampler
-from worker.sampling_params import Sampled, SamplingParams
-from worker.scheduler import Scheduler
-from worker.sequence import Finish, Sequence, TextStream
+from worker.engine.lease import Lease
+from worker.engine.sampling_params import Sampled, SamplingParams
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Finish, Sequence, TextStream
+from worker.model.sampling import RowSampler
 
 BS = 16
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.step_budget import ForwardTime, StepBudget
+from worker.engine.step_budget import ForwardTime, StepBudget
 
 
 def test_no_ttl_means_no_cap() -> None:

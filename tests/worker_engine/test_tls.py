@@ -20,7 +20,7 @@ from kvserve_launch.startup import StartupError
 from kvserve_launch.tls import channel
 from tests.tls_certs import Certs, make_certs, needs_openssl
 from tests.worker_engine.conftest import generate, request, started_system
-from worker.model_loader import LoadedModel
+from worker.model.loader import LoadedModel
 
 pytestmark = needs_openssl
 

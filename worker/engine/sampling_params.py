@@ -1,7 +1,7 @@
 """What a request asks of sampling, and what sampling gives back: plain values.
 
 Pure Python (no MLX), so the sequence and the scheduler can hold them without loading MLX;
-``worker.sampling`` does the sampling itself.
+``worker.model.sampling`` does the sampling itself.
 """
 
 from __future__ import annotations

@@ -17,19 +17,19 @@ from collections.abc import Collection, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker import block_attention as block_attention_hook
 from worker.errors import BatchError, PoolConfigError
-from worker.forward_batch import ForwardBatch, SeqInput
-from worker.kv_pool import DEFAULT_BLOCK_SIZE, KVPool
-from worker.model_spec import ModelSpec, probe
-from worker.paged_cache import PagedLayerCache
+from worker.model import block_attention as block_attention_hook
+from worker.model.forward_batch import ForwardBatch, SeqInput
+from worker.model.kv_pool import DEFAULT_BLOCK_SIZE, KVPool
+from worker.model.paged_cache import PagedLayerCache
+from worker.model.spec import ModelSpec, probe
 
 
 class ModelRunner:
     """An mlx-lm model and its KV pool, one forward at a time.
 
     ``block_attention`` (default: on the CPU device) serves decode attention straight from the
-    pool blocks (``worker.block_attention``), split over ``attention_streams`` MLX CPU streams
+    pool blocks (``worker.model.block_attention``), split over ``attention_streams`` MLX CPU streams
     (default: one per available core, at most 8); off, every forward gathers K/V and runs SDPA
     (the reference path). Both match mlx-lm's dense ``KVCache`` path.
 

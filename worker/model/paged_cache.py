@@ -17,8 +17,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from worker.forward_batch import ForwardBatch
-from worker.kv_pool import KVPool
+from worker.model.forward_batch import ForwardBatch
+from worker.model.kv_pool import KVPool
 
 
 class PagedLayerCache:
@@ -39,7 +39,7 @@ class PagedLayerCache:
         self._layer = layer
         self._fetched: tuple[mx.array, mx.array] | None = None
         self.block_attention = block_attention
-        """Whether ``worker.block_attention.paged_sdpa`` may serve this layer's decodes."""
+        """Whether ``worker.model.block_attention.paged_sdpa`` may serve this layer's decodes."""
         self.attention_streams = attention_streams
         """Streams block attention splits its rows over (empty: the default stream)."""
 
@@ -64,7 +64,7 @@ class PagedLayerCache:
         """Write ``[B, heads, N, dim]`` at this forward's slots; return the context, gathered.
 
         The gather is lazy: when block-table attention serves the layer (see
-        ``worker.block_attention``) it is never evaluated and costs nothing.
+        ``worker.model.block_attention``) it is never evaluated and costs nothing.
         """
         batch = self._batch
         self._pool.write(self._layer, batch.write_blocks, batch.write_slots, keys, values)

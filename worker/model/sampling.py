@@ -1,4 +1,4 @@
-"""The per-step sampler (its parameters and results: ``worker.sampling_params``).
+"""The per-step sampler (its parameters and results: ``worker.engine.sampling_params``).
 
 Every request samples from its own PRNG key, never from MLX's global random state: a seeded
 request's key for a token derives from (seed, position), an unseeded one's from a seed drawn
@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
-from worker.sampling_params import RowFailed, Sampled, SamplingParams
+from worker.engine.sampling_params import RowFailed, Sampled, SamplingParams
 
 log = logging.getLogger(__name__)
 

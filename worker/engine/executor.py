@@ -19,17 +19,17 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from worker.forward_batch import SeqInput
-from worker.model_spec import ModelSpec
-from worker.sampling import RowSampler, sample_rows
-from worker.sampling_params import RowFailed, Sampled
-from worker.scheduler import Step
-from worker.step_budget import ForwardTime
+from worker.engine.sampling_params import RowFailed, Sampled
+from worker.engine.scheduler import Step
+from worker.engine.step_budget import ForwardTime
+from worker.model.forward_batch import SeqInput
+from worker.model.sampling import RowSampler, sample_rows
+from worker.model.spec import ModelSpec
 
 
 class Runner(Protocol):
     """What the executor, the engine and the server use of a runner: the paged
-    ``worker.model_runner.ModelRunner``, or ``worker.dense_runner.DenseRunner`` for models with
+    ``worker.model.runner.ModelRunner``, or ``worker.model.dense_runner.DenseRunner`` for models with
     recurrent state."""
 
     kind: str  # "paged" or "dense"

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from worker.sampling_params import Sampled
-from worker.sequence import Finish, Sequence, Status, StreamEvent
+from worker.engine.sampling_params import Sampled
+from worker.engine.sequence import Finish, Sequence, Status, StreamEvent
 
 
 @dataclass(frozen=True, slots=True)

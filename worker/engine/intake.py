@@ -1,5 +1,5 @@
 """Every check a request passes before the engine queues it, in one place, and the
-:class:`~worker.sequence.Sequence` it becomes.
+:class:`~worker.engine.sequence.Sequence` it becomes.
 
 A request that fails a check is refused with :class:`~worker.errors.InvalidRequest` (or
 :class:`~worker.errors.Overloaded` for a full worker) before it holds anything: no lease, no
@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.sequence import Sequence, TextStream
 from worker.errors import InvalidRequest, Overloaded
-from worker.sampling import RowSampler
-from worker.sampling_params import SamplingParams
-from worker.sequence import Sequence, TextStream
+from worker.model.sampling import RowSampler
 
 MAX_PROMPT_CHARS = 4_000_000
 

@@ -1,5 +1,5 @@
 """The worker's client of the cache service: its messages and status codes in, the plain
-values and typed errors of ``worker.lease`` out.
+values and typed errors of ``worker.engine.lease`` out.
 
 Only this module touches the generated kvcache protos on the worker side.
 """
@@ -12,7 +12,7 @@ import grpc
 
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
-from worker.lease import (
+from worker.engine.lease import (
     CacheUnavailable,
     Deferred,
     Fenced,

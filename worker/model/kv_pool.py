@@ -27,7 +27,7 @@ import numpy as np
 
 from worker.errors import BatchError, PoolConfigError
 from worker.ids import BlockId
-from worker.model_spec import LayerSpec, ModelSpec
+from worker.model.spec import LayerSpec, ModelSpec
 
 DEFAULT_BLOCK_SIZE = 32
 

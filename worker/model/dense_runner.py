@@ -40,9 +40,9 @@ from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from worker.config import WorkerConfig
 from worker.device_defaults import MIB, Device, WorkerLimits, choose_limits
 from worker.errors import BatchError
-from worker.forward_batch import SeqInput
-from worker.model_spec import LayerSpec, ModelSpec, cache_leaves, describe_caches
-from worker.self_check import FP32_TOLERANCE, DenseSequence, SelfCheckResult, tolerance_for
+from worker.model.forward_batch import SeqInput
+from worker.model.self_check import FP32_TOLERANCE, DenseSequence, SelfCheckResult, tolerance_for
+from worker.model.spec import LayerSpec, ModelSpec, cache_leaves, describe_caches
 
 
 @dataclass(frozen=True, slots=True)

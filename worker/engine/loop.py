@@ -2,13 +2,13 @@
 
 The step loop is schedule -> run -> postprocess, on the event loop; the model runs on its own
 thread (ModelExecutor). Everything said to the cache service (registration, heartbeat,
-admission, extend-ahead, commits and releases) is the lease sync's (worker.lease_sync), on its
-own tasks; every check a request passes before it is queued is the intake's (worker.intake).
+admission, extend-ahead, commits and releases) is the lease sync's (worker.engine.lease_sync), on its
+own tasks; every check a request passes before it is queued is the intake's (worker.engine.intake).
 
 Liveness never waits for a step: the heartbeat has its own timer, and MLX releases the GIL
 while it computes, so the loop runs during a forward. What a forward can still do is hold the
 GIL (then no Python thread runs at all), so every step is also kept short: the step budget
-(worker/step_budget.py) caps its prefill tokens to a quarter of the lease TTL's worth of time.
+(worker/engine/step_budget.py) caps its prefill tokens to a quarter of the lease TTL's worth of time.
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from worker.engine.executor import ModelExecutor
+from worker.engine.intake import Intake, RequestLimits
+from worker.engine.lease import PoolRegistration
+from worker.engine.lease_client import LeaseClient
+from worker.engine.lease_sync import LeasePolicy, LeaseSync
+from worker.engine.sampling_params import RowFailed, Sampled
+from worker.engine.scheduler import Scheduler, Step
+from worker.engine.sequence import Finish, Sequence, Status, StreamEvent
+from worker.engine.step_budget import StepBudget
 from worker.errors import Cancelled, ShuttingDown, StepFailed, WorkerError
-from worker.executor import ModelExecutor
-from worker.intake import Intake, RequestLimits
-from worker.lease import PoolRegistration
-from worker.lease_client import LeaseClient
-from worker.lease_sync import LeasePolicy, LeaseSync
-from worker.sampling_params import RowFailed, Sampled
-from worker.scheduler import Scheduler, Step
-from worker.sequence import Finish, Sequence, Status, StreamEvent
-from worker.step_budget import StepBudget
 
 log = logging.getLogger(__name__)
 

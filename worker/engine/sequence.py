@@ -7,12 +7,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from worker.engine.lease import Lease
+from worker.engine.sampling_params import Sampled, SamplingParams
 from worker.errors import WorkerError
-from worker.lease import Lease
-from worker.sampling_params import Sampled, SamplingParams
 
 if TYPE_CHECKING:  # the sampler runs MLX; the sequence only carries it
-    from worker.sampling import RowSampler
+    from worker.model.sampling import RowSampler
 
 
 class Status(enum.Enum):

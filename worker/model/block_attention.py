@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
-from worker.paged_cache import PagedLayerCache
+from worker.model.paged_cache import PagedLayerCache
 
 _ORIGINAL_SDPA = base.scaled_dot_product_attention
 

@@ -32,8 +32,8 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from worker.errors import UnsupportedModelError
-from worker.forward_batch import SeqInput
-from worker.model_runner import ModelRunner
+from worker.model.forward_batch import SeqInput
+from worker.model.runner import ModelRunner
 
 # fp32: batched and single-sequence attention differ only in summation order (measured on the
 # tiny test models: <= 2e-5); a mask that lets padding through differs by whole units (5.5).

@@ -18,9 +18,9 @@ cache service, on its own tasks so the service is never on the per-token path:
   requests can share them at once), and a finished or ended request's lease is released with
   the tokens whose K/V it wrote.
 
-Calls that fail are typed (``worker.lease``): no room waits or preempts, a lost lease asks for a
+Calls that fail are typed (``worker.engine.lease``): no room waits or preempts, a lost lease asks for a
 heartbeat, a fenced pool re-registers, an unreachable service backs admission off
-(``worker.outage``). The interface to the engine is narrow: ``start``/``stop``,
+(``worker.engine.outage``). The interface to the engine is narrow: ``start``/``stop``,
 ``wake_admission``, ``extend_ahead``, ``publish``, ``release``.
 
 Longer than 300 lines on purpose: these five conversations share one state (the publish count
@@ -38,8 +38,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from worker.errors import CacheRejected, WorkerError
-from worker.lease import (
+from worker.engine.lease import (
     CacheUnavailable,
     Deferred,
     Fenced,
@@ -49,11 +48,12 @@ from worker.lease import (
     PoolRegistration,
     Rejected,
 )
-from worker.lease_client import LeaseClient
-from worker.outage import Outage
-from worker.scheduler import Scheduler, Step
-from worker.sequence import Sequence, Status
-from worker.step_budget import StepBudget
+from worker.engine.lease_client import LeaseClient
+from worker.engine.outage import Outage
+from worker.engine.scheduler import Scheduler, Step
+from worker.engine.sequence import Sequence, Status
+from worker.engine.step_budget import StepBudget
+from worker.errors import CacheRejected, WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class LeasePolicy:
     prefix_caching: bool
     publish_blocks: bool = True
     """Commit written blocks to the cache service's index. Off for the dense runner
-    (``worker.dense_runner``): its leased blocks hold no K/V, so an index entry would offer
+    (``worker.model.dense_runner``): its leased blocks hold no K/V, so an index entry would offer
     another request a prefix that is not there."""
 
 

@@ -1,7 +1,7 @@
 """Leases as the worker sees them: plain values and the typed failures of lease traffic.
 
 Pure Python (no gRPC, no protos, no MLX): the sequence, the scheduler and the lease sync
-import these; only ``worker.lease_client`` turns the cache service's messages and status codes
+import these; only ``worker.engine.lease_client`` turns the cache service's messages and status codes
 into them.
 """
 

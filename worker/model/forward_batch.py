@@ -34,7 +34,7 @@ class SeqInput:
     (reused prefix or earlier chunks); ``token_ids`` are computed now. Copy-on-write pairs of the
     lease are applied by the caller (``ModelRunner.copy_blocks``) before the first forward.
     ``seq_key`` names the sequence across forwards (the engine passes its lease id): the paged
-    path ignores it, the dense runner (``worker.dense_runner``) keeps its cache under it.
+    path ignores it, the dense runner (``worker.model.dense_runner``) keeps its cache under it.
     """
 
     token_ids: Sequence[int]
