@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from worker.engine.executor import ModelExecutor
+from worker.engine.executor import ModelExecutor, SampleRow
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import TextStream
 from worker.model.forward_batch import SeqInput
@@ -180,12 +180,12 @@ async def warm_up(
         vocab_size=runner.spec.vocab_size,
     )
     for step in steps:
-        rows = [
-            (i, RowSampler(p), list(s.token_ids), s.end)
+        samples = [
+            SampleRow(i, RowSampler(p), list(s.token_ids), s.end)
             for i, (s, p) in enumerate(zip(step.inputs, step.samplers, strict=True))
         ]
         t = time.perf_counter()
-        await executor.run_batch(list(step.inputs), list(step.copies), rows)
+        await executor.run_batch(list(step.inputs), list(step.copies), samples)
         log.debug(
             "warm-up step: %d sequences x %d tokens in %.2f s",
             len(step.inputs),

@@ -5,6 +5,12 @@ thread that created them, so the runner is also built on this thread. The thread
 process and outlives a runner: MLX keeps per-thread stream state, and a second runner built on
 a fresh thread after the first one's thread ended failed with "There is no Stream(cpu, 1) in
 current thread" (tests start several workers in one process).
+
+Two index spaces meet here, and each has its name: an *item* is a sequence's place in the step
+(``Step.items``, the job's ``inputs``); a *row* is its place in one forward's logits (decodes
+and prefill chunks run as two forwards, so item 5 may be row 0 of the second). A
+:class:`SampleRow` names the item it samples; only ``_run`` turns items into rows, for the
+sampler, and answers by item again.
 """
 
 from __future__ import annotations
@@ -51,11 +57,20 @@ class Runner(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class SampleRow:
+    """A step item whose forward computes through its last token, so it yields one."""
+
+    item: int  # its index in the step's inputs
+    sampler: RowSampler
+    history: list[int]  # the tokens so far, for logits processors (empty: none needed)
+    position: int  # which output token this is (keys a seeded request's draw)
+
+
+@dataclass(frozen=True, slots=True)
 class _Job:
     inputs: list[SeqInput]
     copies: list[tuple[int, int]]
-    # (row, sampler, history, position) for rows that yield a token
-    rows: list[tuple[int, RowSampler, list[int], int]]
+    samples: list[SampleRow]
     live: frozenset[int] | None = None  # seq keys still running; None: keep every sequence
 
 
@@ -77,28 +92,28 @@ class ModelExecutor:
         took on this thread (the engine's step-time budget learns from it). Each sequence is
         keyed by its lease id; ``live`` (the running leases) lets the runner drop the state of
         every other sequence (``Runner.retain``)."""
-        rows = []
+        samples = []
         for i, item in enumerate(step.items):
             if item.samples:
                 seq = item.seq
                 history = seq.tokens if seq.sampler.processors else []
-                rows.append((i, seq.sampler, history, len(seq.output)))
+                samples.append(SampleRow(i, seq.sampler, history, len(seq.output)))
         inputs = [SeqInput(i.token_ids, i.block_table, i.start, i.lease_id) for i in step.items]
-        sampled, took = await self._submit(_Job(inputs, step.copies, rows, live))
+        sampled, took = await self._submit(_Job(inputs, step.copies, samples, live))
         out: list[Sampled | RowFailed | None] = [None] * len(step.items)
-        for (i, *_), s in zip(rows, sampled, strict=True):
-            out[i] = s
+        for row, s in zip(samples, sampled, strict=True):
+            out[row.item] = s
         return out, took
 
     async def run_batch(
         self,
         inputs: list[SeqInput],
         copies: list[tuple[int, int]],
-        rows: list[tuple[int, RowSampler, list[int], int]],
+        samples: list[SampleRow],
     ) -> list[Sampled | RowFailed]:
         """One step as plain inputs (the warm-up drives it too): applies ``copies``, runs
-        ``inputs``, and samples ``rows`` (row, sampler, history, position) in their order."""
-        return (await self._submit(_Job(inputs, copies, rows)))[0]
+        ``inputs``, and samples ``samples``, answering in their order."""
+        return (await self._submit(_Job(inputs, copies, samples)))[0]
 
     async def _submit(self, job: _Job) -> tuple[list[Sampled | RowFailed], ForwardTime]:
         loop = asyncio.get_running_loop()
@@ -112,23 +127,28 @@ class ModelExecutor:
             self.runner.retain(job.live)
         if job.copies:
             self.runner.copy_blocks(job.copies)
-        wanted = {r[0]: r for r in job.rows}
-        out: dict[int, Sampled | RowFailed] = {}
+        by_item = {r.item: r for r in job.samples}
+        out: dict[int, Sampled | RowFailed] = {}  # by item
         decodes = [i for i, s in enumerate(job.inputs) if len(s.token_ids) == 1]
         prefills = [i for i, s in enumerate(job.inputs) if len(s.token_ids) > 1]
         seconds = [0.0, 0.0]
-        for g, group in enumerate((decodes, prefills)):
-            if not group:
+        for g, items in enumerate((decodes, prefills)):
+            if not items:
                 continue
             start = time.perf_counter()
-            logits = self.runner.forward([job.inputs[i] for i in group])
-            rows = [(k, *wanted[i][1:]) for k, i in enumerate(group) if i in wanted]
+            logits = self.runner.forward([job.inputs[i] for i in items])
+            # The forward's row k is item items[k].
+            rows = [
+                (k, r.sampler, r.history, r.position)
+                for k, i in enumerate(items)
+                if (r := by_item.get(i)) is not None
+            ]
             sampled = sample_rows(logits, rows) if rows else []
             for (k, *_), s in zip(rows, sampled, strict=True):
-                out[group[k]] = s
+                out[items[k]] = s
             seconds[g] = time.perf_counter() - start
         padded = len(prefills) * max((len(job.inputs[i].token_ids) for i in prefills), default=0)
-        return [out[r[0]] for r in job.rows], ForwardTime(seconds[0], seconds[1], padded)
+        return [out[r.item] for r in job.samples], ForwardTime(seconds[0], seconds[1], padded)
 
     def shutdown(self) -> None:
         """Waits for work in flight; the thread stays for the next runner of this process."""
