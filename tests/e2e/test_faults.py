@@ -206,6 +206,7 @@ def test_a_client_that_stops_reading_holds_up_nobody(system: System, http: httpx
 
 
 @pytest.mark.long
+@pytest.mark.timeout(0)  # as long as KVSERVE_SOAK_S says; every client call has its own timeout
 def test_long_soak(system: System) -> None:
     """``-m long``: KVSERVE_SOAK_S seconds (default 300) of KVSERVE_SOAK_CLIENTS (32)."""
     seconds = float(os.environ.get("KVSERVE_SOAK_S", "300"))

@@ -235,6 +235,7 @@ def test_http_from_the_openapi_schema(target: Target) -> None:
 
 
 @pytest.mark.long
+@pytest.mark.timeout(3600)  # tens of thousands of inputs: past the default 300 s
 def test_many_more(target: Target) -> None:
     fuzz_worker_messages(target, 10_000)
     fuzz_worker_bytes(target, 3_000)

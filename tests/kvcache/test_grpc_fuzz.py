@@ -241,6 +241,7 @@ def test_messages_at_the_size_limit(target: Target) -> None:
 
 
 @pytest.mark.long
+@pytest.mark.timeout(3600)  # tens of thousands of inputs: past the default 300 s
 def test_many_more_messages(target: Target) -> None:
     fuzz_messages(target, 20_000)
     fuzz_bytes(target, 10_000)

@@ -144,6 +144,7 @@ def test_raw_bytes(target: Target) -> None:
 
 
 @pytest.mark.long
+@pytest.mark.timeout(3600)  # tens of thousands of inputs: past the default 300 s
 def test_many_messages(target: Target) -> None:
     fuzz_worker_messages(target, 10_000)
     fuzz_worker_bytes(target, 3_000)
