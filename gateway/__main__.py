@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
-import signal
-import sys
+from collections.abc import AsyncIterator
 
 from gateway.config import ENV_PREFIX, GatewayConfig
 from gateway.server import running
 from gateway.tokenizer import Tokenizer
-from kvserve_launch.startup import ModelUnavailable, StartupError, report, setting
+from kvserve_launch.run import Service, run_until_signal
+from kvserve_launch.startup import ModelUnavailable, setting
 
 log = logging.getLogger("gateway")
 
@@ -25,11 +25,14 @@ def load_tokenizer(config: GatewayConfig) -> Tokenizer:
         ) from e
 
 
-async def main(config: GatewayConfig, tokenizer: Tokenizer) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+def start(config: GatewayConfig) -> Service:
+    """The gateway, its tokenizer loaded first (outside the event loop)."""
+    return serving(config, load_tokenizer(config))
+
+
+@contextlib.asynccontextmanager
+async def serving(config: GatewayConfig, tokenizer: Tokenizer) -> AsyncIterator[str]:
+    """The gateway, running; yields its ready line."""
     async with running(config, tokenizer) as gw:
         workers = gw.gateway.directory.views()
         log.info(
@@ -40,20 +43,9 @@ async def main(config: GatewayConfig, tokenizer: Tokenizer) -> None:
             config.cache_service,
             len(workers),
         )
-        # A line launchers and tests wait for.
-        print(f"GATEWAY_READY http={gw.http_address} grpc={gw.grpc_address}", flush=True)
-        await stop.wait()
-        log.info("shutting down")
+        yield f"GATEWAY_READY http={gw.http_address} grpc={gw.grpc_address}"
 
 
 if __name__ == "__main__":
     cfg = GatewayConfig.from_args()
-    logging.basicConfig(
-        level=cfg.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    try:
-        asyncio.run(main(cfg, load_tokenizer(cfg)))
-    except StartupError as e:
-        sys.exit(report("gateway", e))
+    run_until_signal("gateway", cfg.log_level, lambda: start(cfg))

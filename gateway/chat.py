@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from contextlib import aclosing
+from collections.abc import Sequence
 from typing import Any
 
-from gateway.errors import GatewayError, InvalidRequest, error_body
+from pydantic import BaseModel
+
+from gateway.errors import InvalidRequest
 from gateway.generation import Chunk, Completion, TokenLogprob
-from gateway.openai_serving import OpenAIServing, Served, UsageTotals, check_finished, prime
+from gateway.openai_serving import OpenAIServing, Served
 from gateway.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -24,11 +24,7 @@ from gateway.protocol import (
     DeltaMessage,
     TopLogprobOut,
 )
-from gateway.streams import SSE_DONE, merge, sse
-
-log = logging.getLogger(__name__)
-
-Merged = AsyncGenerator[tuple[int, Chunk], None]
+from gateway.rendering import Renderer, finish
 
 
 def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -92,30 +88,21 @@ class ChatServing:
         sequences = self.s.sequences(
             request_id, req, [prompt], [budget], max(1, top) if req.logprobs else 0
         )
-        merged = merge(self.s.open(sequences, arrival))
-        headers = {"x-request-id": request_id}
-        view = _View(request_id, model, self.s.created(), top if req.logprobs else None, req.n)
-        if not req.stream:
-            body, workers = await view.collect(merged)
-            headers["x-kvserve-worker"] = ",".join(workers)
-            return Served(headers, body=body)
-        first = await prime(merged)
-        headers["x-kvserve-worker"] = first[1].worker_id
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return Served(headers, events=view.events(first, merged, include_usage))
+        view = ChatView(request_id, model, self.s.created(), req.n, top if req.logprobs else None)
+        return await view.serve(self.s.open(sequences, arrival), req)
 
 
-class _View:
-    """Renders one request's chunks as OpenAI chat objects."""
+class ChatView(Renderer):
+    """Chat objects: a message per choice, deltas in a stream (the first says the role)."""
+
+    response_type = ChatCompletionResponse
+    event_type = ChatCompletionChunk
 
     def __init__(
-        self, request_id: str, model: str, created: int, top_logprobs: int | None, n: int
+        self, request_id: str, model: str, created: int, n: int, top_logprobs: int | None
     ) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.created = created
+        super().__init__(request_id, model, created, n)
         self.top_logprobs = top_logprobs
-        self.n = n
 
     def _logprobs(self, lps: Sequence[TokenLogprob]) -> ChatLogprobs | None:
         if self.top_logprobs is None:
@@ -137,80 +124,27 @@ class _View:
             ]
         )
 
-    async def collect(self, merged: Merged) -> tuple[ChatCompletionResponse, list[str]]:
-        results: dict[int, Completion] = {}
-        async with aclosing(merged):
-            async for i, chunk in merged:
-                check_finished(chunk)
-                results.setdefault(i, Completion()).add(chunk)
-        usage = UsageTotals(self.n)
-        choices = []
-        for i in sorted(results):
-            done = results[i]
-            if done.usage is not None:
-                usage.add(i, done.usage)
-            choices.append(
-                ChatChoice(
-                    index=i,
-                    message=ChatMessageOut(content=done.text),
-                    logprobs=self._logprobs(done.logprobs),
-                    finish_reason=str(done.finish_reason) if done.finish_reason else None,
-                )
-            )
-        body = ChatCompletionResponse(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage.info(),
+    def choice(self, index: int, done: Completion) -> ChatChoice:
+        return ChatChoice(
+            index=index,
+            message=ChatMessageOut(content=done.text),
+            logprobs=self._logprobs(done.logprobs),
+            finish_reason=finish(done.finish_reason),
         )
-        return body, [results[i].worker_id for i in sorted(results)]
 
-    def _event(self, choices: list[ChatChunkChoice], usage: UsageTotals | None = None) -> str:
-        chunk = ChatCompletionChunk(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage.info() if usage else None,
+    def opening(self) -> list[BaseModel]:
+        role = DeltaMessage(role="assistant", content="")
+        return [ChatChunkChoice(index=i, delta=role) for i in range(self.n)]
+
+    def delta(self, index: int, chunk: Chunk) -> ChatChunkChoice:
+        return ChatChunkChoice(
+            index=index,
+            delta=DeltaMessage(content=chunk.text) if chunk.text else DeltaMessage(),
+            logprobs=self._logprobs(chunk.logprobs) if chunk.logprobs else None,
+            finish_reason=finish(chunk.finish_reason),
         )
-        body = chunk.model_dump(mode="json")
-        if usage is None:
-            body.pop("usage")
-        for choice in body["choices"]:  # a delta carries only what changed: {} at the end
+
+    def trim(self, event: dict[str, Any]) -> dict[str, Any]:
+        for choice in event["choices"]:  # a delta carries only what changed: {} at the end
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-        return sse(body)
-
-    async def events(
-        self, first: tuple[int, Chunk], merged: Merged, include_usage: bool
-    ) -> AsyncIterator[str]:
-        usage = UsageTotals(self.n)
-        try:
-            async with aclosing(merged):
-                for i in range(self.n):
-                    role = DeltaMessage(role="assistant", content="")
-                    yield self._event([ChatChunkChoice(index=i, delta=role)])
-                item: tuple[int, Chunk] | None = first
-                while item is not None:
-                    i, chunk = item
-                    check_finished(chunk)
-                    if chunk.usage is not None:
-                        usage.add(i, chunk.usage)
-                    choice = ChatChunkChoice(
-                        index=i,
-                        delta=DeltaMessage(content=chunk.text) if chunk.text else DeltaMessage(),
-                        logprobs=self._logprobs(chunk.logprobs) if chunk.logprobs else None,
-                        finish_reason=str(chunk.finish_reason) if chunk.finish_reason else None,
-                    )
-                    if chunk.text or chunk.logprobs or chunk.finish_reason:
-                        # (a token whose bytes end mid-character has no text yet: no event)
-                        yield self._event([choice])
-                    item = await anext(merged, None)
-            if include_usage:
-                yield self._event([], usage)
-        except GatewayError as e:
-            yield sse(error_body(e)[1])
-        except Exception as e:
-            log.exception("stream %s failed", self.request_id)
-            yield sse(error_body(e)[1])
-        yield SSE_DONE
+        return event

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from contextlib import aclosing
+from collections.abc import Sequence
 from typing import cast
 
-from gateway.errors import GatewayError, InvalidRequest, error_body
+from pydantic import BaseModel
+
+from gateway.errors import InvalidRequest
 from gateway.generation import Chunk, Completion, TokenLogprob
-from gateway.openai_serving import OpenAIServing, Served, UsageTotals, check_finished, prime
+from gateway.openai_serving import OpenAIServing, Served
 from gateway.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
 )
-from gateway.streams import SSE_DONE, merge, sse
-
-log = logging.getLogger(__name__)
+from gateway.rendering import Renderer, finish
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
@@ -95,30 +93,31 @@ class CompletionServing:
         if req.echo:
             texts = await self.prompt_texts(req.prompt, prompts)
             echoes = [texts[k // req.n] for k in range(len(sequences))]
-        merged = merge(self.s.open(sequences, arrival))
-        headers = {"x-request-id": request_id}
-        view = _View(request_id, model, self.s.created(), logprobs, req.n)
-        if not req.stream:
-            body, workers = await view.collect(merged, echoes)
-            headers["x-kvserve-worker"] = ",".join(workers)
-            return Served(headers, body=body)
-        first = await prime(merged)
-        headers["x-kvserve-worker"] = first[1].worker_id
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return Served(headers, events=view.events(first, merged, echoes, include_usage))
+        view = CompletionView(request_id, model, self.s.created(), req.n, logprobs, echoes)
+        return await view.serve(self.s.open(sequences, arrival), req)
 
 
-class _View:
-    """Renders one request's chunks as OpenAI completion objects."""
+class CompletionView(Renderer):
+    """Completion objects: text per choice (after its prompt, with ``echo``), and logprobs
+    whose text offsets run on across a stream's events."""
+
+    response_type = CompletionResponse
+    event_type = CompletionResponse
 
     def __init__(
-        self, request_id: str, model: str, created: int, logprobs: int | None, n: int
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        n: int,
+        logprobs: int | None,
+        echoes: list[str] | None,
     ) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.created = created
+        super().__init__(request_id, model, created, n)
         self.logprobs = logprobs
-        self.n = n
+        self.echoes = echoes
+        # Streaming: the length of each choice's text so far, its next token's text_offset.
+        self.offsets = {i: len(text) for i, text in enumerate(echoes or ())}
 
     def _logprobs(self, lps: Sequence[TokenLogprob], offset: int) -> CompletionLogprobs | None:
         if self.logprobs is None:
@@ -134,85 +133,24 @@ class _View:
             text_offset=offsets,
         )
 
-    def response(
-        self, choices: list[CompletionChoice], usage: UsageTotals | None
-    ) -> CompletionResponse:
-        return CompletionResponse(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage.info() if usage else None,
+    def choice(self, index: int, done: Completion) -> CompletionChoice:
+        prefix = self.echoes[index] if self.echoes else ""
+        return CompletionChoice(
+            index=index,
+            text=prefix + done.text,
+            logprobs=self._logprobs(done.logprobs, len(prefix)),
+            finish_reason=finish(done.finish_reason),
         )
 
-    async def collect(
-        self, merged: AsyncGenerator[tuple[int, Chunk], None], echoes: list[str] | None
-    ) -> tuple[CompletionResponse, list[str]]:
-        results: dict[int, Completion] = {}
-        async with aclosing(merged):
-            async for i, chunk in merged:
-                check_finished(chunk)
-                results.setdefault(i, Completion()).add(chunk)
-        usage = UsageTotals(self.n)
-        choices = []
-        for i in sorted(results):
-            done = results[i]
-            if done.usage is not None:
-                usage.add(i, done.usage)
-            prefix = echoes[i] if echoes else ""
-            choices.append(
-                CompletionChoice(
-                    index=i,
-                    text=prefix + done.text,
-                    logprobs=self._logprobs(done.logprobs, len(prefix)),
-                    finish_reason=str(done.finish_reason) if done.finish_reason else None,
-                )
-            )
-        return self.response(choices, usage), [results[i].worker_id for i in sorted(results)]
+    def opening(self) -> list[BaseModel]:
+        return [CompletionChoice(index=i, text=text) for i, text in enumerate(self.echoes or ())]
 
-    async def events(
-        self,
-        first: tuple[int, Chunk],
-        merged: AsyncGenerator[tuple[int, Chunk], None],
-        echoes: list[str] | None,
-        include_usage: bool,
-    ) -> AsyncIterator[str]:
-        usage = UsageTotals(self.n)
-        offsets: dict[int, int] = {}
-        try:
-            async with aclosing(merged):
-                if echoes:
-                    for i, text in enumerate(echoes):
-                        offsets[i] = len(text)
-                        yield self._event([CompletionChoice(index=i, text=text)])
-                item: tuple[int, Chunk] | None = first
-                while item is not None:
-                    i, chunk = item
-                    check_finished(chunk)
-                    offset = offsets.get(i, 0)
-                    offsets[i] = offset + len(chunk.text)
-                    if chunk.usage is not None:
-                        usage.add(i, chunk.usage)
-                    choice = CompletionChoice(
-                        index=i,
-                        text=chunk.text,
-                        logprobs=self._logprobs(chunk.logprobs, offset),
-                        finish_reason=str(chunk.finish_reason) if chunk.finish_reason else None,
-                    )
-                    if chunk.text or chunk.logprobs or chunk.finish_reason:
-                        # (a token whose bytes end mid-character has no text yet: no event)
-                        yield self._event([choice])
-                    item = await anext(merged, None)
-            if include_usage:
-                yield sse(self.response([], usage).model_dump(mode="json"))
-        except GatewayError as e:
-            yield sse(error_body(e)[1])
-        except Exception as e:
-            log.exception("stream %s failed", self.request_id)
-            yield sse(error_body(e)[1])
-        yield SSE_DONE
-
-    def _event(self, choices: list[CompletionChoice]) -> str:
-        body = self.response(choices, None).model_dump(mode="json")
-        body.pop("usage")
-        return sse(body)
+    def delta(self, index: int, chunk: Chunk) -> CompletionChoice:
+        offset = self.offsets.get(index, 0)
+        self.offsets[index] = offset + len(chunk.text)
+        return CompletionChoice(
+            index=index,
+            text=chunk.text,
+            logprobs=self._logprobs(chunk.logprobs, offset),
+            finish_reason=finish(chunk.finish_reason),
+        )

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.router import RoutingPolicy
+from kvserve_launch.settings import Flag, Settings
 from kvserve_launch.tls import check_server
 from kvserve_model.default_model import DEFAULT_MODEL_NAME
 
@@ -77,75 +76,60 @@ class GatewayConfig:
         )
 
     @classmethod
-    def parser(cls) -> argparse.ArgumentParser:
-        d = cls()
-        p = argparse.ArgumentParser(
-            prog="python -m gateway",
-            description="The kvserve gateway: OpenAI-compatible HTTP and gRPC Generate. "
-            "Every flag also reads KVGATEWAY_<FLAG> (e.g. KVGATEWAY_HTTP_PORT).",
-        )
-        for name, kind, help in FLAGS:
-            default = ",".join(d.workers) if name == "workers" else getattr(d, name)
-            env = os.environ.get(ENV_PREFIX + name.upper(), str(default))
-            p.add_argument(
-                "--" + name.replace("_", "-"),
-                type=kind,
-                default=kind(env),
-                # Secrets are never echoed by --help, even when set in the environment.
-                help=help if default == "" or name in SECRETS else f"{help} (default: {default})",
-            )
-        return p
-
-    @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> GatewayConfig:
-        p = cls.parser()
-        a = p.parse_args(argv)
-        for name in ("max_body_bytes", "max_choices", "poll_interval_s", "max_namespace_chars"):
-            if getattr(a, name) <= 0:
-                p.error(f"--{name.replace('_', '-')} must be positive")
-        if problem := check_server(a.tls_cert, a.tls_key, a.tls_client_ca):
-            p.error(problem)
-        if a.max_prompt_chars < 0:
-            p.error("--max-prompt-chars must not be negative")
-        if min(a.max_concurrent_per_client, a.max_concurrent_requests) < 0:
-            p.error("--max-concurrent-* must not be negative (0: no limit)")
-        if min(a.overload_slack, a.overload_ratio, a.min_match_tokens, a.min_match_ratio) < 0:
-            p.error("--overload-* and --min-match-* must not be negative")
-        values = vars(a)
-        values["workers"] = tuple(w.strip() for w in a.workers.split(",") if w.strip())
-        return cls(**values)
+        return SETTINGS.parse(argv, check)
 
 
-SECRETS = ("admin_token", "cache_token", "api_key")
+def check(c: GatewayConfig) -> str | None:
+    """What is wrong across the fields of ``c``; None if nothing."""
+    for name in ("max_body_bytes", "max_choices", "poll_interval_s", "max_namespace_chars"):
+        if getattr(c, name) <= 0:
+            return f"--{name.replace('_', '-')} must be positive"
+    if problem := check_server(c.tls_cert, c.tls_key, c.tls_client_ca):
+        return problem
+    if c.max_prompt_chars < 0:
+        return "--max-prompt-chars must not be negative"
+    if min(c.max_concurrent_per_client, c.max_concurrent_requests) < 0:
+        return "--max-concurrent-* must not be negative (0: no limit)"
+    if min(c.overload_slack, c.overload_ratio, c.min_match_tokens, c.min_match_ratio) < 0:
+        return "--overload-* and --min-match-* must not be negative"
+    return None
 
-# Every flag: name (= config field), type, help. KVGATEWAY_<NAME> is its environment variable.
-FLAGS: tuple[tuple[str, type, str], ...] = (
-    ("cache_service", str, "the cache service's address (Route, admin pass-through)"),
-    ("host", str, "address to listen on (0.0.0.0: every interface)"),
-    ("http_port", int, "OpenAI-compatible HTTP API port (0: any free port)"),
-    ("grpc_port", int, "gRPC Generate port (0: any free port)"),
-    ("model", str, "the workers' model: name, directory or Hugging Face id (tokenizer source)"),
-    ("served_model_name", str, "the name clients put in `model` (default: --model)"),
-    ("admin_token", str, "cache admin token, only to read pool stats for /metrics"),
-    ("cache_token", str, "the cache service's service token (sent on Route)"),
-    ("api_key", str, "require `Authorization: Bearer <key>` on /v1/*"),
-    ("workers", str, "comma-separated worker addresses besides the registered ones"),
-    ("max_model_len", int, "context length (0: the model config's)"),
-    ("max_body_bytes", int, "largest accepted request body"),
-    ("max_prompt_chars", int, "longest prompt in characters, before tokenizing (0: 32 x context)"),
-    ("max_namespace_chars", int, "longest cache_salt / namespace"),
-    ("max_choices", int, "most choices (prompts x n) per request"),
-    ("max_concurrent_per_client", int, "requests in flight per client address (0: no limit)"),
-    ("max_concurrent_requests", int, "requests in flight in all (0: no limit)"),
-    ("poll_interval_s", float, "how often workers are polled for load and health"),
-    ("min_match_tokens", int, "shortest cached prefix worth routing for"),
-    ("min_match_ratio", float, "... and at least this fraction of the prompt"),
-    ("overload_slack", int, "a worker is overloaded above min load + max(slack, ratio*min)"),
-    ("overload_ratio", float, "see --overload-slack"),
-    ("tls_cert", str, "PEM certificate: with --tls-key, serve TLS on the HTTP and gRPC ports"),
-    ("tls_key", str, "PEM private key of --tls-cert"),
-    ("tls_ca", str, "PEM CA bundle: reach the cache service and workers over TLS, verified"),
-    ("tls_server_name", str, "the name their certificates must carry (default: the host)"),
-    ("tls_client_ca", str, "PEM CA bundle: both ports require client certificates it signed"),
-    ("log_level", str, "DEBUG, INFO, WARNING or ERROR"),
+
+SETTINGS = Settings(
+    GatewayConfig,
+    ENV_PREFIX,
+    prog="python -m gateway",
+    description="The kvserve gateway: OpenAI-compatible HTTP and gRPC Generate. "
+    "Every flag also reads KVGATEWAY_<FLAG> (e.g. KVGATEWAY_HTTP_PORT).",
+    flags={
+        "cache_service": "the cache service's address (Route, admin pass-through)",
+        "host": "address to listen on (0.0.0.0: every interface)",
+        "http_port": "OpenAI-compatible HTTP API port (0: any free port)",
+        "grpc_port": "gRPC Generate port (0: any free port)",
+        "model": "the workers' model: name, directory or Hugging Face id (tokenizer source)",
+        "served_model_name": "the name clients put in `model` (default: --model)",
+        "admin_token": Flag("cache admin token, only to read pool stats for /metrics", secret=True),
+        "cache_token": Flag("the cache service's service token (sent on Route)", secret=True),
+        "api_key": Flag("require `Authorization: Bearer <key>` on /v1/*", secret=True),
+        "workers": "comma-separated worker addresses besides the registered ones",
+        "max_model_len": "context length (0: the model config's)",
+        "max_body_bytes": "largest accepted request body",
+        "max_prompt_chars": "longest prompt in characters, before tokenizing (0: 32 x context)",
+        "max_namespace_chars": "longest cache_salt / namespace",
+        "max_choices": "most choices (prompts x n) per request",
+        "max_concurrent_per_client": "requests in flight per client address (0: no limit)",
+        "max_concurrent_requests": "requests in flight in all (0: no limit)",
+        "poll_interval_s": "how often workers are polled for load and health",
+        "min_match_tokens": "shortest cached prefix worth routing for",
+        "min_match_ratio": "... and at least this fraction of the prompt",
+        "overload_slack": "a worker is overloaded above min load + max(slack, ratio*min)",
+        "overload_ratio": "see --overload-slack",
+        "tls_cert": "PEM certificate: with --tls-key, serve TLS on the HTTP and gRPC ports",
+        "tls_key": "PEM private key of --tls-cert",
+        "tls_ca": "PEM CA bundle: reach the cache service and workers over TLS, verified",
+        "tls_server_name": "the name their certificates must carry (default: the host)",
+        "tls_client_ca": "PEM CA bundle: both ports require client certificates it signed",
+        "log_level": "DEBUG, INFO, WARNING or ERROR",
+    },
 )

@@ -1,6 +1,7 @@
 """Proto <-> domain conversions for the worker contract, each written once.
 
-Only this module, the worker client and the gRPC servicer import ``worker_pb2``.
+Only this module, the worker client and the gRPC servicer import ``worker_pb2``. Reading a
+``SamplingParams`` message is ``kvserve_model.sampling_params``'s, shared with the workers.
 """
 
 from __future__ import annotations
@@ -9,11 +10,11 @@ from gateway.generation import (
     Chunk,
     FinishReason,
     GenerationRequest,
-    SamplingParams,
     TokenLogprob,
     TopLogprob,
     Usage,
 )
+from kvserve_model.sampling_params import SamplingParams
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 
 _FINISH_TO_PB = {
@@ -43,27 +44,6 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
     if s.seed is not None:
         msg.seed = s.seed
     return msg
-
-
-def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
-    """Wire defaults (all zero) mean greedy, no limits; kept as they are."""
-    return SamplingParams(
-        temperature=msg.temperature,
-        top_p=msg.top_p or 1.0,
-        top_k=msg.top_k,
-        min_p=msg.min_p,
-        seed=msg.seed if msg.HasField("seed") else None,
-        max_tokens=msg.max_tokens,
-        stop=tuple(msg.stop),
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        logprobs=msg.logprobs,
-        repetition_penalty=msg.repetition_penalty or 1.0,
-        include_stop_str_in_output=msg.include_stop_str_in_output,
-        skip_special_tokens=msg.skip_special_tokens
-        if msg.HasField("skip_special_tokens")
-        else True,
-    )
 
 
 def request_to_pb(r: GenerationRequest) -> pb.GenerateRequest:

@@ -1,5 +1,6 @@
 """The domain values of one generation, as the gateway sees it: what it asks a worker for and
-the chunks that come back. Plain frozen dataclasses: only ``convert`` knows the proto types."""
+the chunks that come back. Plain frozen dataclasses: only ``convert`` knows the proto types.
+``SamplingParams`` is the workers' own (``kvserve_model.sampling_params``)."""
 
 from __future__ import annotations
 
@@ -8,33 +9,13 @@ from enum import StrEnum
 
 from gateway.errors import InvalidRequest
 from kvserve_model import sampling_limits
+from kvserve_model.sampling_params import SamplingParams
 
 
 class FinishReason(StrEnum):
     STOP = "stop"  # eos, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # cancelled, or the worker lost the request's lease
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """What the worker samples with. Zero means "off" for top_k and min_p, as on the wire."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    # Always explicit here: the gateway resolves "as many as fit" before dispatch.
-    max_tokens: int = 16
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    # Top-n alternatives per generated token; 0: no logprobs at all.
-    logprobs: int = 0
-    repetition_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
 
 
 def check_sampling(s: SamplingParams, vocab_size: int) -> None:

@@ -22,6 +22,7 @@ from gateway.concurrency import client_of_peer
 from gateway.core import Gateway
 from gateway.errors import GatewayError, InvalidRequest, mapping_of
 from gateway.generation import GenerationRequest, check_sampling
+from kvserve_model.sampling_params import SamplingParams
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 
@@ -48,7 +49,7 @@ class GatewayWorkerServicer(pb_grpc.WorkerServicer):
             tokenizer.check_token_ids(ids, "prompt_token_ids")
         else:
             raise InvalidRequest("the request has no prompt", param="prompt")
-        sampling = convert.sampling_from_pb(request.sampling)
+        sampling = SamplingParams.from_wire(request.sampling)
         check_sampling(sampling, tokenizer.vocab_size)
         budget = tokenizer.completion_budget(len(ids), sampling.max_tokens or None)
         return GenerationRequest(

@@ -1,5 +1,6 @@
 """What the two OpenAI endpoints share: model and parameter checks, sampling parameters,
-fanning a request out into sequences (prompts x n), and usage accounting.
+fanning a request out into sequences (prompts x n). Rendering the responses is
+``gateway.rendering``'s.
 
 An OpenAI request may ask for several choices (``n``, or a list of prompts on
 /v1/completions). Each choice is one sequence, dispatched and routed on its own: the cache
@@ -11,24 +12,18 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pydantic import BaseModel
 
 from gateway.config import GatewayConfig
 from gateway.dispatcher import Dispatcher
-from gateway.errors import InvalidRequest, ModelNotFound, RequestAborted, UpstreamError
-from gateway.generation import (
-    Chunk,
-    FinishReason,
-    GenerationRequest,
-    SamplingParams,
-    Usage,
-    check_sampling,
-)
+from gateway.errors import InvalidRequest, ModelNotFound
+from gateway.generation import Chunk, GenerationRequest, check_sampling
 from gateway.limits import RequestLimits
-from gateway.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from gateway.protocol import SamplingRequest
 from gateway.tokenizer import Tokenizer
+from kvserve_model.sampling_params import SamplingParams
 
 INT64_MOD = 2**64
 
@@ -40,55 +35,6 @@ class Served:
     headers: dict[str, str]
     body: BaseModel | None = None
     events: AsyncIterator[str] | None = None
-
-
-@dataclass(slots=True)
-class UsageTotals:
-    """Usage of a request from its sequences' usage: the prompt (and its cached part) counts
-    once per prompt, generated tokens once per choice, as OpenAI counts ``n``."""
-
-    n: int
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    seen: set[int] = field(default_factory=set)
-
-    def add(self, choice: int, usage: Usage) -> None:
-        if choice in self.seen:
-            return
-        self.seen.add(choice)
-        if choice % self.n == 0:
-            self.prompt_tokens += usage.prompt_tokens
-            self.cached_tokens += usage.cached_tokens
-        self.completion_tokens += usage.completion_tokens
-
-    def info(self) -> UsageInfo:
-        return UsageInfo(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            total_tokens=self.prompt_tokens + self.completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
-        )
-
-
-def check_finished(chunk: Chunk) -> None:
-    """A sequence the worker aborted on its own (shutdown, lost lease) is an error: the
-    client did not cancel it, or nobody would be reading."""
-    if chunk.finish_reason is FinishReason.ABORT:
-        raise RequestAborted("the worker aborted the request; retry it")
-
-
-async def prime(merged: AsyncGenerator[tuple[int, Chunk], None]) -> tuple[int, Chunk]:
-    """The first chunk of a stream, awaited before the HTTP response starts: routing and
-    worker errors that come before any token still get a proper status code."""
-    try:
-        first = await anext(merged, None)
-    except BaseException:
-        await merged.aclose()
-        raise
-    if first is None:
-        raise UpstreamError("the worker ended the stream without output")
-    return first
 
 
 class OpenAIServing:

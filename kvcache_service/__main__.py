@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 import os
-import signal
-import sys
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from kvcache_service.config import ServiceConfig
 from kvcache_service.server import running
-from kvserve_launch.startup import StartupError, report
+from kvserve_launch.run import run_until_signal
 
 log = logging.getLogger("kvcache_service")
 
@@ -26,11 +25,9 @@ def save_token(token: str) -> Path:
     return path
 
 
-async def main(config: ServiceConfig) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+@contextlib.asynccontextmanager
+async def serving(config: ServiceConfig) -> AsyncIterator[str]:
+    """The service, running; yields its ready line."""
     async with running(config) as svc:
         if not config.admin_token:
             where = save_token(svc.config.admin_token)
@@ -45,20 +42,9 @@ async def main(config: ServiceConfig) -> None:
         log.info(
             "kvcache service listening on %s (lease TTL %.1fs)", svc.address, config.lease_ttl_s
         )
-        # A line launchers and tests wait for.
-        print(f"KVCACHE_READY {svc.address}", flush=True)
-        await stop.wait()
-        log.info("shutting down")
+        yield f"KVCACHE_READY {svc.address}"
 
 
 if __name__ == "__main__":
     cfg = ServiceConfig.from_args()
-    logging.basicConfig(
-        level=cfg.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    try:
-        asyncio.run(main(cfg))
-    except StartupError as e:
-        sys.exit(report("kvcache_service", e))
+    run_until_signal("kvcache_service", cfg.log_level, lambda: serving(cfg))

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-import os
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from kvserve_launch.settings import Flag, Settings
 from kvserve_launch.tls import check_server
 
 ENV_PREFIX = "KVCACHE_"
@@ -42,73 +41,50 @@ class ServiceConfig:
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> ServiceConfig:
-        d = cls()
-
-        def env(name: str, default: object) -> str:
-            return os.environ.get(ENV_PREFIX + name, str(default))
-
-        p = argparse.ArgumentParser(
-            prog="python -m kvcache_service",
-            description="The KV-cache authority (gRPC). Every flag also reads KVCACHE_<FLAG>.",
-        )
-        p.add_argument("--host", default=env("HOST", d.host))
-        p.add_argument("--port", type=int, default=int(env("PORT", d.port)))
-        p.add_argument(
-            "--lease-ttl-s", type=float, default=float(env("LEASE_TTL_S", d.lease_ttl_s))
-        )
-        p.add_argument("--admin-token", default=env("ADMIN_TOKEN", d.admin_token))
-        p.add_argument("--service-token", default=env("SERVICE_TOKEN", d.service_token))
-        p.add_argument(
-            "--max-pool-blocks", type=int, default=int(env("MAX_POOL_BLOCKS", d.max_pool_blocks))
-        )
-        p.add_argument("--max-pools", type=int, default=int(env("MAX_POOLS", d.max_pools)))
-        p.add_argument(
-            "--max-namespace-chars",
-            type=int,
-            default=int(env("MAX_NAMESPACE_CHARS", d.max_namespace_chars)),
-        )
-        p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", 0)))
-        p.add_argument(
-            "--namespace-quota-blocks", type=int, default=int(env("NAMESPACE_QUOTA_BLOCKS", 0))
-        )
-        p.add_argument(
-            "--sweep-interval-s",
-            type=float,
-            default=float(env("SWEEP_INTERVAL_S", d.sweep_interval_s)),
-        )
-        p.add_argument("--tls-cert", default=env("TLS_CERT", d.tls_cert))
-        p.add_argument("--tls-key", default=env("TLS_KEY", d.tls_key))
-        p.add_argument("--tls-client-ca", default=env("TLS_CLIENT_CA", d.tls_client_ca))
-        p.add_argument("--log-level", default=env("LOG_LEVEL", d.log_level))
-        a = p.parse_args(argv)
-        if problem := check_server(a.tls_cert, a.tls_key, a.tls_client_ca):
-            p.error(problem)
-        if a.lease_ttl_s <= 0:
-            p.error("--lease-ttl-s must be positive")
-        if a.max_pool_blocks < 1 or a.max_pools < 1:
-            p.error("--max-pool-blocks and --max-pools must be positive")
-        return cls(
-            host=a.host,
-            port=a.port,
-            lease_ttl_s=a.lease_ttl_s,
-            admin_token=a.admin_token,
-            service_token=a.service_token,
-            max_pool_blocks=a.max_pool_blocks,
-            max_pools=a.max_pools,
-            max_namespace_chars=a.max_namespace_chars,
-            block_size=a.block_size or None,
-            namespace_quota_blocks=a.namespace_quota_blocks or None,
-            sweep_interval_s=a.sweep_interval_s,
-            tls_cert=a.tls_cert,
-            tls_key=a.tls_key,
-            tls_client_ca=a.tls_client_ca,
-            log_level=a.log_level,
-        )
+        return SETTINGS.parse(argv, check)
 
     def with_admin_token(self) -> ServiceConfig:
         """This config, with a random admin token if none was configured."""
         if self.admin_token:
             return self
-        from dataclasses import replace
-
         return replace(self, admin_token=secrets.token_urlsafe(24))
+
+
+def check(c: ServiceConfig) -> str | None:
+    """What is wrong across the fields of ``c``; None if nothing."""
+    if problem := check_server(c.tls_cert, c.tls_key, c.tls_client_ca):
+        return problem
+    if c.lease_ttl_s <= 0:
+        return "--lease-ttl-s must be positive"
+    if c.max_pool_blocks < 1 or c.max_pools < 1:
+        return "--max-pool-blocks and --max-pools must be positive"
+    return None
+
+
+SETTINGS = Settings(
+    ServiceConfig,
+    ENV_PREFIX,
+    prog="python -m kvcache_service",
+    description="The KV-cache authority (gRPC). Every flag also reads KVCACHE_<FLAG>.",
+    flags={
+        "host": "listen address",
+        "port": "gRPC port (0: any free port; the ready line says which)",
+        "lease_ttl_s": "a pool silent this long is dead: its leases expire",
+        "admin_token": Flag("admin bearer token (default: a random one, saved 0600)", secret=True),
+        "service_token": Flag(
+            "bearer token every data-plane call must carry (default: none, no auth)", secret=True
+        ),
+        "max_pool_blocks": "most blocks one pool may register",
+        "max_pools": "most pools registered at once",
+        "max_namespace_chars": "longest namespace (a request's cache_salt)",
+        "block_size": Flag("require this block size of every pool (0: pools choose)", none_as=0),
+        "namespace_quota_blocks": Flag(
+            "most blocks one namespace may hold in a pool (0: no quota)", none_as=0
+        ),
+        "sweep_interval_s": "how often leases of silent pools are expired without calls",
+        "tls_cert": "PEM certificate: with --tls-key, the port serves TLS",
+        "tls_key": "PEM private key of --tls-cert",
+        "tls_client_ca": "PEM CA bundle: every client must present a certificate it signed",
+        "log_level": "DEBUG, INFO, WARNING or ERROR",
+    },
+)

@@ -7,12 +7,11 @@ each process listens and finds the others), plus those set here explicitly.
 
 from __future__ import annotations
 
-import argparse
-import os
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from kvserve_launch.settings import Flag, Settings
 from kvserve_model.default_model import DEFAULT_MODEL_NAME
 
 ENV_PREFIX = "KVSERVE_"
@@ -59,28 +58,7 @@ class LaunchConfig:
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> LaunchConfig:
-        d = cls()
-        p = argparse.ArgumentParser(
-            prog="python -m kvserve_launch",
-            description="Start the cache service, N workers and the gateway on one machine; "
-            "Ctrl-C stops them all. Every flag also reads KVSERVE_<FLAG> "
-            "(e.g. KVSERVE_WORKERS=2).",
-        )
-        for name, kind, help in FLAGS:
-            default = getattr(d, name)
-            env = os.environ.get(ENV_PREFIX + name.upper(), str(default))
-            shown = help if default == "" else f"{help} (default: {default})"
-            p.add_argument("--" + name.replace("_", "-"), type=kind, default=kind(env), help=shown)
-        a = p.parse_args(argv)
-        if a.workers < 1:
-            p.error("--workers must be at least 1")
-        if a.num_blocks < 0 or a.block_size < 0:
-            p.error("--num-blocks and --block-size must not be negative")
-        if problem := check_tls(
-            a.tls_cert, a.tls_key, a.tls_ca, a.tls_server_name, a.tls_client_ca
-        ):
-            p.error(problem)
-        return cls(**vars(a))
+        return SETTINGS.parse(argv, check)
 
     def with_admin_token(self) -> LaunchConfig:
         """This config, with a random admin token if none was configured."""
@@ -91,6 +69,15 @@ class LaunchConfig:
         if self.service_token:
             return self
         return replace(self, service_token=secrets.token_urlsafe(18))
+
+
+def check(c: LaunchConfig) -> str | None:
+    """What is wrong across the fields of ``c``; None if nothing."""
+    if c.workers < 1:
+        return "--workers must be at least 1"
+    if c.num_blocks < 0 or c.block_size < 0:
+        return "--num-blocks and --block-size must not be negative"
+    return check_tls(c.tls_cert, c.tls_key, c.tls_ca, c.tls_server_name, c.tls_client_ca)
 
 
 def check_tls(cert: str, key: str, ca: str, server_name: str, client_ca: str) -> str | None:
@@ -113,23 +100,31 @@ def check_tls(cert: str, key: str, ca: str, server_name: str, client_ca: str) ->
     return None
 
 
-FLAGS: tuple[tuple[str, type, str], ...] = (
-    ("workers", int, "number of workers"),
-    ("model", str, "model name, directory or Hugging Face id"),
-    ("host", str, "the gateway's listen address (0.0.0.0: every interface)"),
-    ("internal_host", str, "the cache service's and the workers' listen address"),
-    ("http_port", int, "the gateway's HTTP port (0: any free port)"),
-    ("grpc_port", int, "the gateway's gRPC port (0: any free port)"),
-    ("cache_port", int, "the cache service's port (0: any free port)"),
-    ("worker_base_port", int, "worker i listens on this + i (0: any free ports)"),
-    ("admin_token", str, "admin bearer token (default: a random one, printed)"),
-    ("num_blocks", int, "KV blocks per worker (0: the worker's default)"),
-    ("block_size", int, "tokens per KV block (0: the worker's default)"),
-    ("startup_timeout_s", float, "how long each process may take to get ready"),
-    ("log_level", str, "DEBUG, INFO, WARNING or ERROR, for every process"),
-    ("tls_cert", str, "PEM certificate every child serves TLS with and presents when it dials"),
-    ("tls_key", str, "PEM private key of --tls-cert"),
-    ("tls_ca", str, "PEM CA bundle the children verify each other's certificates with"),
-    ("tls_server_name", str, "the name in --tls-cert, when not --internal-host"),
-    ("tls_client_ca", str, "PEM CA bundle: the cache service and workers require client certs"),
+SETTINGS = Settings(
+    LaunchConfig,
+    ENV_PREFIX,
+    prog="python -m kvserve_launch",
+    description="Start the cache service, N workers and the gateway on one machine; "
+    "Ctrl-C stops them all. Every flag also reads KVSERVE_<FLAG> (e.g. KVSERVE_WORKERS=2).",
+    # Not service_token: always a fresh random one (with_service_token).
+    flags={
+        "workers": "number of workers",
+        "model": "model name, directory or Hugging Face id",
+        "host": "the gateway's listen address (0.0.0.0: every interface)",
+        "internal_host": "the cache service's and the workers' listen address",
+        "http_port": "the gateway's HTTP port (0: any free port)",
+        "grpc_port": "the gateway's gRPC port (0: any free port)",
+        "cache_port": "the cache service's port (0: any free port)",
+        "worker_base_port": "worker i listens on this + i (0: any free ports)",
+        "admin_token": Flag("admin bearer token (default: a random one, printed)", secret=True),
+        "num_blocks": "KV blocks per worker (0: the worker's default)",
+        "block_size": "tokens per KV block (0: the worker's default)",
+        "startup_timeout_s": "how long each process may take to get ready",
+        "log_level": "DEBUG, INFO, WARNING or ERROR, for every process",
+        "tls_cert": "PEM certificate every child serves TLS with and presents when it dials",
+        "tls_key": "PEM private key of --tls-cert",
+        "tls_ca": "PEM CA bundle the children verify each other's certificates with",
+        "tls_server_name": "the name in --tls-cert, when not --internal-host",
+        "tls_client_ca": "PEM CA bundle: the cache service and workers require client certs",
+    },
 )

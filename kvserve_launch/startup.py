@@ -22,6 +22,8 @@ import socket
 import sys
 from typing import TYPE_CHECKING, ClassVar
 
+from kvserve_launch.settings import flag_of, variable_of
+
 if TYPE_CHECKING:
     import grpc
 
@@ -78,8 +80,8 @@ def report(service: str, error: StartupError) -> int:
 
 def setting(env_prefix: str, name: str) -> str:
     """How a user sets config field ``name``: ``--http-port or KVGATEWAY_HTTP_PORT``. Every
-    process names its flags and variables by this one rule."""
-    return f"--{name.replace('_', '-')} or {env_prefix}{name.upper()}"
+    process names its flags and variables by this one rule (``kvserve_launch.settings``)."""
+    return f"{flag_of(name)} or {variable_of(env_prefix, name)}"
 
 
 # Off, where gRPC's default on Linux is on: with SO_REUSEPORT a second server binds a port

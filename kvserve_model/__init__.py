@@ -3,8 +3,9 @@
 Owns: resolving a model name to a directory (``resolve``: the embedded default, a directory, a
 Hugging Face id), the embedded default model's files (``default_model``), the model's context
 length (``context``: one rule for every process), its tokenizer as ``transformers`` loads it
-the way mlx-lm does (``tokenizer``), the limits of sampling parameters (``sampling_limits``),
-the fast-BLAS choice for MLX's CPU backend (``blas``), and ``ModelLoadError`` (``errors``).
+the way mlx-lm does (``tokenizer``), sampling parameters and their limits (``sampling_params``,
+``sampling_limits``), the fast-BLAS choice for MLX's CPU backend (``blas``), and
+``ModelLoadError`` (``errors``).
 
 May import: the standard library, numpy, ``transformers`` and ``huggingface_hub`` (``modelscope``
 where ``MLXLM_USE_MODELSCOPE`` asks for it, as mlx-lm does); nothing of kvserve's other packages

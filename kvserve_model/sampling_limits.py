@@ -1,6 +1,6 @@
 """The limits of a request's sampling parameters, defined once and checked at every edge.
 
-The gateway (its HTTP and gRPC edges) and the worker (``SamplingParams.validate``) both call
+The gateway (its HTTP and gRPC edges) and the worker (its intake) both call
 :func:`check_sampling`, so a value is refused with the same message wherever it comes in, and
 before it reaches a batch: a value the sampler cannot take (``top_k`` above the vocabulary)
 used to fail inside the batched step and end every request batched with it. The bounds of the
@@ -12,8 +12,7 @@ Pure Python, no MLX: the gateway imports it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from kvserve_model.sampling_params import SamplingParams
 
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
@@ -37,38 +36,13 @@ class SamplingLimitError(ValueError):
         self.message = f"{param}: {message}"
 
 
-class SamplingFields(Protocol):
-    """What both sides' ``SamplingParams`` have (the worker's and the gateway's)."""
-
-    @property
-    def temperature(self) -> float: ...
-    @property
-    def top_p(self) -> float: ...
-    @property
-    def top_k(self) -> int: ...
-    @property
-    def min_p(self) -> float: ...
-    @property
-    def seed(self) -> int | None: ...
-    @property
-    def max_tokens(self) -> int: ...
-    @property
-    def stop(self) -> Sequence[str]: ...
-    @property
-    def stop_token_ids(self) -> Sequence[int]: ...
-    @property
-    def logprobs(self) -> int: ...
-    @property
-    def repetition_penalty(self) -> float: ...
-
-
 def _in(param: str, value: float, lo: float, hi: float) -> None:
     # True for NaN and the infinities too: every bound here is finite.
     if not lo <= value <= hi:
         raise SamplingLimitError(param, f"must be in [{lo}, {hi}], got {value}")
 
 
-def check_sampling(p: SamplingFields, vocab_size: int) -> None:
+def check_sampling(p: SamplingParams, vocab_size: int) -> None:
     """Raises SamplingLimitError for the first parameter out of its limits.
 
     ``top_k`` may be at most the vocabulary (``top_k == vocab_size`` keeps every token: off);

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
-import os
-import signal
-import sys
+from collections.abc import AsyncIterator
 
-from kvserve_launch.startup import StartupError, report
+from kvserve_launch.run import Service, run_until_signal
 from kvserve_model.blas import describe, ensure_fast_blas, measure_gflops
 from worker.config import WorkerConfig
 from worker.server import running
@@ -16,35 +14,22 @@ from worker.server import running
 log = logging.getLogger("worker")
 
 
-async def main(config: WorkerConfig) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+def start(config: WorkerConfig) -> Service:
+    """The worker, once the process runs with the fastest BLAS it can have."""
+    blas = ensure_fast_blas()  # may re-exec this process with LD_PRELOAD set
+    # On a GPU the CPU BLAS is not on the model's path: say so, and measure nothing.
+    log.info(describe(blas, measure_gflops() if blas.library or not blas.fast else None))
+    return serving(config)
+
+
+@contextlib.asynccontextmanager
+async def serving(config: WorkerConfig) -> AsyncIterator[str]:
+    """The worker, running; yields its ready line."""
     async with running(config) as w:
-        print(f"WORKER_READY {w.address}", flush=True)
-        await stop.wait()
-        log.info("shutting down")
+        yield f"WORKER_READY {w.address}"
 
 
 if __name__ == "__main__":
     cfg = WorkerConfig.from_args()
-    logging.basicConfig(
-        level=cfg.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    blas = ensure_fast_blas()  # may re-exec this process with LD_PRELOAD set
-    # On a GPU the CPU BLAS is not on the model's path: say so, and measure nothing.
-    log.info(describe(blas, measure_gflops() if blas.library or not blas.fast else None))
-    try:
-        asyncio.run(main(cfg))
-        status = 0
-    except StartupError as e:
-        status = report("worker", e)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Everything is stopped. Skip C++ static destructors: MLX 0.32 sometimes aborts at exit
-    # (status 134) after running on a thread other than the main one, as the model does here.
-    os._exit(status)
+    # exit_hard: MLX sometimes aborts in its C++ static destructors at exit (kvserve_launch.run).
+    run_until_signal("worker", cfg.log_level, lambda: start(cfg), exit_hard=True)

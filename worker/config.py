@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
-import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvserve_launch.settings import Flag, Settings
 from kvserve_launch.tls import check_server
 from kvserve_model.default_model import DEFAULT_MODEL_NAME
 
 ENV_PREFIX = "KVWORKER_"
-_OFF = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,113 +66,64 @@ class WorkerConfig:
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> WorkerConfig:
-        d = cls()
-
-        def env(name: str, default: object) -> str:
-            return os.environ.get(ENV_PREFIX + name, str(default))
-
-        def env_on(name: str, default: bool) -> bool:
-            value = os.environ.get(ENV_PREFIX + name)
-            return default if value is None else value.lower() not in _OFF
-
-        p = argparse.ArgumentParser(
-            prog="python -m worker",
-            description="An MLX compute worker (gRPC). Every flag also reads KVWORKER_<FLAG>.",
-        )
-        p.add_argument("--cache-service", default=env("CACHE_SERVICE", d.cache_service))
-        p.add_argument("--cache-token", default=env("CACHE_TOKEN", d.cache_token))
-        p.add_argument("--host", default=env("HOST", d.host))
-        p.add_argument("--port", type=int, default=int(env("PORT", d.port)))
-        p.add_argument("--advertise-address", default=env("ADVERTISE_ADDRESS", ""))
-        p.add_argument("--worker-id", default=env("WORKER_ID", ""))
-        p.add_argument("--model", default=env("MODEL", d.model))
-        p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", d.block_size)))
-        p.add_argument("--num-blocks", type=int, default=int(env("NUM_BLOCKS", d.num_blocks)))
-        p.add_argument("--kv-memory-mb", type=int, default=int(env("KV_MEMORY_MB", d.kv_memory_mb)))
-        p.add_argument(
-            "--kv-memory-fraction",
-            type=float,
-            default=float(env("KV_MEMORY_FRACTION", d.kv_memory_fraction)),
-        )
-        p.add_argument(
-            "--max-batch-size", type=int, default=int(env("MAX_BATCH_SIZE", d.max_batch_size))
-        )
-        p.add_argument(
-            "--max-step-tokens", type=int, default=int(env("MAX_STEP_TOKENS", d.max_step_tokens))
-        )
-        pending = os.environ.get(ENV_PREFIX + "MAX_PENDING_REQUESTS", "")
-        p.add_argument(
-            "--max-pending-requests", type=int, default=int(pending) if pending else None
-        )
-        p.add_argument(
-            "--reserve-tokens", type=int, default=int(env("RESERVE_TOKENS", d.reserve_tokens))
-        )
-        p.add_argument(
-            "--extend-ahead-tokens",
-            type=int,
-            default=int(env("EXTEND_AHEAD_TOKENS", d.extend_ahead_tokens)),
-        )
-        p.add_argument(
-            "--no-prefix-caching",
-            action="store_true",
-            default=env("PREFIX_CACHING", "1").lower() in _OFF,
-        )
-        p.add_argument(
-            "--warmup", action=argparse.BooleanOptionalAction, default=env_on("WARMUP", d.warmup)
-        )
-        p.add_argument(
-            "--self-check",
-            action=argparse.BooleanOptionalAction,
-            default=env_on("SELF_CHECK", d.self_check),
-        )
-        p.add_argument("--tls-cert", default=env("TLS_CERT", d.tls_cert))
-        p.add_argument("--tls-key", default=env("TLS_KEY", d.tls_key))
-        p.add_argument("--tls-ca", default=env("TLS_CA", d.tls_ca))
-        p.add_argument("--tls-server-name", default=env("TLS_SERVER_NAME", d.tls_server_name))
-        p.add_argument("--tls-client-ca", default=env("TLS_CLIENT_CA", d.tls_client_ca))
-        p.add_argument("--log-level", default=env("LOG_LEVEL", d.log_level))
-        a = p.parse_args(argv)
-        if problem := check_server(a.tls_cert, a.tls_key, a.tls_client_ca):
-            p.error(problem)
-        if a.block_size < 1:
-            p.error("--block-size must be positive")
-        for name in ("num_blocks", "kv_memory_mb", "max_batch_size", "max_step_tokens"):
-            if getattr(a, name) < 0:
-                p.error(f"--{name.replace('_', '-')} must be >= 0 (0: the device's default)")
-        if a.max_pending_requests is not None and a.max_pending_requests < 0:
-            p.error("--max-pending-requests must be >= 0 (0: no limit)")
-        if not 0.0 <= a.kv_memory_fraction <= 1.0:
-            p.error("--kv-memory-fraction must be in [0, 1] (0: the device's default)")
-        return cls(
-            cache_service=a.cache_service,
-            cache_token=a.cache_token,
-            host=a.host,
-            port=a.port,
-            advertise_address=a.advertise_address,
-            worker_id=a.worker_id,
-            model=a.model,
-            block_size=a.block_size,
-            num_blocks=a.num_blocks,
-            kv_memory_mb=a.kv_memory_mb,
-            kv_memory_fraction=a.kv_memory_fraction,
-            max_batch_size=a.max_batch_size,
-            max_step_tokens=a.max_step_tokens,
-            max_pending_requests=a.max_pending_requests,
-            reserve_tokens=a.reserve_tokens,
-            extend_ahead_tokens=a.extend_ahead_tokens,
-            prefix_caching=not a.no_prefix_caching,
-            warmup=a.warmup,
-            self_check=a.self_check,
-            tls_cert=a.tls_cert,
-            tls_key=a.tls_key,
-            tls_ca=a.tls_ca,
-            tls_server_name=a.tls_server_name,
-            tls_client_ca=a.tls_client_ca,
-            log_level=a.log_level,
-        )
+        return SETTINGS.parse(argv, check)
 
     def pool_id(self, bound_port: int) -> str:
         return self.worker_id or f"{socket.gethostname()}-{bound_port}"
 
     def address(self, bound_port: int) -> str:
         return self.advertise_address or f"{self.host}:{bound_port}"
+
+
+def check(c: WorkerConfig) -> str | None:
+    """What is wrong across the fields of ``c``; None if nothing."""
+    if problem := check_server(c.tls_cert, c.tls_key, c.tls_client_ca):
+        return problem
+    if c.block_size < 1:
+        return "--block-size must be positive"
+    for name in ("num_blocks", "kv_memory_mb", "max_batch_size", "max_step_tokens"):
+        if getattr(c, name) < 0:
+            return f"--{name.replace('_', '-')} must be >= 0 (0: the device's default)"
+    if c.max_pending_requests is not None and c.max_pending_requests < 0:
+        return "--max-pending-requests must be >= 0 (0: no limit)"
+    if not 0.0 <= c.kv_memory_fraction <= 1.0:
+        return "--kv-memory-fraction must be in [0, 1] (0: the device's default)"
+    return None
+
+
+SETTINGS = Settings(
+    WorkerConfig,
+    ENV_PREFIX,
+    prog="python -m worker",
+    description="An MLX compute worker (gRPC). Every flag also reads KVWORKER_<FLAG>.",
+    flags={
+        "cache_service": "the cache service's address",
+        "cache_token": Flag("the cache service's service token, sent on every call", secret=True),
+        "host": "listen address",
+        "port": "gRPC port (0: any free port)",
+        "advertise_address": "the address gateways dial (default: host:port)",
+        "worker_id": "the pool id at the cache service (default: hostname-port)",
+        "model": "the embedded default model, an mlx-lm directory or a Hugging Face id",
+        "block_size": "tokens per KV block",
+        "num_blocks": "pool size in blocks (0: from the next two, else the device's default)",
+        "kv_memory_mb": "pool size as a memory budget in MiB",
+        "kv_memory_fraction": "pool size as a fraction of the memory free after the weights",
+        "max_batch_size": "sequences per engine step (0: 16 on CPU, 32 on a GPU)",
+        "max_step_tokens": "tokens per step (0: 256 on CPU, 2048 on a GPU)",
+        "max_pending_requests": "most requests held, running + waiting (default: 8 x batch; "
+        "0: no limit)",
+        "reserve_tokens": "token slots leased beyond the prompt at admission",
+        "extend_ahead_tokens": "how far ahead of need a sequence asks for its next block",
+        "prefix_caching": Flag(
+            "compute every prompt in full (benchmarks, debugging)", off_only=True
+        ),
+        "warmup": "run the engine's shapes once before saying ready",
+        "self_check": "refuse a model whose paged path disagrees with mlx-lm's dense path",
+        "tls_cert": "PEM certificate: with --tls-key, the gRPC port serves TLS",
+        "tls_key": "PEM private key of --tls-cert",
+        "tls_ca": "PEM CA bundle: reach the cache service over TLS, verified against it",
+        "tls_server_name": "the name the cache service's certificate must carry",
+        "tls_client_ca": "PEM CA bundle: callers must present a certificate it signed",
+        "log_level": "DEBUG, INFO, WARNING or ERROR",
+    },
+)

@@ -61,24 +61,6 @@ FINISH_REASON = {
 }
 
 
-def sampling_params(p: pb.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=p.temperature,
-        top_p=p.top_p if p.top_p > 0 else 1.0,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        seed=p.seed if p.HasField("seed") else None,
-        max_tokens=p.max_tokens,
-        stop=tuple(p.stop),
-        stop_token_ids=tuple(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs,
-        repetition_penalty=p.repetition_penalty if p.repetition_penalty > 0 else 1.0,
-        include_stop_str_in_output=p.include_stop_str_in_output,
-        skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
-    )
-
-
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(
         self, engine: Engine, worker_id: str, model_name: str, runner: str = "paged"
@@ -106,7 +88,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             seq = intake.sequence(
                 request_id,
                 self._prompt(request),
-                sampling_params(request.sampling),
+                SamplingParams.from_wire(request.sampling),
                 request.namespace,
             )
         except (Overloaded, InvalidRequest) as err:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from worker.engine.sampling_params import SamplingParams
+from worker.engine.sampling_params import SamplingParams, validate
 from worker.engine.sequence import Sequence, TextStream
 from worker.errors import InvalidRequest, Overloaded
 from worker.model.sampling import RowSampler
@@ -68,7 +68,7 @@ class Intake:
             raise InvalidRequest("the prompt is empty")
         if min(prompt) < 0 or max(prompt) >= lim.vocab_size:
             raise InvalidRequest(f"prompt token ids must be in [0, {lim.vocab_size})")
-        params.validate(lim.vocab_size)
+        validate(params, lim.vocab_size)
         # The cache service's rule for what it stores (and its admin tools print).
         max_chars = self._max_namespace_chars()
         if len(namespace) > max_chars:

@@ -1,0 +1,66 @@
+"""What a request asks of sampling: one definition for the gateway and the worker.
+
+The fields and their zeros are those of ``worker.v1.SamplingParams``
+(proto/worker/v1/worker.proto), the message both sides read; :meth:`SamplingParams.from_wire` is the one reading of it. Each side
+checks the values against ``sampling_limits`` and raises its own error; the worker samples with
+them (``worker.model.sampling``).
+
+Pure Python: no MLX, and no protobuf either (``from_wire`` reads the message by its fields; the
+bottom layer imports no generated code).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Zero means "off" for ``top_k`` and ``min_p``, as on the wire."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    # 0: up to the context (the gateway resolves it before dispatch: always explicit there).
+    max_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    # Top-n alternatives per generated token; 0: no logprobs at all.
+    logprobs: int = 0
+    repetition_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> SamplingParams:
+        """A ``worker.v1.SamplingParams`` message's values (``msg`` is typed ``Any``: this
+        package imports no generated code, and mypy sees none), its zeros read as the proto
+        documents them: ``top_p`` and ``repetition_penalty`` 0 are off (1.0), an unset ``seed``
+        is None, an unset ``skip_special_tokens`` is True. Anything else is kept as sent, for
+        ``sampling_limits.check_sampling`` to refuse by name (a negative ``top_p`` is a bad
+        request, not "off")."""
+        return cls(
+            temperature=msg.temperature,
+            top_p=msg.top_p or 1.0,
+            top_k=msg.top_k,
+            min_p=msg.min_p,
+            seed=msg.seed if msg.HasField("seed") else None,
+            max_tokens=msg.max_tokens,
+            stop=tuple(msg.stop),
+            stop_token_ids=tuple(msg.stop_token_ids),
+            ignore_eos=msg.ignore_eos,
+            logprobs=msg.logprobs,
+            repetition_penalty=msg.repetition_penalty or 1.0,
+            include_stop_str_in_output=msg.include_stop_str_in_output,
+            skip_special_tokens=(
+                msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
+            ),
+        )
