@@ -21,22 +21,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.admin_routes import admin_router
-from gateway.concurrency import ConcurrencyLimiter, client_of_host
 from gateway.core import Gateway
 from gateway.errors import (
     GatewayError,
-    InvalidRequest,
-    RequestTooLarge,
-    TooManyRequests,
     Unauthorized,
     error_body,
     error_headers,
     openai_error_body,
 )
-from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.metrics import CONTENT_TYPE
+from gateway.middleware import CLIENT_CLOSED, BodyLimit, ClientConcurrency, RequestMetrics
 from gateway.openai_serving import Served
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -50,10 +46,6 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
-
-GENERATE = ("/v1/completions", "/v1/chat/completions")
-ENDPOINTS = (*GENERATE, "/v1/models", "/health", "/metrics")
-CLIENT_CLOSED = 499  # nginx's code for "the client went away first"
 
 
 class ClientDisconnected(Exception):
@@ -288,112 +280,3 @@ def _install_error_handlers(app: FastAPI) -> None:
         log.exception("unhandled error", exc_info=exc)
         status, body = error_body(exc)
         return JSONResponse(body, status_code=status)
-
-
-class BodyLimit:
-    """Refuses request bodies over ``max_bytes`` (413) before anyone parses them: by the
-    Content-Length header when there is one, by counting the chunks when there is not."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length")
-        try:
-            declared = int(length) if length is not None else None
-        except ValueError:
-            await _send_error(send, InvalidRequest("invalid Content-Length header"))
-            return
-        if declared is not None and declared > self.max_bytes:
-            await _send_error(send, self._too_large())
-            return
-        received = 0
-
-        async def limited() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise self._too_large()
-            return message
-
-        await self.app(scope, limited, send)
-
-    def _too_large(self) -> RequestTooLarge:
-        return RequestTooLarge(
-            f"The request body is larger than {self.max_bytes} bytes.", code="request_too_large"
-        )
-
-
-async def _send_error(send: Send, err: GatewayError) -> None:
-    status, body = error_body(err)
-    response = JSONResponse(body, status_code=status, headers=error_headers(err))
-    await response({"type": "http"}, _no_receive, send)
-
-
-class ClientConcurrency:
-    """Holds one of the client's slots (``gateway.concurrency``) for each generation request,
-    from accept until the app returns: for a stream that is after its last event, or once
-    Starlette saw the client disconnect and cancelled it, so every way a request ends (done,
-    error, disconnect, cancellation) gives the slot back. Over a limit: 429 with Retry-After,
-    before the body is read."""
-
-    def __init__(self, app: ASGIApp, limiter: ConcurrencyLimiter) -> None:
-        self.app = app
-        self.limiter = limiter
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATE:
-            await self.app(scope, receive, send)
-            return
-        peer = scope.get("client")
-        client = client_of_host(peer[0] if peer else None)
-        try:
-            self.limiter.acquire(client)
-        except TooManyRequests as e:
-            await _send_error(send, e)
-            return
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.limiter.release(client)
-
-
-async def _no_receive() -> Message:
-    return {"type": "http.disconnect"}
-
-
-class RequestMetrics:
-    """Counts requests by endpoint and status and times them to the end of the response
-    (the last SSE event for streams)."""
-
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path: str = scope["path"]
-        endpoint = (
-            path if path in ENDPOINTS else "/admin" if path.startswith("/admin/") else "other"
-        )
-        start = time.perf_counter()
-        status: list[Any] = [CLIENT_CLOSED]
-
-        async def send_and_record(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_record)
-        finally:
-            self.metrics.requests.labels(endpoint, str(status[0])).inc()
-            self.metrics.request_latency.labels(endpoint).observe(time.perf_counter() - start)
