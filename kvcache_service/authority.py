@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kvcache_service.errors import (
     FencedIncarnation,
@@ -19,8 +20,8 @@ from kvcache_service.leases import AcquireRequest, Deferral, Grant
 from kvcache_service.names import MAX_NAME_CHARS, check_name
 from kvcache_service.pool import PoolSpec, PoolState
 from kvcache_service.pool_admin import Lookup
+from kvcache_service.tokens import pack
 
-MAX_TOKEN_ID = 2**31 - 1
 MAX_BLOCKS = 1 << 24
 MAX_BLOCK_SIZE = 4096
 
@@ -71,12 +72,8 @@ class _Liveness:
 
 
 def as_tokens(values: Sequence[int], what: str, allow_empty: bool = False) -> Tokens:
-    tokens = tuple(values)
-    if not tokens and not allow_empty:
-        raise InvalidArgument(f"{what} is empty")
-    if tokens and (min(tokens) < 0 or max(tokens) > MAX_TOKEN_ID):
-        raise InvalidArgument(f"{what} holds a token id outside [0, {MAX_TOKEN_ID}]")
-    return tokens
+    """`values` checked (ids in [0, MAX_TOKEN_ID]) and packed: what the domain carries."""
+    return pack(values, what, allow_empty)
 
 
 class CacheAuthority:
@@ -95,6 +92,8 @@ class CacheAuthority:
         # Time-based, so incarnations stay unique across restarts of this service.
         self._next_incarnation = time.time_ns() // 1000
         self._next_lease = 1
+        # No pool can fall due before this (expire_due): a lower bound, never too late.
+        self._quiet_until = -math.inf
 
     # -- workers ------------------------------------------------------------------------------
 
@@ -137,6 +136,7 @@ class CacheAuthority:
             spec, self._next_incarnation, self.config.namespace_quota_blocks
         )
         self._live[spec.pool_id] = _Liveness(self.clock() + ttl)
+        self._quiet_until = min(self._quiet_until, self._live[spec.pool_id].deadline)
         return Registration(self._next_incarnation, ttl, ttl / 4, self.config.max_namespace_chars)
 
     def heartbeat(self, pool_id: PoolId, incarnation: int) -> tuple[list[LeaseId], int]:
@@ -146,14 +146,13 @@ class CacheAuthority:
     def acquire(self, req: AcquireRequest) -> tuple[Grant | Deferral, list[LeaseId]]:
         """A lease (or a Deferral), and the caller's leases that expired since it last heard."""
         # Checked before the pool is looked up (which renews it): a malformed call changes nothing.
-        req = replace(
-            req, namespace=self.namespace(req.namespace), prompt=as_tokens(req.prompt, "prompt")
-        )
+        self.namespace(req.namespace)
+        prompt = pack(req.prompt, "prompt")
         pool = self._pool(req.pool_id, req.incarnation)
         expired = self._take_expired(req.pool_id)
         lease_id = LeaseId(self._next_lease)
         deadline = self._live[req.pool_id].deadline
-        result = pool.leases.acquire(lease_id, req, self.clock(), deadline)
+        result = pool.leases.acquire(lease_id, req, prompt, self.clock(), deadline)
         if isinstance(result, Grant):
             self._next_lease += 1
         return result, expired
@@ -168,7 +167,7 @@ class CacheAuthority:
         self, pool_id: PoolId, incarnation: int, items: Sequence[tuple[int, Sequence[int]]]
     ) -> list[int]:
         pool = self._pool(pool_id, incarnation)
-        checked = [(LeaseId(lease), as_tokens(t, "token_ids", True)) for lease, t in items]
+        checked = [(LeaseId(lease), pack(t, "token_ids", True)) for lease, t in items]
         for lease, _ in checked:
             pool.leases.get(lease)  # all known before any commits
         now = self.clock()
@@ -178,8 +177,8 @@ class CacheAuthority:
         self, pool_id: PoolId, incarnation: int, lease_id: int, tokens: Sequence[int] = ()
     ) -> int:
         pool = self._pool(pool_id, incarnation)
-        tokens = as_tokens(tokens, "token_ids", True)
-        return pool.leases.release(LeaseId(lease_id), tokens, self.clock())
+        packed = pack(tokens, "token_ids", True)
+        return pool.leases.release(LeaseId(lease_id), packed, self.clock())
 
     def route(
         self, ns: Namespace, prompt: Sequence[int], model: str | None = None
@@ -214,6 +213,10 @@ class CacheAuthority:
         pool silent for `forget_after_ttls` TTLs: it holds no lease by then, and a worker that
         comes back is told to register (UnregisteredPool), which it would have to do anyway."""
         now = self.clock()
+        # Every call of a pool runs this; until the earliest moment the last sweep saw
+        # anything fall due (deadlines only move later), there is nothing to look at.
+        if now <= self._quiet_until:
+            return 0
         forget_at = (self.config.forget_after_ttls - 1) * self.config.lease_ttl_s
         n = 0
         for pool_id, live in list(self._live.items()):
@@ -228,6 +231,10 @@ class CacheAuthority:
                 n += len(expired)
             if not live.alive and not pool.leases and now - live.deadline > forget_at:
                 del self.pools[pool_id], self._live[pool_id]
+        self._quiet_until = min(
+            (v.deadline if v.alive else v.deadline + forget_at for v in self._live.values()),
+            default=math.inf,
+        )
         return n
 
     def _pool(self, pool_id: PoolId, incarnation: int) -> PoolState:
@@ -244,6 +251,7 @@ class CacheAuthority:
         live = self._live[pool_id]
         live.alive = True
         live.deadline = self.clock() + self.config.lease_ttl_s
+        self._quiet_until = min(self._quiet_until, live.deadline)
         return pool
 
     def _take_expired(self, pool_id: PoolId) -> list[LeaseId]:

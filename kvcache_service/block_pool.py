@@ -27,6 +27,7 @@ class BlockPool:
         self._is_free = bytearray(b"\x01") * num_blocks
         self.refcount = [0] * num_blocks
         self.pins = [0] * num_blocks
+        self.any_pinned = False  # set by the first pin: until then nothing checks `pins`
         self.peak_used = 0
 
     @property
@@ -34,7 +35,8 @@ class BlockPool:
         return len(self._free)
 
     def allocate(self, n: int) -> list[BlockId]:
-        """Takes n free blocks, all or nothing."""
+        """Takes n free blocks, all or nothing, each referenced once (by the lease that gets
+        it)."""
         if n > len(self._free):
             raise OutOfBlocks(f"need {n} free blocks, have {len(self._free)}")
         if n == 0:
@@ -42,16 +44,20 @@ class BlockPool:
         taken = self._free[-n:]
         del self._free[-n:]
         taken.reverse()
+        is_free, refcount = self._is_free, self.refcount
         for b in taken:
-            self._is_free[b] = 0
+            is_free[b] = 0
+            refcount[b] = 1
         self.peak_used = max(self.peak_used, self.num_blocks - len(self._free))
         return taken
 
-    def free(self, block: BlockId) -> None:
-        assert not self._is_free[block], f"double free of block {block}"
-        assert self.refcount[block] == 0 and self.pins[block] == 0, f"freeing live block {block}"
-        self._is_free[block] = 1
-        self._free.append(block)
+    def free(self, blocks: list[BlockId]) -> None:
+        """Returns `blocks` to the free list, in order (the last one is handed out first)."""
+        is_free, rc, pins = self._is_free, self.refcount, self.pins
+        for b in blocks:
+            assert not (is_free[b] or rc[b] or pins[b]), f"block {b}: double free, or live"
+            is_free[b] = 1
+        self._free += blocks
 
     def snapshot(self) -> BlockSnapshot:
         """Copies of the arrays (C-speed: ~3 ms per 1M blocks each) for an off-loop check."""

@@ -55,20 +55,39 @@ class Budget:
             self.order.remove(block)
         self.blocks.refcount[block] += 1
 
-    def unref(self, block: BlockId) -> None:
-        """One fewer. The last reference frees an unindexed block and makes an indexed one
-        evictable (unless pinned); callers drop a sequence's blocks deepest first, so that the
-        eviction order keeps children ahead of their parents."""
-        self.blocks.refcount[block] -= 1
-        if self.blocks.refcount[block]:
-            return
-        if block not in self.index:
-            self._free(block)
-        elif not self.blocks.pins[block]:
-            self.order.push(block, self._charged[block])
+    def ref_all(self, blocks: list[BlockId]) -> None:
+        """`ref` of each of `blocks` (distinct), in one loop: an acquire refs a whole prefix."""
+        # Evictable blocks are unreferenced, so all of them leave the order.
+        self.order.discard_all(blocks)
+        rc = self.blocks.refcount
+        for b in blocks:
+            rc[b] += 1
+
+    def unref_all(self, blocks: list[BlockId]) -> None:
+        """One reference fewer on each of `blocks`. The last reference frees an unindexed
+        block and makes an indexed one evictable (unless pinned); callers pass a sequence's
+        blocks deepest first, so that the eviction order keeps children ahead of parents."""
+        rc, indexed = self.blocks.refcount, self.index.indexed
+        unindexed: list[BlockId] = []
+        evictable: list[BlockId] = []
+        for b in blocks:  # ~65 ns a block; every call or C-speed filter pass costs more
+            r = rc[b] - 1
+            rc[b] = r
+            if r:
+                continue
+            if b in indexed:
+                evictable.append(b)
+            else:
+                unindexed.append(b)
+        self._free(unindexed)
+        if self.blocks.any_pinned:
+            pins = self.blocks.pins
+            evictable = [b for b in evictable if not pins[b]]
+        self.order.push_all(evictable, self._charged)
 
     def pin(self, block: BlockId) -> None:
         self.blocks.pins[block] += 1
+        self.blocks.any_pinned = True
         if block in self.order:
             self.order.remove(block)
 
@@ -86,55 +105,74 @@ class Budget:
         Blocks in `held` are about to be referenced: cache hits count as already present,
         so they are neither evicted to make room nor counted as evictable.
         """
-        held_evictable = Counter(self._charged[b] for b in held if b in self.order)
+        held_evictable = self.order.among(held)
         plan: EvictionPlan = {}
         if self.quota is not None:
+            held_by_ns = Counter(self._charged[b] for b in held_evictable)
             for ns, n in needs.items():
                 over = self._used[ns] + n - self.quota
                 if over <= 0:
                     continue
-                if over > self.order.count(ns) - held_evictable[ns]:
+                if over > self.order.count(ns) - held_by_ns[ns]:
                     self.counters.exhausted += 1
                     raise OutOfBlocks(f"namespace {ns!r} is over its quota of blocks")
                 plan[ns] = over
         by_quota = sum(plan.values())
         short = sum(needs.values()) - self.blocks.num_free - by_quota
-        evictable = len(self.order) - sum(held_evictable.values()) - by_quota
+        evictable = len(self.order) - len(held_evictable) - by_quota
         if short > evictable:
             self.counters.exhausted += 1
             raise OutOfBlocks(
                 f"need {sum(needs.values())} blocks: {self.blocks.num_free} free, "
-                f"{len(self.order) - sum(held_evictable.values())} evictable"
+                f"{len(self.order) - len(held_evictable)} evictable"
             )
         plan[None] = max(0, short)
         return plan
 
     def allocate(self, plan: EvictionPlan, n: int, ns: Namespace) -> list[BlockId]:
         """Carries out what is left of `plan` (the first call of a batch evicts it all), then
-        takes `n` free blocks charged to `ns`. The blocks `plan` was made for must already be
-        referenced, or the oldest evictable block could be one of them."""
+        takes `n` free blocks charged to `ns`, each referenced once by the caller's lease. The
+        blocks `plan` was made for must already be referenced, or the oldest evictable block
+        could be one of them."""
         for target in [k for k in plan if plan[k]]:
-            for _ in range(plan.pop(target)):
-                self.evict(self.order.oldest(target))
+            self._evict_oldest(plan.pop(target), target)
         fresh = self.blocks.allocate(n)
-        for b in fresh:
-            self._charged[b] = ns
+        self._charged.update(dict.fromkeys(fresh, ns))
         self._used[ns] += n
         return fresh
+
+    def _evict_oldest(self, n: int, ns: Namespace | None) -> None:
+        """Evicts the `n` oldest evictable blocks (of `ns`, if given): O(1) each, in batch."""
+        victims = self.order.pop_oldest(n, ns)
+        self.index.remove_leaves(victims)
+        self._free(victims)
+        self.counters.evicted_blocks += n
 
     def evict(self, block: BlockId) -> None:
         """Drops an evictable block (the last block of a leaf) from the index and frees it."""
         self.order.remove(block)
         self.index.remove_leaf_block(block)
-        self._free(block)
+        self._free([block])
         self.counters.evicted_blocks += 1
 
-    def _free(self, block: BlockId) -> None:
-        ns = self._charged.pop(block)
-        self._used[ns] -= 1
-        if not self._used[ns]:
-            del self._used[ns]
-        self.blocks.free(block)
+    def _free(self, blocks: list[BlockId]) -> None:
+        """Uncharges `blocks` and returns them to the free list, in order."""
+        if not blocks:
+            return
+        namespaces = list(map(self._charged.pop, blocks))
+        first = namespaces[0]
+        # Mostly one namespace: one C-speed count instead of a Counter.
+        tally = (
+            {first: len(namespaces)}
+            if namespaces.count(first) == len(namespaces)
+            else Counter(namespaces)
+        )
+        used = self._used
+        for ns, k in tally.items():
+            used[ns] -= k
+            if not used[ns]:
+                del used[ns]
+        self.blocks.free(blocks)
 
     # -- accounting ---------------------------------------------------------------------------
 

@@ -7,5 +7,6 @@ LeaseId = NewType("LeaseId", int)
 PoolId = NewType("PoolId", str)
 Namespace = NewType("Namespace", str)
 
-# A prompt or a sequence, as handed to the index: a tuple so that slices hash and compare in C.
-Tokens = tuple[int, ...]
+# A prompt or a sequence as the domain carries it: token ids packed 4 bytes each, checked once
+# where they come in (tokens.pack), so that slices hash and compare at C speed.
+Tokens = NewType("Tokens", bytes)

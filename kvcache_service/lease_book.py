@@ -9,9 +9,10 @@ from kvcache_service.budget import Budget
 from kvcache_service.counters import PoolCounters
 from kvcache_service.errors import InvalidArgument, UnknownLease
 from kvcache_service.ids import BlockId, LeaseId, Namespace, PoolId, Tokens
-from kvcache_service.inflight import InFlight, chain_hashes
+from kvcache_service.inflight import InFlight, chain_hashes, chain_seed
 from kvcache_service.leases import AcquireRequest, Deferral, Grant, Lease, Reuse
 from kvcache_service.radix_index import Match, RadixIndex
+from kvcache_service.tokens import count
 
 
 def reusable_tokens(match: Match, block_size: int, prompt_len: int) -> int:
@@ -57,47 +58,51 @@ class LeaseBook:
         return lease
 
     def acquire(
-        self, lease_id: LeaseId, req: AcquireRequest, now: float, expires_at: float
+        self, lease_id: LeaseId, req: AcquireRequest, prompt: Tokens, now: float, expires_at: float
     ) -> Grant | Deferral:
-        """A lease on `req.prompt` plus its reserve: the matched prefix shared, a partially
-        matched block copied on write into the first fresh block, fresh blocks for the rest
-        (evicting cached ones if needed). Or a Deferral (SHARE_OR_DEFER only), or OutOfBlocks."""
+        """A lease on `prompt` (`req.prompt` checked and packed) plus its reserve: the matched
+        prefix shared, a partially matched block copied on write into the first fresh block,
+        fresh blocks for the rest (evicting cached ones if needed). Or a Deferral
+        (SHARE_OR_DEFER only), or OutOfBlocks."""
         bs = self.block_size
-        ns, prompt = req.namespace, req.prompt
+        ns, n = req.namespace, count(prompt)
         match = Match() if req.reuse is Reuse.NONE else self.index.match(ns, prompt)
-        cached = reusable_tokens(match, bs, len(prompt))
+        cached = reusable_tokens(match, bs, n)
         full, part = divmod(cached, bs)
         shared = list(match.blocks[:full])
         cow_src = None
         if part:
             cow_src = match.blocks[full] if full < len(match.blocks) else match.partial_block
-        chain = chain_hashes(ns, prompt, bs)
+        # Only the blocks past the shared prefix are hashed: the index knows the rest.
+        base = self.index.chain_hash(shared[-1]) if shared else chain_seed(ns)
+        chain = chain_hashes(base, prompt, full, self.index.chunk_bytes)
         if req.reuse is Reuse.SHARE_OR_DEFER:
-            pending, filler = self.pending(chain, full, cached, len(prompt))
+            pending, filler = self.pending(chain, full, cached, n)
             if filler is not None and pending > 0:
                 self.counters.deferrals += 1
                 return Deferral(filler, cached, pending)
 
-        need = blocks_for(len(prompt) + req.reserve_tokens, bs) - full
+        need = blocks_for(n + req.reserve_tokens, bs) - full
         held = [*shared, cow_src] if cow_src is not None else shared
         plan = self.budget.plan({ns: need}, held)
-        lease = Lease(lease_id, ns, prompt, [], cached, None, full, chain=chain)
-        for pos, b in enumerate(held):  # referenced first: the plan's evictions spare them
-            self._ref(lease, b, pos)
+        self.budget.ref_all(held)  # referenced first: the plan's evictions spare them
         fresh = self.budget.allocate(plan, need, ns)
-        for pos, b in enumerate(fresh, start=full):
-            self._ref(lease, b, pos)
-        lease.table = shared + fresh
+        lease = Lease(lease_id, ns, prompt, shared + fresh, cached, None, full)
+        lease.refs = dict(zip(held, range(len(held)), strict=True))
+        lease.refs.update(zip(fresh, range(full, full + need), strict=True))
         lease.indexed_blocks = full
+        lease.last_indexed = shared[-1] if shared else None
+        lease.chain_base, lease.chain = base, chain
         if cow_src is not None:
             lease.cow = (cow_src, fresh[0])
         self.inflight.register(lease_id, chain, full)
         self.live[lease_id] = lease
-        self.index.touch(held, now)
+        if held:
+            self.index.touch(held[-1], now)
         c = self.counters
         c.acquires += 1
         c.acquire_hits += cached > 0
-        c.prompt_tokens += len(prompt)
+        c.prompt_tokens += n
         c.cached_tokens += cached
         cow = (lease.cow,) if lease.cow is not None else ()
         return Grant(lease_id, tuple(lease.table), cached, cow, expires_at)
@@ -106,55 +111,80 @@ class LeaseBook:
         self, chain: list[int], full: int, cached: int, prompt_len: int
     ) -> tuple[int, LeaseId | None]:
         """Prompt tokens past the `cached` ones (`full` blocks) that live leases are still
-        filling, and the lease filling the first of them."""
-        if full >= len(chain):
+        filling, and the lease filling the first of them; `chain`: the prompt's chain hashes
+        from block `full` on."""
+        if not chain:
             return 0, None
-        run, filler = self.inflight.pending_run(chain, full)
+        run, filler = self.inflight.pending_run(chain)
         return max(0, min((full + run) * self.block_size, prompt_len - 1) - cached), filler
 
     def extend(self, items: list[tuple[LeaseId, int]]) -> list[tuple[LeaseId, list[BlockId]]]:
         """Grows each lease to cover its token count; all or nothing."""
-        needs: Counter[Namespace] = Counter()
+        needs: dict[Namespace, int] = {}
         grow = []
         for lease_id, num_tokens in items:
             lease = self.get(lease_id)
             n = max(0, blocks_for(num_tokens, self.block_size) - len(lease.table))
-            needs[lease.namespace] += n
+            needs[lease.namespace] = needs.get(lease.namespace, 0) + n
             grow.append((lease, n))
-        plan = self.budget.plan(dict(needs), [])
+        plan = self.budget.plan(needs, [])
         out = []
         for lease, n in grow:
             fresh = self.budget.allocate(plan, n, lease.namespace)
-            for pos, b in enumerate(fresh, start=len(lease.table)):
-                self._ref(lease, b, pos)
-            lease.table.extend(fresh)
+            end = len(lease.table)
+            lease.refs.update(zip(fresh, range(end, end + n), strict=True))
+            lease.table += fresh
             out.append((lease.lease_id, fresh))
         return out
 
     def commit(self, lease_id: LeaseId, tokens: Tokens, now: float) -> int:
-        """Publishes the lease's full blocks of `tokens` (the sequence whose KV is written)."""
+        """Publishes the lease's full blocks of `tokens` (the sequence whose KV is written).
+
+        Only what is new is indexed: the walk starts where the lease's last commit ended.
+        """
         lease = self.get(lease_id)
         bs = self.block_size
-        if len(tokens) > len(lease.table) * bs:
+        n = count(tokens)
+        if n > len(lease.table) * bs:
             raise InvalidArgument(
-                f"lease {lease_id} covers {len(lease.table) * bs} tokens, commit has {len(tokens)}"
+                f"lease {lease_id} covers {len(lease.table) * bs} tokens, commit has {n}"
             )
-        common = min(len(tokens), len(lease.tokens))
-        if tokens[:common] != lease.tokens[:common]:
-            raise InvalidArgument(f"commit tokens disagree with lease {lease_id}'s sequence")
+        # One memcmp: the shorter of the two must be a prefix of the other.
         if len(tokens) > len(lease.tokens):
+            if not tokens.startswith(lease.tokens):
+                raise InvalidArgument(f"commit tokens disagree with lease {lease_id}'s sequence")
             lease.tokens = tokens
-        nfull = len(tokens) // bs
-        if nfull <= lease.indexed_blocks:
-            return lease.indexed_blocks * bs
-        canonical = self.index.insert(lease.namespace, tokens[: nfull * bs], lease.table[:nfull])
-        for pos in range(lease.indexed_blocks, nfull):
-            if canonical[pos] != lease.table[pos]:
-                self._ref(lease, canonical[pos], pos)  # adopt: keeps its path referenced
+        elif not lease.tokens.startswith(tokens):
+            raise InvalidArgument(f"commit tokens disagree with lease {lease_id}'s sequence")
+        nfull = n // bs
+        start = lease.indexed_blocks
+        if nfull <= start:
+            return start * bs
+        shared = lease.shared_blocks
+        hashes = self._chain_through(lease, nfull)[start - shared : nfull - shared]
+        canonical = self.index.insert(
+            lease.namespace, tokens, start, lease.last_indexed, lease.table[start:nfull], hashes
+        )
+        table = lease.table
+        for pos, b in enumerate(canonical, start):
+            if b != table[pos]:
+                self._ref(lease, b, pos)  # adopt: keeps its path referenced
         lease.indexed_blocks = nfull
-        self.inflight.committed(lease_id, set(lease.chain[:nfull]))
-        self.index.touch(canonical, now)
+        lease.last_indexed = canonical[-1]
+        self.inflight.committed(lease_id, nfull)
+        self.index.touch(canonical[-1], now)
         return nfull * bs
+
+    def _chain_through(self, lease: Lease, nfull: int) -> list[int]:
+        """The lease's chain, hashed through block `nfull - 1` (blocks past its prompt are
+        hashed here, once: `lease.tokens` holds them by now)."""
+        chain = lease.chain
+        have = lease.shared_blocks + len(chain)
+        if nfull > have:
+            seed = chain[-1] if chain else lease.chain_base
+            cb = self.index.chunk_bytes
+            chain += chain_hashes(seed, lease.tokens, have, cb, nfull)
+        return chain
 
     def release(self, lease_id: LeaseId, tokens: Tokens, now: float) -> int:
         """Commits `tokens` (when given) and ends the lease; returns the tokens indexed."""
@@ -178,9 +208,19 @@ class LeaseBook:
     def _end(self, lease: Lease) -> None:
         del self.live[lease.lease_id]
         self.inflight.ended(lease.lease_id)
-        # Deepest first, so the eviction order keeps children ahead of their parents.
-        for b, _pos in sorted(lease.refs.items(), key=lambda kv: -kv[1]):
-            self.budget.unref(b)
+        # Deepest first, so the eviction order keeps children ahead of their parents; equal
+        # positions (a copy-on-write source, an adopted block) in the order they were taken.
+        # Mostly the refs are the table, whose reversal is that order, or the table and the
+        # copy-on-write source, taken before the block it was copied into (~half each here).
+        refs, table = lease.refs, lease.table
+        if len(refs) == len(table):
+            deepest_first = table[::-1]
+        elif len(refs) == len(table) + 1 and lease.cow is not None:
+            deepest_first = table[::-1]
+            deepest_first.insert(len(table) - 1 - lease.shared_blocks, lease.cow[0])
+        else:  # stable: reverse=True keeps equal positions in insertion order
+            deepest_first = sorted(refs, key=refs.__getitem__, reverse=True)
+        self.budget.unref_all(deepest_first)
 
     # -- accounting ---------------------------------------------------------------------------
 
@@ -192,7 +232,8 @@ class LeaseBook:
         return listed
 
     def check_integrity(self) -> list[str]:
-        """Blocks a lease writes are its own; every lease references its whole table."""
+        """Blocks a lease writes are its own; every lease references its whole table; the
+        walk of its next commit starts at its last indexed block."""
         found = []
         rc = self.budget.blocks.refcount
         for lease in self.live.values():
@@ -202,4 +243,10 @@ class LeaseBook:
                     found.append(f"writable block {b} of lease {lease.lease_id} is shared")
             if set(lease.table) - lease.refs.keys():
                 found.append(f"lease {lease.lease_id} does not reference its whole table")
+            last = lease.last_indexed
+            if (last is None) != (lease.indexed_blocks == 0) or (
+                last is not None
+                and (last not in self.index or lease.refs.get(last) != lease.indexed_blocks - 1)
+            ):
+                found.append(f"lease {lease.lease_id}: its last indexed block is not held")
         return found + self.inflight.check_integrity(set(self.live))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvcache_service.ids import BlockId, LeaseId, Namespace, PoolId, Tokens
@@ -21,12 +22,12 @@ class Reuse(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class AcquireRequest:
     """One AcquireLease call, built once at the edge (convert.py). The authority checks the
-    namespace and the token ids before anything uses them."""
+    namespace and packs the token ids (tokens.pack) before anything uses them."""
 
     pool_id: PoolId
     incarnation: int
     namespace: Namespace
-    prompt: Tokens
+    prompt: Sequence[int]  # token ids as they came
     reserve_tokens: int = 0  # token slots beyond the prompt (the first decode steps)
     reuse: Reuse = Reuse.SHARE
 
@@ -40,11 +41,17 @@ class Lease:
         | shared (matched, read-only) | cow dst? | own blocks to write ............ | reserve |
         0                  cached_tokens//bs                      len(tokens)//bs
         |<------ indexed_blocks ------>|   (grows as the worker commits full blocks)
+                                      ^ last_indexed: the canonical block before it, where
+                                        the next commit's walk of the index starts
 
     `refs` maps every block this lease references to its position in the sequence: the
     table, the copy-on-write source, and canonical blocks adopted when a commit found the
     same prefix already indexed under another block. Each block's refcount counts the live
     leases whose `refs` list it, once each.
+
+    `chain[i]` is the chain hash of block `shared_blocks + i` (inflight.chain_hashes),
+    `chain_base` the one before it: hashed once, at acquire for the prompt's blocks and at
+    commit for the later ones.
     """
 
     lease_id: LeaseId
@@ -56,6 +63,8 @@ class Lease:
     shared_blocks: int
     refs: dict[BlockId, int] = field(default_factory=dict)
     indexed_blocks: int = 0
+    last_indexed: BlockId | None = None
+    chain_base: int = 0
     chain: list[int] = field(default_factory=list)
 
 

@@ -13,6 +13,7 @@ from kvcache_service.integrity import IntegritySnapshot
 from kvcache_service.lease_book import LeaseBook, reusable_tokens
 from kvcache_service.pool_admin import PoolAdmin
 from kvcache_service.radix_index import RadixIndex
+from kvcache_service.tokens import count
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +54,7 @@ class PoolState:
         self.block_size = spec.block_size
         self.blocks = BlockPool(spec.num_blocks)
         self.index = RadixIndex(spec.block_size)
-        self.order = EvictionOrder()
+        self.order = EvictionOrder(by_namespace=namespace_quota is not None)
         self.counters = PoolCounters()
         self.budget = Budget(self.blocks, self.index, self.order, self.counters, namespace_quota)
         self.leases = LeaseBook(
@@ -63,7 +64,7 @@ class PoolState:
 
     def match_tokens(self, ns: Namespace, prompt: Tokens) -> int:
         """How many tokens of `prompt` an acquire would reuse (what Route answers)."""
-        return reusable_tokens(self.index.match(ns, prompt), self.block_size, len(prompt))
+        return reusable_tokens(self.index.match(ns, prompt), self.block_size, count(prompt))
 
     # -- accounting ---------------------------------------------------------------------------
 

@@ -10,9 +10,10 @@ from kvcache_service.budget import Budget
 from kvcache_service.errors import NotFound
 from kvcache_service.eviction import EvictionOrder
 from kvcache_service.ids import BlockId, Namespace, Tokens
-from kvcache_service.inflight import chain_hashes
+from kvcache_service.inflight import chain_hashes, chain_seed
 from kvcache_service.lease_book import LeaseBook, reusable_tokens
 from kvcache_service.radix_index import RadixIndex
+from kvcache_service.tokens import count
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +106,8 @@ class PoolAdmin:
         return len(blocks)
 
     def _pin_key(self, ns: Namespace, prefix: Tokens) -> tuple[Namespace, Tokens]:
-        return ns, prefix[: len(prefix) // self.block_size * self.block_size]
+        cb = self.index.chunk_bytes
+        return ns, Tokens(prefix[: len(prefix) // cb * cb])
 
     def pin_counts(self) -> Counter[BlockId]:
         """How many pinned prefixes hold each block (what its pin count must be)."""
@@ -117,9 +119,11 @@ class PoolAdmin:
     # -- inspection ---------------------------------------------------------------------------
 
     def lookup(self, ns: Namespace, prompt: Tokens) -> Lookup:
-        bs = self.block_size
+        bs, n = self.block_size, count(prompt)
         match = self.index.match(ns, prompt)
-        cached = reusable_tokens(match, bs, len(prompt))
+        cached = reusable_tokens(match, bs, n)
         full = cached // bs
-        pending, _ = self.leases.pending(chain_hashes(ns, prompt, bs), full, cached, len(prompt))
-        return Lookup(cached, match.blocks[:full], pending, blocks_for(len(prompt), bs) - full)
+        base = self.index.chain_hash(match.blocks[full - 1]) if full else chain_seed(ns)
+        chain = chain_hashes(base, prompt, full, self.index.chunk_bytes)
+        pending, _ = self.leases.pending(chain, full, cached, n)
+        return Lookup(cached, match.blocks[:full], pending, blocks_for(n, bs) - full)

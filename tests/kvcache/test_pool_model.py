@@ -18,6 +18,7 @@ from kvcache_service.errors import NotFound, OutOfBlocks
 from kvcache_service.ids import Namespace, PoolId
 from kvcache_service.leases import AcquireRequest, Deferral, Grant, Reuse
 from kvcache_service.pool import PoolSpec, PoolState
+from kvcache_service.tokens import pack
 from tests.kvcache.reference import RefLease, RefPool
 
 TTL = 10.0
@@ -296,10 +297,10 @@ class PoolMachine(RuleBasedStateMachine):
         pool = self.auth.get_pool(pool_id).admin
         if not any(extends(key) for key in ref.by_content):
             with pytest.raises(NotFound):
-                pool.evict_prefix(ns, prefix)
+                pool.evict_prefix(ns, pack(prefix, "prefix"))
             return
         victims = [b for b in ref.evictable() if extends(ref.content[b])]
-        assert pool.evict_prefix(ns, prefix) == len(victims)
+        assert pool.evict_prefix(ns, pack(prefix, "prefix")) == len(victims)
         for b in victims:
             ref.evict(b)
 
@@ -317,14 +318,14 @@ class PoolMachine(RuleBasedStateMachine):
         key = (ns, prefix[: len(prefix) // ref.bs * ref.bs])
         pool = self.auth.get_pool(pool_id).admin
         if key in ref.pins:
-            assert pool.pin(ns, prefix) == len(ref.pins[key])
+            assert pool.pin(ns, pack(prefix, "prefix")) == len(ref.pins[key])
             return
         blocks = ref.full_match(ns, key[1])
         if not blocks:
             with pytest.raises(NotFound):
-                pool.pin(ns, prefix)
+                pool.pin(ns, pack(prefix, "prefix"))
             return
-        assert pool.pin(ns, prefix) == len(blocks)
+        assert pool.pin(ns, pack(prefix, "prefix")) == len(blocks)
         ref.pin(key, blocks)
 
     @rule(data=st.data())
@@ -334,7 +335,9 @@ class PoolMachine(RuleBasedStateMachine):
         pool_id = data.draw(st.sampled_from([p for p, r in self.ref.items() if r.pins]))
         ref = self.ref[pool_id]
         ns, tokens = data.draw(st.sampled_from(sorted(ref.pins)))
-        assert self.auth.get_pool(pool_id).admin.unpin(ns, tokens) == len(ref.pins[(ns, tokens)])
+        assert self.auth.get_pool(pool_id).admin.unpin(ns, pack(tokens, "prefix")) == len(
+            ref.pins[(ns, tokens)]
+        )
         ref.unpin((ns, tokens))
 
     # -- the comparison -----------------------------------------------------------------------

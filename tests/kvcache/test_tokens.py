@@ -1,0 +1,132 @@
+"""Token ids as the domain carries them (kvcache_service/tokens.py), and the contracts that
+moved with them: checked once at the door, whatever shape they come in; a commit that
+disagrees with its lease changes nothing; the admin tree still shows token ids."""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+import pytest
+
+from kvcache_service import convert
+from kvcache_service.authority import AuthorityConfig, CacheAuthority
+from kvcache_service.errors import InvalidArgument
+from kvcache_service.ids import Namespace, PoolId
+from kvcache_service.leases import AcquireRequest, Grant
+from kvcache_service.pool import PoolSpec
+from kvcache_service.tokens import MAX_TOKEN_ID, count, pack, unpack
+from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
+
+IDS = [0, 1, 7, 31_999, MAX_TOKEN_ID]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        list,
+        tuple,
+        lambda ids: pb.CommitItem(token_ids=ids).token_ids,  # what the servicer hands over
+        lambda ids: np.asarray(ids, dtype=np.int64),
+        lambda ids: array("q", ids),  # any other sequence of ints
+    ],
+)
+def test_every_shape_packs_to_the_same_ids(shape) -> None:
+    packed = pack(shape(IDS), "prompt")
+    assert unpack(packed) == tuple(IDS)
+    assert count(packed) == len(IDS)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [1, -1],
+        [MAX_TOKEN_ID + 1],
+        [2**32],
+        [2**64],
+        [1.5],
+        ["7"],
+        np.asarray([1, -2]),
+        np.asarray([2**31], dtype=np.int64),
+        np.asarray([1.0, 2.0]),
+        pb.CommitItem(token_ids=[3, -4]).token_ids,
+    ],
+)
+def test_ids_outside_the_range_are_invalid(bad) -> None:
+    with pytest.raises(InvalidArgument, match="outside"):
+        pack(bad, "prompt")
+
+
+def test_empty_is_invalid_unless_allowed() -> None:
+    with pytest.raises(InvalidArgument, match="empty"):
+        pack([], "prompt")
+    assert pack([], "token_ids", allow_empty=True) == b""
+    assert pack(pb.CommitItem().token_ids, "token_ids", allow_empty=True) == b""
+
+
+@pytest.fixture
+def auth() -> CacheAuthority:
+    a = CacheAuthority(AuthorityConfig(lease_ttl_s=60), clock=lambda: 1000.0)
+    a.register_pool(PoolSpec(PoolId("w"), 32, 4))
+    return a
+
+
+def acquire(auth: CacheAuthority, prompt: list[int]) -> Grant:
+    inc = auth.pools[PoolId("w")].incarnation
+    grant, _ = auth.acquire(AcquireRequest(PoolId("w"), inc, Namespace(""), prompt, 8))
+    assert isinstance(grant, Grant)
+    return grant
+
+
+@pytest.mark.parametrize(
+    "commit",
+    [
+        [1, 2, 3, 9, 5, 6],  # longer than the lease's sequence, differs inside it
+        [1, 2, 9],  # shorter, differs
+        [1, 2, 3, 4, 5, 7, 8, 9],  # longer, differs in the last prompt token
+    ],
+)
+def test_a_commit_that_disagrees_with_its_lease_changes_nothing(
+    auth: CacheAuthority, commit: list[int]
+) -> None:
+    grant = acquire(auth, [1, 2, 3, 4, 5, 6])
+    inc = auth.pools[PoolId("w")].incarnation
+    with pytest.raises(InvalidArgument, match="disagree"):
+        auth.commit("w", inc, [(grant.lease_id, commit)])  # type: ignore[arg-type]
+    assert len(auth.pools[PoolId("w")].index) == 0
+    # The lease's own sequence, and one that extends it, still commit.
+    assert auth.commit("w", inc, [(grant.lease_id, [1, 2, 3, 4])]) == [4]  # type: ignore[arg-type]
+    assert auth.release("w", inc, grant.lease_id, [1, 2, 3, 4, 5, 6, 7, 8]) == 8  # type: ignore[arg-type]
+    assert auth.check_integrity() == []
+
+
+def test_commits_in_steps_index_what_one_commit_would(auth: CacheAuthority) -> None:
+    """A commit walks on from where the lease's last one ended: committing a sequence a block
+    at a time leaves the index one whole-sequence commit leaves (one node, same blocks)."""
+    inc = auth.pools[PoolId("w")].incarnation
+    seq = list(range(100, 124))  # 6 blocks of 4
+    grant = acquire(auth, seq[:3])
+    auth.extend("w", inc, [(grant.lease_id, len(seq))])  # type: ignore[arg-type]
+    for end in range(4, len(seq) + 1, 4):
+        auth.commit("w", inc, [(grant.lease_id, seq[:end])])  # type: ignore[arg-type]
+    pool = auth.pools[PoolId("w")]
+    (node,) = pool.index.roots[Namespace("")].children.values()
+    assert node.tokens == tuple(seq)
+    lease = pool.leases.live[grant.lease_id]
+    assert node.blocks == lease.table[:6]
+    # A second lease on the same sequence shares it all but its last token's block.
+    other = acquire(auth, seq)
+    assert other.cached_tokens == len(seq) - 1
+    assert list(other.block_table[:5]) == lease.table[:5]
+    assert auth.check_integrity() == []
+
+
+def test_the_admin_tree_shows_token_ids(auth: CacheAuthority) -> None:
+    inc = auth.pools[PoolId("w")].incarnation
+    prompt = list(range(40_000, 40_020))
+    grant = acquire(auth, prompt)
+    auth.release("w", inc, grant.lease_id, prompt)  # type: ignore[arg-type]
+    tree = convert.tree(auth.pools[PoolId("w")], None, None)
+    (node,) = tree.nodes
+    assert list(node.token_preview) == prompt[:4]  # its first block (16 tokens at most)
+    assert node.num_tokens == 20
