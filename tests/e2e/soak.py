@@ -69,9 +69,7 @@ class SoakReport:
     errors: list[str] = field(default_factory=list)
     start: dict[str, ProcessSample] = field(default_factory=dict)
     end: dict[str, ProcessSample] = field(default_factory=dict)
-    live_leases_after: int = -1
-    referenced_blocks_after: int = -1
-    integrity_ok: bool = False
+    after: Books | None = None  # the cache service's books once the clients are done
 
     def table(self) -> str:
         rows = [
@@ -80,8 +78,7 @@ class SoakReport:
             f"{len(self.errors)} errors, statuses {dict(self.statuses)}",
             f"tokens: {self.prompt_tokens} prompt ({self.cached_tokens} cached), "
             f"{self.completion_tokens} generated",
-            f"after: live leases {self.live_leases_after}, referenced blocks "
-            f"{self.referenced_blocks_after}, integrity {'ok' if self.integrity_ok else 'FAILED'}",
+            f"after: {self.after}",
             "| process | RSS start (MB) | RSS end (MB) | fds start | fds end |",
             "|---|---|---|---|---|",
         ]
@@ -201,9 +198,16 @@ class Client:
         self.usage(usage)
 
 
-def books(http: httpx.Client, admin_token: str, report: SoakReport, wait_s: float = 30) -> None:
+@dataclass(frozen=True)
+class Books:
+    live_leases: int
+    referenced_blocks: int
+    integrity_ok: bool
+
+
+def books(http: httpx.Client, admin_token: str, wait_s: float = 30) -> Books:
     """Once every lease is released (hung-up streams end on the workers' next steps): the
-    cache service's leases, referenced blocks and integrity check, into ``report``."""
+    cache service's leases, referenced blocks and integrity check."""
     auth = {"Authorization": f"Bearer {admin_token}"}
     deadline = time.monotonic() + wait_s
     while True:
@@ -212,9 +216,8 @@ def books(http: httpx.Client, admin_token: str, report: SoakReport, wait_s: floa
         if live == 0 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    report.live_leases_after = live
-    report.referenced_blocks_after = sum(p["referenced_blocks"] for p in pools)
-    report.integrity_ok = http.get("/admin/cache/check", headers=auth).json()["ok"]
+    referenced = sum(p["referenced_blocks"] for p in pools)
+    return Books(live, referenced, http.get("/admin/cache/check", headers=auth).json()["ok"])
 
 
 def soak(
@@ -244,7 +247,7 @@ def soak(
     report.start = sample_all(system)
     run_all(seconds, salt=0)
     with httpx.Client(base_url=base, timeout=30) as http:
-        books(http, system.config.admin_token, report)
+        report.after = books(http, system.config.admin_token)
     report.end = sample_all(system)
     return report
 

@@ -3,8 +3,9 @@ gateway (HTTP on uvicorn and gRPC) on loopback ports, all in the test's event lo
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 import httpx
@@ -87,3 +88,12 @@ async def started_stack(
 async def stack(cache: RunningService, tokenizer: Tokenizer) -> AsyncIterator[Stack]:
     async with started_stack(cache, tokenizer) as s:
         yield s
+
+
+async def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Polls ``predicate`` every 20 ms until it holds; fails after ``timeout_s``."""
+    for _ in range(int(timeout_s / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")

@@ -9,7 +9,6 @@ a full one is routed around, and all busy is 429 / RESOURCE_EXHAUSTED.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import socket
@@ -25,7 +24,7 @@ from gateway.errors import TooManyRequests
 from kvcache_service.server import RunningService
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
-from tests.gateway.conftest import Stack, started_stack
+from tests.gateway.conftest import Stack, started_stack, wait_for
 from tests.gateway.fake_worker import MODEL, OUTPUT
 
 LIMIT = 2
@@ -67,14 +66,6 @@ def other_client(stack: Stack) -> httpx.AsyncClient:
 
 def in_flight(stack: Stack, client: str | None = ME) -> int:
     return stack.gateway.gateway.concurrency.in_flight(client)
-
-
-async def wait_for(predicate, timeout_s: float = 5.0) -> None:
-    for _ in range(int(timeout_s / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 @contextlib.asynccontextmanager

@@ -14,7 +14,7 @@ from openai import AsyncOpenAI
 from gateway.router import RoutingPolicy
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
-from tests.gateway.conftest import AUTH, Stack
+from tests.gateway.conftest import AUTH, Stack, wait_for
 from tests.gateway.fake_worker import MODEL, OUTPUT
 
 SYSTEM_A = "You are the assistant of team A. " * 6
@@ -28,14 +28,6 @@ def chat(system: str, user: str = "hi", **kw) -> dict:
 
 def openai(stack: Stack) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
-
-
-async def wait_for(predicate, timeout_s: float = 5.0) -> None:
-    for _ in range(int(timeout_s / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 async def test_openai_client_completions_and_chat(stack: Stack):

@@ -34,7 +34,7 @@ from worker.engine.lease_client import DEFAULT_MAX_NAMESPACE_CHARS, _translate
 from worker.engine.lease_sync import LeasePolicy, LeaseSync
 from worker.engine.sampling_params import Sampled, SamplingParams
 from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Finish, Sequence, Status, StreamEvent, TextStream
+from worker.engine.sequence import Sequence, TextStream
 from worker.errors import WorkerError
 
 BS = 4
@@ -156,12 +156,8 @@ class Walk:
 
     def end(self, seq: Sequence, error: WorkerError) -> None:
         """What the engine does to end a request."""
-        seq.aborted = True
-        self.scheduler.remove(seq)
+        self.scheduler.end(seq, error)
         self.sync.release(seq)
-        if seq.status is not Status.FINISHED:
-            seq.status = Status.FINISHED
-            seq.out.put_nowait(StreamEvent([], "", [], Finish.ABORT, error))
         self.ended.append(seq)
 
     # -- operations ---------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from worker.engine.lease_client import LeaseClient
 from worker.engine.lease_sync import LeasePolicy, LeaseSync
 from worker.engine.sampling_params import RowFailed, Sampled
 from worker.engine.scheduler import Scheduler, Step
-from worker.engine.sequence import Finish, Sequence, Status, StreamEvent
+from worker.engine.sequence import Sequence, Status
 from worker.engine.step_budget import StepBudget
 from worker.errors import Cancelled, ShuttingDown, StepFailed, WorkerError
 
@@ -141,12 +141,8 @@ class Engine:
     def _end(self, seq: Sequence, error: WorkerError) -> None:
         """Ends a request that did not finish: releases its lease (publishing the tokens whose
         KV it wrote, seq.num_computed) and streams the typed reason."""
-        seq.aborted = True
-        self.scheduler.remove(seq)
+        self.scheduler.end(seq, error)
         self.leases.release(seq)
-        if seq.status is not Status.FINISHED:
-            seq.status = Status.FINISHED
-            seq.out.put_nowait(StreamEvent([], "", [], Finish.ABORT, error))
 
     # -- the step loop ------------------------------------------------------------------------
 

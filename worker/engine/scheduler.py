@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from worker.engine.sampling_params import Sampled
 from worker.engine.sequence import Finish, Sequence, Status, StreamEvent
+from worker.errors import WorkerError
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,3 +149,13 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
+
+    def end(self, seq: Sequence, error: WorkerError) -> None:
+        """Ends a request that did not finish: out of the queues, no further step of it is
+        used, and its stream gets the typed reason (once). Its lease is the caller's to
+        release."""
+        seq.aborted = True
+        self.remove(seq)
+        if seq.status is not Status.FINISHED:
+            seq.status = Status.FINISHED
+            seq.out.put_nowait(StreamEvent([], "", [], Finish.ABORT, error))
