@@ -33,8 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 from kvcache_service.authority import AuthorityConfig, CacheAuthority  # noqa: E402
 from kvcache_service.ids import Namespace, PoolId  # noqa: E402
-from kvcache_service.leases import AcquireRequest, Grant  # noqa: E402
+from kvcache_service.leases import AcquireRequest, Grant, SequenceUpdate  # noqa: E402
 from kvcache_service.pool import PoolSpec  # noqa: E402
+from kvcache_service.tokens import pack  # noqa: E402
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb  # noqa: E402
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -91,14 +92,16 @@ def bench_in_process(num_blocks: int, fill: int, n: int) -> dict[str, float]:
     def one() -> tuple[float, float, int]:
         _, prompt = work.next_prompt()
         t0 = time.perf_counter()
-        req = AcquireRequest(PoolId("w"), inc, Namespace(""), tuple(prompt), RESERVE)
+        req = AcquireRequest(PoolId("w"), inc, Namespace(""), pack(prompt, "p"), RESERVE)
         grant, _ = auth.acquire(req)
         t1 = time.perf_counter()
         assert isinstance(grant, Grant)
-        final = prompt + work.fresh(GENERATED)
-        auth.release("w", inc, grant.lease_id, final)  # type: ignore[arg-type]
+        answer = work.fresh(GENERATED)
+        n = len(prompt)
+        update = SequenceUpdate(n + len(answer), pack(answer, "a"), n)
+        auth.release("w", inc, grant.lease_id, update)  # type: ignore[arg-type]
         t2 = time.perf_counter()
-        work.finished(final)
+        work.finished(prompt + answer)
         return t1 - t0, t2 - t1, grant.cached_tokens
 
     while len(auth.pools["w"].index) < fill:  # type: ignore[index]
@@ -116,7 +119,7 @@ def bench_in_process(num_blocks: int, fill: int, n: int) -> dict[str, float]:
     return summary(acq, rel, wall, n, cached, len(pool.index), pool.counters.evicted_blocks)
 
 
-def summary(acq, rel, wall, n, cached, indexed, evicted) -> dict[str, float]:
+def summary(acq, rel, wall, n, cached, indexed, evicted, prompts=None) -> dict[str, float]:
     a50, a99 = percentiles(acq)
     r50, r99 = percentiles(rel)
     return {
@@ -125,70 +128,137 @@ def summary(acq, rel, wall, n, cached, indexed, evicted) -> dict[str, float]:
         "release p50 ms": r50,
         "release p99 ms": r99,
         "pairs/s": n / wall,
-        "hit rate": cached / (n * PROMPT),
+        "hit rate": cached / ((prompts or n) * PROMPT),
         "indexed blocks": indexed,
         "evicted blocks": evicted,
     }
 
 
-async def bench_grpc(address: str, num_blocks: int, fill: int, n: int, concurrency: int):
+def wire(tokens: list[int]) -> bytes:
+    """The compact wire form (kvcache.proto): little-endian uint32."""
+    return np.asarray(tokens, dtype="<u4").tobytes()
+
+
+class Form:
+    """How a client speaks to the service: the revision-1 readable form (one lease a call,
+    whole sequences as ``repeated int32``), the compact form (packed prompts, a release that
+    sends only the generated tokens), or the compact form batched (``batch`` leases a call,
+    AcquireLeases + ReleaseLeases)."""
+
+    def __init__(self, name: str, batch: int = 1) -> None:
+        self.name, self.batch = name, batch
+
+    async def acquire(self, kv, ref, prompts: list[list[int]]) -> list:  # type: ignore[no-untyped-def]
+        if self.name == "readable":
+            req = pb.AcquireLeaseRequest(
+                pool=ref, prompt_token_ids=prompts[0], reserve_tokens=RESERVE
+            )
+            return [(await kv.AcquireLease(req)).lease]
+        if self.batch == 1:
+            req = pb.AcquireLeaseRequest(
+                pool=ref, prompt_tokens=wire(prompts[0]), reserve_tokens=RESERVE
+            )
+            return [(await kv.AcquireLease(req)).lease]
+        items = [pb.AcquireItem(prompt_tokens=wire(p), reserve_tokens=RESERVE) for p in prompts]
+        resp = await kv.AcquireLeases(pb.AcquireLeasesRequest(pool=ref, items=items))
+        assert all(r.HasField("lease") for r in resp.results), resp.results
+        return [r.lease for r in resp.results]
+
+    async def release(self, kv, ref, leases, prompts, answers) -> None:  # type: ignore[no-untyped-def]
+        if self.name == "readable":
+            final = prompts[0] + answers[0]
+            req = pb.ReleaseLeaseRequest(pool=ref, lease_id=leases[0].lease_id, token_ids=final)
+            await kv.ReleaseLease(req)
+            return
+        updates = [
+            pb.SequenceUpdate(
+                written_tokens=len(p) + len(a), appended_from=len(p), appended_tokens=wire(a)
+            )
+            for p, a in zip(prompts, answers, strict=True)
+        ]
+        if self.batch == 1:
+            req = pb.ReleaseLeaseRequest(pool=ref, lease_id=leases[0].lease_id, update=updates[0])
+            await kv.ReleaseLease(req)
+            return
+        items = [
+            pb.ReleaseItem(lease_id=lease.lease_id, update=u)
+            for lease, u in zip(leases, updates, strict=True)
+        ]
+        resp = await kv.ReleaseLeases(pb.ReleaseLeasesRequest(pool=ref, items=items))
+        assert not any(r.HasField("error") for r in resp.results), resp.results
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def bench_grpc(
+    address: str, pid: int, form: Form, num_blocks: int, fill: int, n: int, concurrency: int
+) -> dict[str, float]:
+    """One pool on a fresh service: fill the index, then ``n`` sequential pairs (latency of
+    each call, no queueing) and ``n`` more with ``concurrency`` calls in flight (pairs/s,
+    and the service's CPU per pair: what one server core sustains)."""
     async with grpc.aio.insecure_channel(address) as channel:
         kv = pb_grpc.KVCacheServiceStub(channel)
         admin = pb_grpc.KVCacheAdminStub(channel)
         auth = [("authorization", "Bearer bench")]
+        pool_id = f"w-{form.name}-{form.batch}"
         reg = await kv.RegisterPool(
-            pb.RegisterPoolRequest(pool_id="w", num_blocks=num_blocks, block_size=BS)
+            pb.RegisterPoolRequest(pool_id=pool_id, num_blocks=num_blocks, block_size=BS)
         )
-        ref = pb.PoolRef(pool_id="w", incarnation=reg.incarnation)
+        ref = pb.PoolRef(pool_id=pool_id, incarnation=reg.incarnation)
         work = Workload.make()
 
         async def one() -> tuple[float, float, int]:
-            _, prompt = work.next_prompt()
+            prompts = [work.next_prompt()[1] for _ in range(form.batch)]
             t0 = time.perf_counter()
-            resp = await kv.AcquireLease(
-                pb.AcquireLeaseRequest(pool=ref, prompt_token_ids=prompt, reserve_tokens=RESERVE)
-            )
+            leases = await form.acquire(kv, ref, prompts)
             t1 = time.perf_counter()
-            final = prompt + work.fresh(GENERATED)
-            await kv.ReleaseLease(
-                pb.ReleaseLeaseRequest(pool=ref, lease_id=resp.lease.lease_id, token_ids=final)
-            )
+            answers = [work.fresh(GENERATED) for _ in prompts]
+            await form.release(kv, ref, leases, prompts, answers)
             t2 = time.perf_counter()
-            work.finished(final)
-            return t1 - t0, t2 - t1, resp.lease.cached_tokens
+            for p, a in zip(prompts, answers, strict=True):
+                work.finished(p + a)
+            return t1 - t0, t2 - t1, sum(lease.cached_tokens for lease in leases)
 
         async def indexed() -> int:
-            stats = await admin.GetStats(pb.StatsRequest(pool_id="w"), metadata=auth)
+            stats = await admin.GetStats(pb.StatsRequest(pool_id=pool_id), metadata=auth)
             return stats.pools[0].indexed_blocks
 
         while await indexed() < fill:
-            for _ in range(200):
+            for _ in range(max(1, 200 // form.batch)):
                 await one()
+        calls = max(1, n // form.batch)
         # Sequential: latency without queueing.
-        seq = [await one() for _ in range(n)]
-        # Concurrent: throughput with `concurrency` requests in flight.
+        seq = [await one() for _ in range(calls)]
+        # Concurrent: throughput with `concurrency` calls in flight.
         results: list[tuple[float, float, int]] = []
 
         async def client(k: int) -> None:
             for _ in range(k):
                 results.append(await one())
 
-        start = time.perf_counter()
-        await asyncio.gather(*(client(n // concurrency) for _ in range(concurrency)))
-        wall = time.perf_counter() - start
-        stats = (await admin.GetStats(pb.StatsRequest(pool_id="w"), metadata=auth)).pools[0]
+        cpu0, start = cpu_seconds(pid), time.perf_counter()
+        await asyncio.gather(*(client(calls // concurrency) for _ in range(concurrency)))
+        wall, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu0
+        stats = (await admin.GetStats(pb.StatsRequest(pool_id=pool_id), metadata=auth)).pools[0]
         check = await admin.CheckIntegrity(pb.CheckIntegrityRequest(), metadata=auth)
         assert check.ok, check.problems
+        pairs = len(results) * form.batch
         s = summary(
             [x[0] for x in seq],
             [x[1] for x in seq],
             wall,
-            len(results),
+            pairs,
             sum(x[2] for x in seq),
             stats.indexed_blocks,
             stats.evicted_blocks,
+            len(seq) * form.batch,
         )
-        s["pairs/s"] = len(results) / wall
+        s["server CPU us/pair"] = cpu / pairs * 1e6
+        s["pairs/s per server core"] = pairs / cpu if cpu else float("nan")
         return s
 
 
@@ -213,29 +283,53 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="10k indexed blocks, fewer requests")
     p.add_argument("--fill", type=int, default=100_000, help="indexed blocks before measuring")
     p.add_argument("-n", type=int, default=2000, help="measured acquire+release pairs")
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=8, help="calls in flight for pairs/s")
+    p.add_argument("--batch", type=int, default=8, help="leases per batched call")
     a = p.parse_args()
     if a.quick:
         a.fill, a.n = 10_000, 400
     num_blocks = a.fill + a.fill // 10
     print(f"# {a.n} acquire+release pairs, 2048-token prompts, {a.fill} blocks indexed\n")
     rows = {"in-process (domain)": bench_in_process(num_blocks, a.fill, a.n)}
-    proc, address = start_service()
-    try:
-        rows[f"loopback gRPC (x{a.concurrency} for pairs/s)"] = asyncio.run(
-            bench_grpc(address, num_blocks, a.fill, a.n, a.concurrency)
-        )
-    finally:
-        proc.terminate()
-        proc.wait()
-    cols = list(next(iter(rows.values())))
+    forms = [
+        ("readable, 1 lease a call (revision 1)", Form("readable"), a.concurrency),
+        ("compact, 1 lease a call", Form("compact"), a.concurrency),
+        (
+            f"compact, {a.batch} leases a call",
+            Form("compact", a.batch),
+            max(1, a.concurrency // a.batch),
+        ),
+    ]
+    for name, form, concurrency in forms:
+        proc, address = start_service()  # a fresh one each: its CPU is this form's alone
+        try:
+            row = asyncio.run(
+                bench_grpc(address, proc.pid, form, num_blocks, a.fill, a.n, concurrency)
+            )
+            rows[f"loopback: {name}, {concurrency} in flight"] = row
+        finally:
+            proc.terminate()
+            proc.wait()
+    cols = list(rows[next(r for r in rows if r.startswith("loopback"))])
     print("| path | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
     for name, r in rows.items():
-        cells = [f"{r[c]:.3f}" if "ms" in c or c == "hit rate" else f"{r[c]:,.0f}" for c in cols]
+        cells = [
+            "" if c not in r else f"{r[c]:.3f}" if "ms" in c or c == "hit rate" else f"{r[c]:,.0f}"
+            for c in cols
+        ]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    base, rpc = rows["in-process (domain)"], list(rows.values())[1]
-    print(f"\ngRPC / in-process acquire p50: {rpc['acquire p50 ms'] / base['acquire p50 ms']:.1f}x")
+    loop = [r for name, r in rows.items() if name.startswith("loopback")]
+    base = loop[0]
+    print("\nagainst the readable form (revision 1), same run:")
+    for name, r in list(rows.items())[2:]:
+        print(
+            f"  {name}: acquire p50 {r['acquire p50 ms'] / base['acquire p50 ms']:.2f}x, "
+            f"release p50 {r['release p50 ms'] / base['release p50 ms']:.2f}x, "
+            f"server CPU per pair {r['server CPU us/pair'] / base['server CPU us/pair']:.2f}x, "
+            f"pairs/s {r['pairs/s'] / base['pairs/s']:.2f}x"
+        )
+    print("(acquire and release latencies are per call: a batched call carries its batch)")
 
 
 if __name__ == "__main__":

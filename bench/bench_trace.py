@@ -86,31 +86,39 @@ class TraceSpec:
     block_size: int = 32
     pool_tokens: int = 200_000
     reserve: int = 64
-    # What the domain is handed: "servicer", what the gRPC servicer passes it (a tuple to
-    # acquire, as convert.acquire_request builds it; protobuf repeated fields to commit and
-    # release); or "lists", Python lists everywhere (an in-process caller).
+    # What the domain is handed: "servicer", what the gRPC servicer passes it (in a checkout
+    # that speaks wire revision 2, the compact form: packed prompts, a commit with no token,
+    # a release with only the generated ones, converted as convert.py does; in one that does
+    # not, a tuple to acquire and protobuf repeated fields to commit and release); or "lists",
+    # Python lists everywhere (an in-process caller).
     inputs: str = "servicer"
 
 
 @dataclass(slots=True)
 class Request:
     """One request, shaped as `TraceSpec.inputs` says: its prompt for acquire, its prompt
-    again for commit, the prompt and the generated tokens for release."""
+    again for commit, the prompt and the generated tokens for release; and in the compact
+    wire form, the packed prompt and the packed generated tokens."""
 
     prompt: Sequence[int]
     commit: Sequence[int]
     release: Sequence[int]
+    prompt_wire: bytes = b""
+    answer_wire: bytes = b""
 
 
-def shaped(prompt: list[int], full: list[int], inputs: str) -> Request:
+def shaped(prompt: np.ndarray, answer: np.ndarray, inputs: str) -> Request:
+    p, full = prompt.tolist(), prompt.tolist() + answer.tolist()
     if inputs == "lists":
-        return Request(prompt, prompt, full)
+        return Request(p, p, full)
     from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 
     return Request(
-        tuple(prompt),
-        pb.CommitItem(token_ids=prompt).token_ids,
+        tuple(p),
+        pb.CommitItem(token_ids=p).token_ids,
         pb.ReleaseLeaseRequest(token_ids=full).token_ids,
+        prompt.astype("<u4").tobytes(),
+        answer.astype("<u4").tobytes(),
     )
 
 
@@ -143,8 +151,7 @@ def trace(spec: TraceSpec) -> Iterator[Request]:
         conversations.append(np.concatenate([prompt, answer]))
         if len(conversations) > spec.open:
             conversations.pop(0)
-        p = prompt.tolist()
-        yield shaped(p, p + answer.tolist(), spec.inputs)
+        yield shaped(prompt, answer, spec.inputs)
 
 
 # -- engines ----------------------------------------------------------------------------------
@@ -159,7 +166,8 @@ class Refused(Exception):
 
 
 class KvserveEngine:
-    """`CacheAuthority` of whichever `kvcache_service` is first on sys.path."""
+    """`CacheAuthority` of whichever `kvcache_service` is first on sys.path, handed what that
+    checkout's servicer would hand it (`TraceSpec.inputs`)."""
 
     def __init__(self, spec: TraceSpec) -> None:
         authority = importlib.import_module("kvcache_service.authority")
@@ -177,8 +185,21 @@ class KvserveEngine:
         ).incarnation
         self.reserve = spec.reserve
         self.reuse = self.leases.Reuse.SHARE_OR_DEFER
+        # Wire revision 2: the edge packs token ids (convert.py) and commits and releases
+        # carry sequence updates; before it, the authority took the sequences as they came.
+        self.revision2 = hasattr(self.leases, "SequenceUpdate")
+        self.compact = self.revision2 and spec.inputs == "servicer"
+        if self.revision2:
+            self.convert = importlib.import_module("kvcache_service.convert")
+            self.pack = importlib.import_module("kvcache_service.tokens").pack
 
-    def acquire(self, prompt: Sequence[int]) -> tuple[int, int]:
+    def acquire(self, r: Request) -> tuple[int, int]:
+        if self.compact:
+            prompt = self.convert.tokens((), r.prompt_wire, "prompt")
+        elif self.revision2:
+            prompt = self.pack(r.prompt, "prompt")
+        else:
+            prompt = r.prompt
         req = self.leases.AcquireRequest("w", self.inc, "", prompt, self.reserve, self.reuse)
         try:
             result, _ = self.auth.acquire(req)
@@ -188,8 +209,17 @@ class KvserveEngine:
             raise Deferred
         return result.lease_id, result.cached_tokens
 
-    def commit(self, lease: int, tokens: Sequence[int]) -> None:
-        self.auth.commit("w", self.inc, [(lease, tokens)])
+    def _update(self, tokens: Sequence[int]):  # type: ignore[no-untyped-def]
+        return self.leases.SequenceUpdate.whole(self.pack(tokens, "token_ids"))
+
+    def commit(self, lease: int, r: Request) -> None:
+        if self.compact:  # the prompt's blocks: the lease knows every token of them
+            update = self.leases.SequenceUpdate(len(r.prompt))
+        elif self.revision2:
+            update = self._update(r.commit)
+        else:
+            update = r.commit
+        self.auth.commit("w", self.inc, [(lease, update)])
 
     def extend(self, lease: int, num_tokens: int) -> None:
         try:
@@ -197,8 +227,16 @@ class KvserveEngine:
         except self.errors.OutOfBlocks as err:
             raise Refused from err
 
-    def release(self, lease: int, tokens: Sequence[int]) -> None:
-        self.auth.release("w", self.inc, lease, tokens)
+    def release(self, lease: int, r: Request) -> None:
+        if self.compact:  # only the generated tokens travel
+            n = len(r.prompt)
+            answer = self.convert.tokens((), r.answer_wire, "appended_tokens", allow_empty=True)
+            update = self.leases.SequenceUpdate(n + len(answer) // 4, answer, n)
+        elif self.revision2:
+            update = self._update(r.release)
+        else:
+            update = r.release
+        self.auth.release("w", self.inc, lease, update)
 
     def tick(self) -> None:
         self.now += 0.001
@@ -284,7 +322,8 @@ class NaiveEngine:
             self.refcount[b] = 1
         return out
 
-    def acquire(self, prompt: Sequence[int]) -> tuple[int, int]:
+    def acquire(self, r: Request) -> tuple[int, int]:
+        prompt = r.prompt
         hashes = self._hashes(prompt, 0, 0)
         hits = []
         for h in hashes:
@@ -307,7 +346,8 @@ class NaiveEngine:
         self.live[lease_id] = _NaiveLease(prompt, hashes, hits + fresh, len(hits))
         return lease_id, len(hits) * self.bs
 
-    def commit(self, lease_id: int, tokens: Sequence[int]) -> None:
+    def commit(self, lease_id: int, r: Request | Sequence[int]) -> None:
+        tokens = r.commit if isinstance(r, Request) else r
         lease = self.live[lease_id]
         nfull = len(tokens) // self.bs
         if nfull > len(lease.hashes):
@@ -324,8 +364,8 @@ class NaiveEngine:
         lease = self.live[lease_id]
         lease.table += self._take(max(0, -(-num_tokens // self.bs) - len(lease.table)))
 
-    def release(self, lease_id: int, tokens: Sequence[int]) -> None:
-        self.commit(lease_id, tokens)
+    def release(self, lease_id: int, r: Request) -> None:
+        self.commit(lease_id, r.release)
         self._unref(self.live.pop(lease_id).table)
 
     def _unref(self, blocks: list[int]) -> None:
@@ -371,7 +411,7 @@ def _acquire(engine, reqs: list[Request], out: Replay, deferred: list[Request]) 
     for req in reqs:
         t0 = clock()
         try:
-            lease, cached = engine.acquire(req.prompt)
+            lease, cached = engine.acquire(req)
         except Deferred:
             times.append(clock() - t0)
             out.deferrals += 1
@@ -412,7 +452,7 @@ def replay(engine, spec: TraceSpec) -> Replay:
         for r in live:  # oldest first: commit, extend, release
             t0 = clock()
             if r.stage == 0:
-                engine.commit(r.lease, r.req.commit)
+                engine.commit(r.lease, r.req)
                 t["commit"].append(clock() - t0)
             elif r.stage == 1:
                 try:
@@ -421,7 +461,7 @@ def replay(engine, spec: TraceSpec) -> Replay:
                     out.refused += 1
                 t["extend"].append(clock() - t0)
             else:
-                engine.release(r.lease, r.req.release)
+                engine.release(r.lease, r.req)
                 t["release"].append(clock() - t0)
                 out.requests += 1
                 continue

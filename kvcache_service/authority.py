@@ -8,15 +8,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvcache_service.errors import (
+    CacheError,
     FencedIncarnation,
     InvalidArgument,
+    OutOfBlocks,
     PoolInUse,
     RegistrationLimit,
+    UnknownLease,
     UnknownPool,
     UnregisteredPool,
 )
 from kvcache_service.ids import BlockId, LeaseId, Namespace, PoolId, Tokens
-from kvcache_service.leases import AcquireRequest, Deferral, Grant
+from kvcache_service.leases import AcquireRequest, Deferral, Grant, SequenceUpdate
 from kvcache_service.names import MAX_NAME_CHARS, check_name
 from kvcache_service.pool import PoolSpec, PoolState
 from kvcache_service.pool_admin import Lookup
@@ -24,6 +27,9 @@ from kvcache_service.tokens import pack
 
 MAX_BLOCKS = 1 << 24
 MAX_BLOCK_SIZE = 4096
+# Items in one batched call (AcquireLeases, ExtendLeases, CommitLeases, ReleaseLeases): a
+# worker's batch is at most its running requests; each item is O(its tokens) of work.
+MAX_BATCH_ITEMS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,47 +152,113 @@ class CacheAuthority:
     def acquire(self, req: AcquireRequest) -> tuple[Grant | Deferral, list[LeaseId]]:
         """A lease (or a Deferral), and the caller's leases that expired since it last heard."""
         # Checked before the pool is looked up (which renews it): a malformed call changes nothing.
-        self.namespace(req.namespace)
-        prompt = pack(req.prompt, "prompt")
+        self._check(req)
         pool = self._pool(req.pool_id, req.incarnation)
-        expired = self._take_expired(req.pool_id)
+        return self._acquire_on(pool, req), self._take_expired(req.pool_id)
+
+    def acquire_many(
+        self, pool_id: PoolId, incarnation: int, items: Sequence[AcquireRequest | CacheError]
+    ) -> tuple[list[Grant | Deferral | CacheError], list[LeaseId]]:
+        """Acquires for several prompts of one pool, in order: per item a Grant, a Deferral
+        or the error that item met (an item the edge already refused comes in as its error).
+        The first OutOfBlocks ends the batch: later items answer it untried, so a prompt the
+        pool cannot hold yet is not overtaken by the ones behind it (the worker's order)."""
+        self._check_batch(items)
+        pool = self._pool(pool_id, incarnation)
+        out: list[Grant | Deferral | CacheError] = []
+        for i, item in enumerate(items):
+            if isinstance(item, CacheError):
+                out.append(item)
+                continue
+            try:
+                if (item.pool_id, item.incarnation) != (pool_id, incarnation):
+                    raise InvalidArgument("a batch's items are for the batch's pool")
+                self._check(item)
+                out.append(self._acquire_on(pool, item))
+            except InvalidArgument as err:
+                out.append(err)
+            except OutOfBlocks as err:
+                untried = OutOfBlocks("not tried: an earlier item of the batch found no room")
+                out += [err] + [untried] * (len(items) - i - 1)
+                break
+        return out, self._take_expired(pool_id)
+
+    def _check(self, req: AcquireRequest) -> None:
+        self.namespace(req.namespace)
+        if not req.prompt:
+            raise InvalidArgument("prompt is empty")
+
+    def _acquire_on(self, pool: PoolState, req: AcquireRequest) -> Grant | Deferral:
         lease_id = LeaseId(self._next_lease)
         deadline = self._live[req.pool_id].deadline
-        result = pool.leases.acquire(lease_id, req, prompt, self.clock(), deadline)
+        result = pool.leases.acquire(lease_id, req, req.prompt, self.clock(), deadline)
         if isinstance(result, Grant):
             self._next_lease += 1
-        return result, expired
+        return result
 
     def extend(
         self, pool_id: PoolId, incarnation: int, items: Sequence[tuple[int, int]]
     ) -> list[tuple[LeaseId, list[BlockId]]]:
+        self._check_batch(items)
         pool = self._pool(pool_id, incarnation)
         return pool.leases.extend([(LeaseId(lease), n) for lease, n in items])
 
     def commit(
-        self, pool_id: PoolId, incarnation: int, items: Sequence[tuple[int, Sequence[int]]]
+        self, pool_id: PoolId, incarnation: int, items: Sequence[tuple[int, SequenceUpdate]]
     ) -> list[int]:
+        """Applies each item's update (leases.SequenceUpdate) and indexes its written full
+        blocks; every lease must be live before any is touched."""
+        self._check_batch(items)
         pool = self._pool(pool_id, incarnation)
-        checked = [(LeaseId(lease), pack(t, "token_ids", True)) for lease, t in items]
-        for lease, _ in checked:
-            pool.leases.get(lease)  # all known before any commits
+        for lease, _ in items:
+            pool.leases.get(LeaseId(lease))  # all known before any commits
         now = self.clock()
-        return [pool.leases.commit(lease, tokens, now) for lease, tokens in checked]
+        return [pool.leases.commit(LeaseId(lease), update, now) for lease, update in items]
 
     def release(
-        self, pool_id: PoolId, incarnation: int, lease_id: int, tokens: Sequence[int] = ()
+        self,
+        pool_id: PoolId,
+        incarnation: int,
+        lease_id: int,
+        update: SequenceUpdate | None = None,
     ) -> int:
+        """Applies ``update`` (None: commits nothing more) and ends the lease."""
         pool = self._pool(pool_id, incarnation)
-        packed = pack(tokens, "token_ids", True)
-        return pool.leases.release(LeaseId(lease_id), packed, self.clock())
+        return pool.leases.release(LeaseId(lease_id), update, self.clock())
 
-    def route(
-        self, ns: Namespace, prompt: Sequence[int], model: str | None = None
-    ) -> list[PoolRoute]:
-        """Every pool's cached prefix of `prompt`; only pools serving `model`, when given (a
-        pool that registered no model name serves any)."""
+    def release_many(
+        self,
+        pool_id: PoolId,
+        incarnation: int,
+        items: Sequence[tuple[int, SequenceUpdate | CacheError | None]],
+    ) -> list[int | CacheError]:
+        """Releases several leases of one pool: per item the tokens indexed, or the error
+        that item met (an unknown lease, a refused update: that item changed nothing)."""
+        self._check_batch(items)
+        pool = self._pool(pool_id, incarnation)
+        now = self.clock()
+        out: list[int | CacheError] = []
+        for lease_id, update in items:
+            try:
+                if isinstance(update, CacheError):
+                    raise update
+                out.append(pool.leases.release(LeaseId(lease_id), update, now))
+            except (InvalidArgument, UnknownLease) as err:
+                out.append(err)
+        return out
+
+    @staticmethod
+    def _check_batch(items: Sequence[object]) -> None:
+        if len(items) > MAX_BATCH_ITEMS:
+            raise InvalidArgument(f"a batch holds at most {MAX_BATCH_ITEMS} items")
+
+    def route(self, ns: Namespace, tokens: Tokens, model: str | None = None) -> list[PoolRoute]:
+        """Every pool's cached prefix of ``tokens`` (checked and packed at the edge); only
+        pools serving ``model``, when given (a pool that registered no model name serves
+        any)."""
         ns = self.namespace(ns)
-        tokens = as_tokens(prompt, "prompt")
+        if not tokens:
+            raise InvalidArgument("prompt is empty")
         self.expire_due()
         out = []
         for pool_id, pool in self.pools.items():

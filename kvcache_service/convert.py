@@ -3,13 +3,51 @@ clients import the generated code."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import grpc
+
 from kvcache_service.authority import PoolRoute, Registration
-from kvcache_service.ids import Namespace, PoolId
-from kvcache_service.leases import AcquireRequest, Deferral, Grant, Reuse
+from kvcache_service.errors import (
+    CacheError,
+    InvalidArgument,
+    MustRegister,
+    NotFound,
+    OutOfBlocks,
+    RegistrationLimit,
+    UnknownLease,
+)
+from kvcache_service.ids import Namespace, PoolId, Tokens
+from kvcache_service.leases import AcquireRequest, Deferral, Grant, Reuse, SequenceUpdate
 from kvcache_service.names import MAX_NAME_CHARS, check_id, check_name
 from kvcache_service.pool import PoolSpec, PoolState
 from kvcache_service.pool_admin import Lookup
+from kvcache_service.tokens import from_wire, pack
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
+
+# What each code means to the caller, so a client acts on the code and never parses details:
+# FAILED_PRECONDITION is "register (again)": the pool is unknown (this service restarted) or
+# the call's incarnation is fenced off; every lease of the caller is void either way.
+STATUS_OF: dict[type[CacheError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,  # a bug or bad input: do not retry
+    UnknownLease: grpc.StatusCode.NOT_FOUND,  # the lease expired or was released
+    NotFound: grpc.StatusCode.NOT_FOUND,  # an admin target (pool, prefix) is not there
+    MustRegister: grpc.StatusCode.FAILED_PRECONDITION,  # unregistered pool, fenced incarnation
+    OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,  # queue and retry
+    RegistrationLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,  # too many blocks or pools
+}
+
+
+def status_of(err: CacheError) -> grpc.StatusCode:
+    for cls in type(err).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+# The contract revision this service speaks (RegisterPoolResponse.wire_revision): 2 adds packed
+# token ids, sequence updates that carry only new tokens, AcquireLeases and ReleaseLeases.
+WIRE_REVISION = 2
 
 
 def pool_spec(req: pb.RegisterPoolRequest) -> PoolSpec:
@@ -39,21 +77,124 @@ def registration(reg: Registration) -> pb.RegisterPoolResponse:
         lease_ttl_s=reg.lease_ttl_s,
         heartbeat_interval_s=reg.heartbeat_interval_s,
         max_namespace_chars=reg.max_namespace_chars,
+        wire_revision=WIRE_REVISION,
     )
 
 
+def tokens(readable: Sequence[int], compact: bytes, what: str, allow_empty: bool = False) -> Tokens:
+    """Token ids in either wire form (kvcache.proto: ``repeated int32`` or packed ``bytes``),
+    checked and packed for the domain; giving both is refused."""
+    if compact:
+        if len(readable):
+            raise InvalidArgument(f"{what}: give token ids or packed tokens, not both")
+        return from_wire(compact, what, allow_empty)
+    return pack(readable, what, allow_empty)
+
+
+def _reuse(skip_cache: bool, allow_defer: bool) -> Reuse:
+    if skip_cache:
+        return Reuse.NONE
+    return Reuse.SHARE_OR_DEFER if allow_defer else Reuse.SHARE
+
+
 def acquire_request(req: pb.AcquireLeaseRequest) -> AcquireRequest:
-    if req.skip_cache:
-        reuse = Reuse.NONE
-    else:
-        reuse = Reuse.SHARE_OR_DEFER if req.allow_defer else Reuse.SHARE
     return AcquireRequest(
         pool_id=PoolId(req.pool.pool_id),
         incarnation=req.pool.incarnation,
         namespace=Namespace(req.namespace),
-        prompt=tuple(req.prompt_token_ids),
+        prompt=tokens(req.prompt_token_ids, req.prompt_tokens, "prompt"),
         reserve_tokens=req.reserve_tokens,
-        reuse=reuse,
+        reuse=_reuse(req.skip_cache, req.allow_defer),
+    )
+
+
+def acquire_items(req: pb.AcquireLeasesRequest) -> list[AcquireRequest | CacheError]:
+    """Each item of a batch as an AcquireRequest, or the error its tokens met (that item
+    fails alone)."""
+    out: list[AcquireRequest | CacheError] = []
+    pool_id, incarnation = PoolId(req.pool.pool_id), req.pool.incarnation
+    for item in req.items:
+        try:
+            prompt = tokens(item.prompt_token_ids, item.prompt_tokens, "prompt")
+        except InvalidArgument as err:
+            out.append(err)
+            continue
+        out.append(
+            AcquireRequest(
+                pool_id=pool_id,
+                incarnation=incarnation,
+                namespace=Namespace(item.namespace),
+                prompt=prompt,
+                reserve_tokens=item.reserve_tokens,
+                reuse=_reuse(item.skip_cache, item.allow_defer),
+            )
+        )
+    return out
+
+
+def sequence_update(
+    token_ids: Sequence[int], update: pb.SequenceUpdate | None
+) -> SequenceUpdate | None:
+    """A commit's or release's tokens in either form: the whole sequence (readable; empty is
+    None, nothing to commit) or a SequenceUpdate (compact). Giving both is refused."""
+    if update is not None:
+        if len(token_ids):
+            raise InvalidArgument("give token_ids or update, not both")
+        appended = from_wire(update.appended_tokens, "appended_tokens", allow_empty=True)
+        return SequenceUpdate(update.written_tokens, appended, update.appended_from)
+    if not len(token_ids):
+        return None
+    return SequenceUpdate.whole(pack(token_ids, "token_ids"))
+
+
+def commit_items(req: pb.CommitLeasesRequest) -> list[tuple[int, SequenceUpdate]]:
+    out = []
+    for item in req.items:
+        update = sequence_update(item.token_ids, item.update if item.HasField("update") else None)
+        out.append((item.lease_id, update or SequenceUpdate(0)))
+    return out
+
+
+def release_items(
+    req: pb.ReleaseLeasesRequest,
+) -> list[tuple[int, SequenceUpdate | CacheError | None]]:
+    out: list[tuple[int, SequenceUpdate | CacheError | None]] = []
+    for item in req.items:
+        try:
+            update = sequence_update((), item.update if item.HasField("update") else None)
+        except InvalidArgument as err:
+            out.append((item.lease_id, err))
+            continue
+        out.append((item.lease_id, update))
+    return out
+
+
+def item_error(err: CacheError) -> pb.ItemError:
+    return pb.ItemError(code=status_of(err).value[0], message=str(err))
+
+
+def acquire_results(
+    results: list[Grant | Deferral | CacheError], expired: list[int]
+) -> pb.AcquireLeasesResponse:
+    out = []
+    for r in results:
+        if isinstance(r, Grant):
+            out.append(pb.AcquireResult(lease=lease(r)))
+        elif isinstance(r, Deferral):
+            out.append(pb.AcquireResult(deferred=deferred(r)))
+        else:
+            out.append(pb.AcquireResult(error=item_error(r)))
+    return pb.AcquireLeasesResponse(results=out, expired_lease_ids=expired)
+
+
+def release_results(results: list[int | CacheError]) -> pb.ReleaseLeasesResponse:
+    return pb.ReleaseLeasesResponse(
+        results=[
+            pb.ReleaseResult(error=item_error(r))
+            if isinstance(r, CacheError)
+            else pb.ReleaseResult(indexed_tokens=r)
+            for r in results
+        ]
     )
 
 
@@ -67,17 +208,18 @@ def lease(grant: Grant) -> pb.Lease:
     )
 
 
+def deferred(d: Deferral) -> pb.Deferred:
+    return pb.Deferred(
+        waiting_on_lease_id=d.waiting_on,
+        cached_tokens=d.cached_tokens,
+        pending_tokens=d.pending_tokens,
+    )
+
+
 def acquire_response(result: Grant | Deferral, expired: list[int]) -> pb.AcquireLeaseResponse:
     if isinstance(result, Grant):
         return pb.AcquireLeaseResponse(lease=lease(result), expired_lease_ids=expired)
-    return pb.AcquireLeaseResponse(
-        deferred=pb.Deferred(
-            waiting_on_lease_id=result.waiting_on,
-            cached_tokens=result.cached_tokens,
-            pending_tokens=result.pending_tokens,
-        ),
-        expired_lease_ids=expired,
-    )
+    return pb.AcquireLeaseResponse(deferred=deferred(result), expired_lease_ids=expired)
 
 
 def pool_route(r: PoolRoute) -> pb.PoolRoute:

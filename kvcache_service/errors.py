@@ -1,4 +1,4 @@
-"""Domain errors. The servicer maps each class to one gRPC status code (servicer.STATUS_OF)."""
+"""Domain errors. The servicer maps each class to one gRPC status code (convert.STATUS_OF)."""
 
 
 class CacheError(Exception):

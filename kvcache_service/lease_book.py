@@ -10,9 +10,9 @@ from kvcache_service.counters import PoolCounters
 from kvcache_service.errors import InvalidArgument, UnknownLease
 from kvcache_service.ids import BlockId, LeaseId, Namespace, PoolId, Tokens
 from kvcache_service.inflight import InFlight, chain_hashes, chain_seed
-from kvcache_service.leases import AcquireRequest, Deferral, Grant, Lease, Reuse
+from kvcache_service.leases import AcquireRequest, Deferral, Grant, Lease, Reuse, SequenceUpdate
 from kvcache_service.radix_index import Match, RadixIndex
-from kvcache_service.tokens import count
+from kvcache_service.tokens import TOKEN_BYTES, count
 
 
 def reusable_tokens(match: Match, block_size: int, prompt_len: int) -> int:
@@ -137,25 +137,17 @@ class LeaseBook:
             out.append((lease.lease_id, fresh))
         return out
 
-    def commit(self, lease_id: LeaseId, tokens: Tokens, now: float) -> int:
-        """Publishes the lease's full blocks of `tokens` (the sequence whose KV is written).
+    def commit(self, lease_id: LeaseId, update: SequenceUpdate, now: float) -> int:
+        """Applies ``update`` to the lease's sequence and publishes the full blocks of its
+        written tokens; returns the leading tokens now indexed. A refused update changes
+        nothing.
 
         Only what is new is indexed: the walk starts where the lease's last commit ended.
         """
         lease = self.get(lease_id)
         bs = self.block_size
-        n = count(tokens)
-        if n > len(lease.table) * bs:
-            raise InvalidArgument(
-                f"lease {lease_id} covers {len(lease.table) * bs} tokens, commit has {n}"
-            )
-        # One memcmp: the shorter of the two must be a prefix of the other.
-        if len(tokens) > len(lease.tokens):
-            if not tokens.startswith(lease.tokens):
-                raise InvalidArgument(f"commit tokens disagree with lease {lease_id}'s sequence")
-            lease.tokens = tokens
-        elif not lease.tokens.startswith(tokens):
-            raise InvalidArgument(f"commit tokens disagree with lease {lease_id}'s sequence")
+        lease.tokens = tokens = self._updated(lease, update)
+        n = update.written
         nfull = n // bs
         start = lease.indexed_blocks
         if nfull <= start:
@@ -175,6 +167,32 @@ class LeaseBook:
         self.index.touch(canonical[-1], now)
         return nfull * bs
 
+    def _updated(self, lease: Lease, update: SequenceUpdate) -> Tokens:
+        """The lease's sequence with ``update`` applied, checked: appended from no later than
+        its end, agreeing where they overlap (one memcmp), within the lease's table, and at
+        least ``update.written`` tokens long."""
+        known, add = lease.tokens, update.appended
+        at = update.appended_from * TOKEN_BYTES
+        if at > len(known):
+            raise InvalidArgument(
+                f"lease {lease.lease_id} knows {len(known) // TOKEN_BYTES} tokens; an update "
+                f"cannot append from {update.appended_from}"
+            )
+        overlap = min(len(known) - at, len(add))
+        # One memcmp (a whole-bytes slice is the object itself, not a copy).
+        if not known.startswith(add[:overlap], at, at + overlap):
+            raise InvalidArgument(f"tokens disagree with lease {lease.lease_id}'s sequence")
+        tokens = known if at + len(add) <= len(known) else Tokens(known + add[overlap:])
+        covered = len(lease.table) * self.block_size
+        n = len(tokens) // TOKEN_BYTES
+        if n > covered:
+            raise InvalidArgument(f"lease {lease.lease_id} covers {covered} tokens, update has {n}")
+        if not 0 <= update.written <= n:
+            raise InvalidArgument(
+                f"lease {lease.lease_id}: {update.written} tokens written of {n} known"
+            )
+        return tokens
+
     def _chain_through(self, lease: Lease, nfull: int) -> list[int]:
         """The lease's chain, hashed through block `nfull - 1` (blocks past its prompt are
         hashed here, once: `lease.tokens` holds them by now)."""
@@ -186,9 +204,10 @@ class LeaseBook:
             chain += chain_hashes(seed, lease.tokens, have, cb, nfull)
         return chain
 
-    def release(self, lease_id: LeaseId, tokens: Tokens, now: float) -> int:
-        """Commits `tokens` (when given) and ends the lease; returns the tokens indexed."""
-        indexed = self.commit(lease_id, tokens, now) if tokens else 0
+    def release(self, lease_id: LeaseId, update: SequenceUpdate | None, now: float) -> int:
+        """Applies ``update`` (when given: see commit) and ends the lease; returns the tokens
+        indexed. A refused update leaves the lease live."""
+        indexed = self.commit(lease_id, update, now) if update is not None else 0
         self._end(self.get(lease_id))
         return indexed
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvcache_service.ids import BlockId, LeaseId, Namespace, PoolId, Tokens
+from kvcache_service.tokens import TOKEN_BYTES
 
 
 class Reuse(enum.Enum):
@@ -21,15 +21,38 @@ class Reuse(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class AcquireRequest:
-    """One AcquireLease call, built once at the edge (convert.py). The authority checks the
-    namespace and packs the token ids (tokens.pack) before anything uses them."""
+    """One acquire, built once at the edge (convert.py), its token ids already checked and
+    packed there. The authority checks the namespace before anything uses it."""
 
     pool_id: PoolId
     incarnation: int
     namespace: Namespace
-    prompt: Sequence[int]  # token ids as they came
+    prompt: Tokens  # checked and packed at the edge (tokens.pack, tokens.from_wire)
     reserve_tokens: int = 0  # token slots beyond the prompt (the first decode steps)
     reuse: Reuse = Reuse.SHARE
+
+
+NO_TOKENS = Tokens(b"")
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceUpdate:
+    """What a commit or release says of a lease's sequence (kvcache.proto's SequenceUpdate).
+
+    ``appended`` (packed) continues the sequence the service knows (the prompt, and what
+    earlier updates appended) from token ``appended_from``: never past its end, and where it
+    overlaps what is known it must agree. Then the first ``written`` tokens are those whose
+    K/V is written; their full blocks are committed. The readable wire form, a whole sequence,
+    is ``whole(tokens)``.
+    """
+
+    written: int
+    appended: Tokens = NO_TOKENS
+    appended_from: int = 0
+
+    @classmethod
+    def whole(cls, tokens: Tokens) -> SequenceUpdate:
+        return cls(len(tokens) // TOKEN_BYTES, tokens, 0)
 
 
 @dataclass(slots=True, eq=False)

@@ -1,7 +1,7 @@
 """gRPC servicers: KVCacheService for workers and gateways, KVCacheAdmin for operators.
 
 Thin: validate the shape of the request, call the CacheAuthority, convert the result. Domain
-errors become status codes through STATUS_OF, in one place.
+errors become status codes through convert.STATUS_OF, in one place.
 """
 
 from __future__ import annotations
@@ -17,43 +17,16 @@ import grpc
 
 from kvcache_service import convert
 from kvcache_service.authority import CacheAuthority, as_tokens
-from kvcache_service.errors import (
-    CacheError,
-    InvalidArgument,
-    MustRegister,
-    NotFound,
-    OutOfBlocks,
-    RegistrationLimit,
-    UnknownLease,
-)
+from kvcache_service.errors import CacheError, InvalidArgument
 from kvcache_service.ids import Namespace, PoolId
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-# What each code means to the caller, so a client acts on the code and never parses details:
-# FAILED_PRECONDITION is "register (again)": the pool is unknown (this service restarted) or
-# the call's incarnation is fenced off; every lease of the caller is void either way.
-STATUS_OF: dict[type[CacheError], grpc.StatusCode] = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,  # a bug or bad input: do not retry
-    UnknownLease: grpc.StatusCode.NOT_FOUND,  # the lease expired or was released
-    NotFound: grpc.StatusCode.NOT_FOUND,  # an admin target (pool, prefix) is not there
-    MustRegister: grpc.StatusCode.FAILED_PRECONDITION,  # unregistered pool, fenced incarnation
-    OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,  # queue and retry
-    RegistrationLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,  # too many blocks or pools
-}
-
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
-
-
-def status_of(err: CacheError) -> grpc.StatusCode:
-    for cls in type(err).__mro__:
-        if cls in STATUS_OF:
-            return STATUS_OF[cls]
-    return grpc.StatusCode.INTERNAL
 
 
 def domain_errors(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
@@ -62,7 +35,7 @@ def domain_errors(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
         try:
             return await fn(self, request, context)
         except CacheError as err:
-            await context.abort(status_of(err), str(err))
+            await context.abort(convert.status_of(err), str(err))
             raise  # unreachable: abort raises
 
     return wrapper
@@ -135,29 +108,44 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     @service_only
     async def CommitLeases(self, request, context):
+        pool = request.pool
         indexed = self.auth.commit(
-            PoolId(request.pool.pool_id),
-            request.pool.incarnation,
-            [(item.lease_id, item.token_ids) for item in request.items],
+            PoolId(pool.pool_id), pool.incarnation, convert.commit_items(request)
         )
         return pb.CommitLeasesResponse(indexed_tokens=indexed)
 
     @service_only
     async def ReleaseLease(self, request, context):
+        update = request.update if request.HasField("update") else None
         indexed = self.auth.release(
             PoolId(request.pool.pool_id),
             request.pool.incarnation,
             request.lease_id,
-            request.token_ids,
+            convert.sequence_update(request.token_ids, update),
         )
         return pb.ReleaseLeaseResponse(indexed_tokens=indexed)
 
     @service_only
+    async def AcquireLeases(self, request, context):
+        pool = request.pool
+        results, expired = self.auth.acquire_many(
+            PoolId(pool.pool_id), pool.incarnation, convert.acquire_items(request)
+        )
+        return convert.acquire_results(results, expired)
+
+    @service_only
+    async def ReleaseLeases(self, request, context):
+        pool = request.pool
+        results = self.auth.release_many(
+            PoolId(pool.pool_id), pool.incarnation, convert.release_items(request)
+        )
+        return convert.release_results(results)
+
+    @service_only
     async def Route(self, request, context):
         # proto3 has no absent string: an empty model asks for the pools of every model.
-        routes = self.auth.route(
-            Namespace(request.namespace), request.prompt_token_ids, request.model or None
-        )
+        prompt = convert.tokens(request.prompt_token_ids, request.prompt_tokens, "prompt")
+        routes = self.auth.route(Namespace(request.namespace), prompt, request.model or None)
         return pb.RouteResponse(pools=[convert.pool_route(r) for r in routes])
 
 

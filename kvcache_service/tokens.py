@@ -54,6 +54,33 @@ def pack(values: Sequence[int], what: str, allow_empty: bool = False) -> Tokens:
     return Tokens(packed)
 
 
+def from_wire(data: bytes, what: str, allow_empty: bool = False) -> Tokens:
+    """The compact wire form (little-endian uint32, 4 bytes a token; kvcache.proto) checked
+    and in the domain's packing: no per-token step, one look at every token's top byte."""
+    if len(data) % TOKEN_BYTES:
+        raise InvalidArgument(f"{what} is {len(data)} bytes, not a whole number of 4-byte ids")
+    if not data and not allow_empty:
+        raise InvalidArgument(f"{what} is empty")
+    if sys.byteorder != "little":
+        a = array("I")
+        a.frombytes(data)
+        a.byteswap()
+        data = a.tobytes()
+    if not data[_TOP::TOKEN_BYTES].isascii():
+        raise InvalidArgument(f"{what} holds a token id outside [0, {MAX_TOKEN_ID}]")
+    return Tokens(bytes(data))
+
+
+def to_wire(tokens: Tokens) -> bytes:
+    """The domain's packing in the wire's byte order (tests, benchmarks, the admin tools)."""
+    if sys.byteorder == "little":
+        return bytes(tokens)
+    a = array("I")
+    a.frombytes(tokens)
+    a.byteswap()
+    return a.tobytes()
+
+
 def _pack_numpy(values: Sequence[int]) -> bytes:
     a = np.asarray(values)
     if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):

@@ -13,8 +13,9 @@ import pytest
 from kvcache_service.admin_cli import show_tree
 from kvcache_service.config import ServiceConfig
 from kvcache_service.ids import Namespace, PoolId
-from kvcache_service.leases import AcquireRequest
+from kvcache_service.leases import AcquireRequest, SequenceUpdate
 from kvcache_service.server import RunningService, running
+from kvcache_service.tokens import pack
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
@@ -91,10 +92,13 @@ def index_prompts(svc: RunningService, ref: pb.PoolRef, n: int) -> None:
     pool_id, ns = PoolId(ref.pool_id), Namespace("ns")
     for i in range(n):
         prompt = [i, *range(1, 4 * BS)]
-        grant, _ = auth.acquire(AcquireRequest(pool_id, ref.incarnation, ns, tuple(prompt)))
-        auth.release(pool_id, ref.incarnation, grant.lease_id, prompt)  # type: ignore[union-attr]
+        packed = pack(prompt, "p")
+        grant, _ = auth.acquire(AcquireRequest(pool_id, ref.incarnation, ns, packed))
+        update = SequenceUpdate.whole(packed)
+        auth.release(pool_id, ref.incarnation, grant.lease_id, update)  # type: ignore[union-attr]
     for i in range(n // 4):
-        auth.acquire(AcquireRequest(pool_id, ref.incarnation, ns, (i, *range(1, 4 * BS), 7)))
+        prompt = [i, *range(1, 4 * BS), 7]
+        auth.acquire(AcquireRequest(pool_id, ref.incarnation, ns, pack(prompt, "p")))
 
 
 async def test_heartbeats_are_answered_while_a_big_pool_is_checked(

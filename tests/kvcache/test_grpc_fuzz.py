@@ -49,6 +49,12 @@ EXPECTED = {
     grpc.StatusCode.OUT_OF_RANGE,
     grpc.StatusCode.ALREADY_EXISTS,
 }
+# What one item of a batch may answer (its call answered OK).
+CODES = {c.value[0]: c for c in grpc.StatusCode}
+ITEM_CODES = {
+    "AcquireLeases": {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED},
+    "ReleaseLeases": {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND},
+}
 RPCS = rpcs(pb.DESCRIPTOR.services_by_name["KVCacheService"]) + rpcs(
     pb.DESCRIPTOR.services_by_name["KVCacheAdmin"]
 )
@@ -74,6 +80,18 @@ class Target:
             assert isinstance(request, pb.AcquireLeaseRequest)
             if out[0].WhichOneof("result") == "lease":
                 self.granted.append((request.pool, out[0].lease.lease_id))
+        if code == grpc.StatusCode.OK and rpc.name == "AcquireLeases":
+            assert isinstance(request, pb.AcquireLeasesRequest)
+            assert len(out[0].results) == len(request.items)
+            for r in out[0].results:
+                if r.WhichOneof("result") == "lease":
+                    self.granted.append((request.pool, r.lease.lease_id))
+                elif r.WhichOneof("result") == "error":
+                    assert CODES[r.error.code] in ITEM_CODES["AcquireLeases"], r.error
+        if code == grpc.StatusCode.OK and rpc.name == "ReleaseLeases":
+            for r in out[0].results:
+                if r.HasField("error"):
+                    assert CODES[r.error.code] in ITEM_CODES["ReleaseLeases"], r.error
 
     def settle(self) -> None:
         """Releases what the fuzz was granted; then the service must hold no reference, pass
@@ -175,7 +193,14 @@ def target() -> Iterator[Target]:
 def hints(t: Target) -> dict[str, st.SearchStrategy]:
     """Values that pass the first checks, so the fuzz gets behind them."""
     tokens = st.integers(0, 1000)
+    packed = st.lists(tokens, max_size=64).map(
+        lambda ids: b"".join(i.to_bytes(4, "little") for i in ids)
+    )
     return {
+        "prompt_tokens": packed,
+        "appended_tokens": packed,
+        "appended_from": st.integers(0, 64),
+        "written_tokens": st.integers(0, 64),
         "pool": st.just(t.pool),
         "pool_id": st.sampled_from(["w1", "w2", ""]),
         "incarnation": st.just(t.pool.incarnation),

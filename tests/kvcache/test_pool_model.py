@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvcache_service.authority import AuthorityConfig, CacheAuthority
 from kvcache_service.errors import NotFound, OutOfBlocks
 from kvcache_service.ids import Namespace, PoolId
-from kvcache_service.leases import AcquireRequest, Deferral, Grant, Reuse
+from kvcache_service.leases import AcquireRequest, Deferral, Grant, Reuse, SequenceUpdate
 from kvcache_service.pool import PoolSpec, PoolState
 from kvcache_service.tokens import pack
 from tests.kvcache.reference import RefLease, RefPool
@@ -128,7 +128,7 @@ class PoolMachine(RuleBasedStateMachine):
         reuse = Reuse.SHARE_OR_DEFER if allow_defer else Reuse.SHARE
         reuse = Reuse.NONE if skip_cache else reuse
         req = AcquireRequest(
-            PoolId(pool_id), self.inc[pool_id], Namespace(ns), prompt, reserve, reuse
+            PoolId(pool_id), self.inc[pool_id], Namespace(ns), pack(prompt, "p"), reserve, reuse
         )
         try:
             result, _ = self.auth.acquire(req)
@@ -199,6 +199,24 @@ class PoolMachine(RuleBasedStateMachine):
         extra = data.draw(st.lists(st.integers(0, 3), max_size=max(0, room)))
         return lease.tokens + tuple(extra)
 
+    def _update(
+        self, data, lease: RefLease, tokens: tuple[int, ...]
+    ) -> tuple[SequenceUpdate, tuple[int, ...]]:
+        """What a caller sends for ``tokens`` (which extend what the lease knows), in a drawn
+        wire form: the whole sequence, or only what follows a drawn point no later than the
+        end of what the lease knows, with a drawn count of written tokens. And those."""
+        if data.draw(st.booleans()):
+            return SequenceUpdate.whole(pack(tokens, "t", True)), tokens
+        start = data.draw(st.integers(0, len(lease.tokens)))
+        written = data.draw(st.integers(0, len(tokens)))
+        return SequenceUpdate(written, pack(tokens[start:], "t", True), start), tokens[:written]
+
+    def _commit_ref(self, ref: RefPool, lease_id: int, tokens, written) -> int:
+        lease = ref.leases[lease_id]
+        indexed = ref.commit(lease_id, written)
+        lease.tokens = max(lease.tokens, tokens, key=len)
+        return indexed
+
     @rule(data=st.data())
     def extend(self, data) -> None:
         if not any(r.leases for r in self.ref.values()):
@@ -234,9 +252,10 @@ class PoolMachine(RuleBasedStateMachine):
         ref = self.ref[pool_id]
         lease_id, lease = self._pick_lease(data, pool_id)
         tokens = self._grow(data, ref, lease)
+        update, written = self._update(data, lease, tokens)
         adopted = len(lease.refs)
-        (indexed,) = self.auth.commit(pool_id, self.inc[pool_id], [(lease_id, tokens)])
-        assert indexed == ref.commit(lease_id, tokens)
+        (indexed,) = self.auth.commit(pool_id, self.inc[pool_id], [(lease_id, update)])
+        assert indexed == self._commit_ref(ref, lease_id, tokens, written)
         event(f"commit: adopted={len(lease.refs) > adopted}")
 
     @rule(data=st.data(), commit_final=st.booleans())
@@ -246,10 +265,13 @@ class PoolMachine(RuleBasedStateMachine):
         pool_id = data.draw(st.sampled_from([p for p, r in self.ref.items() if r.leases]))
         ref = self.ref[pool_id]
         lease_id, lease = self._pick_lease(data, pool_id)
-        tokens = self._grow(data, ref, lease) if commit_final else ()
-        self.auth.release(pool_id, self.inc[pool_id], lease_id, tokens)
-        if tokens:
-            ref.commit(lease_id, tokens)
+        if commit_final:
+            tokens = self._grow(data, ref, lease)
+            update, written = self._update(data, lease, tokens)
+            self.auth.release(pool_id, self.inc[pool_id], lease_id, update)
+            self._commit_ref(ref, lease_id, tokens, written)
+        else:
+            self.auth.release(pool_id, self.inc[pool_id], lease_id)
         ref.end(lease_id)
 
     @rule()
@@ -381,7 +403,8 @@ class QuotaPoolMachine(PoolMachine):
         before = set(ref.leases)
         self._acquire(pool_id, ns, prompt, 0, False, False)
         for lease_id in set(ref.leases) - before:
-            self.auth.release(pool_id, self.inc[pool_id], lease_id, prompt)
+            update = SequenceUpdate.whole(pack(prompt, "p"))
+            self.auth.release(pool_id, self.inc[pool_id], lease_id, update)
             ref.commit(lease_id, prompt)
             ref.end(lease_id)
 

@@ -16,6 +16,7 @@ from kvcache_service.ids import Namespace, PoolId
 from kvcache_service.leases import AcquireRequest
 from kvcache_service.pool import PoolSpec
 from kvcache_service.server import RunningService, running
+from kvcache_service.tokens import pack
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from worker.engine.lease import CacheUnavailable, PoolRegistration
@@ -176,7 +177,7 @@ def test_a_dead_pool_is_forgotten_after_its_grace() -> None:
     )
     spec = PoolSpec(PoolId("w1"), num_blocks=8, block_size=BS)
     inc = auth.register_pool(spec).incarnation
-    auth.acquire(AcquireRequest(PoolId("w1"), inc, Namespace(""), (1, 2, 3)))
+    auth.acquire(AcquireRequest(PoolId("w1"), inc, Namespace(""), pack([1, 2, 3], "p")))
     other = PoolSpec(PoolId("w2"), num_blocks=8, block_size=BS)
     with pytest.raises(RegistrationLimit):
         auth.register_pool(other)

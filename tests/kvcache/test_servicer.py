@@ -329,3 +329,129 @@ async def test_admin_cli(client: Client, capsys: pytest.CaptureFixture[str]) -> 
     )
     assert await asyncio.to_thread(admin_cli.main, [*args, "tree", "--pool", "w1"]) == 0
     assert "8 tokens" in capsys.readouterr().out
+
+
+# -- wire revision 2: packed token ids, sequence updates, batched acquire and release ----------
+
+
+def wire(ids: list[int]) -> bytes:
+    return b"".join(i.to_bytes(4, "little") for i in ids)
+
+
+def update(written: int, appended: list[int] = (), start: int = 0) -> pb.SequenceUpdate:  # type: ignore[assignment]
+    return pb.SequenceUpdate(
+        written_tokens=written, appended_tokens=wire(list(appended)), appended_from=start
+    )
+
+
+async def test_a_batch_of_acquires_and_releases_in_the_compact_form(client: Client) -> None:
+    reg = await client.kv.RegisterPool(
+        pb.RegisterPoolRequest(pool_id="w1", num_blocks=32, block_size=BS, model="tiny")
+    )
+    assert reg.wire_revision == 2
+    pool = pb.PoolRef(pool_id="w1", incarnation=reg.incarnation)
+    prompt = list(range(1, 11))  # 2 full blocks and 2 tokens
+    resp = await client.kv.AcquireLeases(
+        pb.AcquireLeasesRequest(
+            pool=pool,
+            items=[
+                pb.AcquireItem(prompt_tokens=wire(prompt), reserve_tokens=6, allow_defer=True),
+                # Same prefix, still being filled by the first item's lease: deferred.
+                pb.AcquireItem(prompt_tokens=wire([*prompt, 77]), allow_defer=True),
+                pb.AcquireItem(prompt_tokens=wire(prompt)[:-1]),  # not whole 4-byte ids
+                pb.AcquireItem(prompt_token_ids=[500, 501], prompt_tokens=wire([500])),  # both
+                pb.AcquireItem(prompt_token_ids=[500, 501, 502]),  # the readable form
+            ],
+        )
+    )
+    first, deferred, torn, both, other = resp.results
+    assert first.lease.cached_tokens == 0 and len(first.lease.block_table) == 4
+    assert deferred.deferred.waiting_on_lease_id == first.lease.lease_id
+    assert torn.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "whole number" in torn.error.message
+    assert both.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert other.lease.lease_id > first.lease.lease_id
+    await client.check()
+
+    # The prompt's blocks are committed without sending a token of them.
+    commit = pb.CommitItem(lease_id=first.lease.lease_id, update=update(8))
+    indexed = await client.kv.CommitLeases(pb.CommitLeasesRequest(pool=pool, items=[commit]))
+    assert list(indexed.indexed_tokens) == [8]
+
+    generated = [11, 12, 13, 14, 15, 16]
+    released = await client.kv.ReleaseLeases(
+        pb.ReleaseLeasesRequest(
+            pool=pool,
+            items=[
+                # Only the generated tokens travel.
+                pb.ReleaseItem(lease_id=first.lease.lease_id, update=update(16, generated, 10)),
+                pb.ReleaseItem(lease_id=12345),  # unknown
+                pb.ReleaseItem(lease_id=other.lease.lease_id),  # nothing to commit
+            ],
+        )
+    )
+    done, unknown, aborted = released.results
+    assert done.indexed_tokens == 16 and not done.HasField("error")
+    assert unknown.error.code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert aborted.indexed_tokens == 0 and not aborted.HasField("error")
+    stats = (await client.admin.GetStats(pb.StatsRequest(), metadata=AUTH)).pools[0]
+    assert (stats.live_leases, stats.referenced_blocks, stats.cached_blocks) == (0, 0, 4)
+
+    # A follow-up reuses the whole history, generated tokens included.
+    again = await client.kv.AcquireLease(
+        pb.AcquireLeaseRequest(pool=pool, prompt_tokens=wire([*prompt, *generated, 99]))
+    )
+    assert again.lease.cached_tokens == 16
+
+
+async def test_the_first_item_without_room_ends_the_batch(client: Client) -> None:
+    pool = await client.register(num_blocks=8)
+    resp = await client.kv.AcquireLeases(
+        pb.AcquireLeasesRequest(
+            pool=pool,
+            items=[
+                pb.AcquireItem(prompt_tokens=wire([1, 2, 3])),
+                pb.AcquireItem(prompt_tokens=wire(list(range(40)))),  # 10 blocks of 8
+                pb.AcquireItem(prompt_tokens=wire([4, 5])),  # would fit: not tried
+            ],
+        )
+    )
+    fits, too_big, behind = resp.results
+    exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert fits.HasField("lease")
+    assert too_big.error.code == exhausted and behind.error.code == exhausted
+    assert "not tried" in behind.error.message
+    stats = (await client.admin.GetStats(pb.StatsRequest(), metadata=AUTH)).pools[0]
+    assert stats.live_leases == 1
+    await client.kv.ReleaseLeases(
+        pb.ReleaseLeasesRequest(pool=pool, items=[pb.ReleaseItem(lease_id=fits.lease.lease_id)])
+    )
+
+
+async def test_a_refused_release_keeps_its_lease_until_released_again(client: Client) -> None:
+    pool = await client.register()
+    lease = (await client.acquire(pool, [1, 2, 3, 4, 5])).lease
+    gap = pb.ReleaseItem(lease_id=lease.lease_id, update=update(9, [6, 7], 7))  # 5 known
+    (refused,) = (
+        await client.kv.ReleaseLeases(pb.ReleaseLeasesRequest(pool=pool, items=[gap]))
+    ).results
+    assert refused.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    stats = (await client.admin.GetStats(pb.StatsRequest(), metadata=AUTH)).pools[0]
+    assert stats.live_leases == 1
+    await client.check()
+    plain = pb.ReleaseItem(lease_id=lease.lease_id, update=update(0))
+    (ok,) = (
+        await client.kv.ReleaseLeases(pb.ReleaseLeasesRequest(pool=pool, items=[plain]))
+    ).results
+    assert not ok.HasField("error")
+    # The call-level checks still come first: a fenced pool is the call's status.
+    ghost = pb.PoolRef(pool_id="nope", incarnation=1)
+    await expect_code(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        client.kv.AcquireLeases(pb.AcquireLeasesRequest(pool=ghost, items=[pb.AcquireItem()])),
+    )
+    too_many = [pb.ReleaseItem(lease_id=1)] * 1025
+    await expect_code(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        client.kv.ReleaseLeases(pb.ReleaseLeasesRequest(pool=pool, items=too_many)),
+    )

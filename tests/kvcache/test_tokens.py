@@ -13,9 +13,9 @@ from kvcache_service import convert
 from kvcache_service.authority import AuthorityConfig, CacheAuthority
 from kvcache_service.errors import InvalidArgument
 from kvcache_service.ids import Namespace, PoolId
-from kvcache_service.leases import AcquireRequest, Grant
+from kvcache_service.leases import AcquireRequest, Grant, SequenceUpdate
 from kvcache_service.pool import PoolSpec
-from kvcache_service.tokens import MAX_TOKEN_ID, count, pack, unpack
+from kvcache_service.tokens import MAX_TOKEN_ID, count, from_wire, pack, to_wire, unpack
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 
 IDS = [0, 1, 7, 31_999, MAX_TOKEN_ID]
@@ -71,9 +71,13 @@ def auth() -> CacheAuthority:
     return a
 
 
+def whole(tokens: list[int]) -> SequenceUpdate:
+    return SequenceUpdate.whole(pack(tokens, "t", allow_empty=True))
+
+
 def acquire(auth: CacheAuthority, prompt: list[int]) -> Grant:
     inc = auth.pools[PoolId("w")].incarnation
-    grant, _ = auth.acquire(AcquireRequest(PoolId("w"), inc, Namespace(""), prompt, 8))
+    grant, _ = auth.acquire(AcquireRequest(PoolId("w"), inc, Namespace(""), pack(prompt, "p"), 8))
     assert isinstance(grant, Grant)
     return grant
 
@@ -92,11 +96,11 @@ def test_a_commit_that_disagrees_with_its_lease_changes_nothing(
     grant = acquire(auth, [1, 2, 3, 4, 5, 6])
     inc = auth.pools[PoolId("w")].incarnation
     with pytest.raises(InvalidArgument, match="disagree"):
-        auth.commit("w", inc, [(grant.lease_id, commit)])  # type: ignore[arg-type]
+        auth.commit("w", inc, [(grant.lease_id, whole(commit))])  # type: ignore[arg-type]
     assert len(auth.pools[PoolId("w")].index) == 0
     # The lease's own sequence, and one that extends it, still commit.
-    assert auth.commit("w", inc, [(grant.lease_id, [1, 2, 3, 4])]) == [4]  # type: ignore[arg-type]
-    assert auth.release("w", inc, grant.lease_id, [1, 2, 3, 4, 5, 6, 7, 8]) == 8  # type: ignore[arg-type]
+    assert auth.commit("w", inc, [(grant.lease_id, whole([1, 2, 3, 4]))]) == [4]  # type: ignore[arg-type]
+    assert auth.release("w", inc, grant.lease_id, whole([1, 2, 3, 4, 5, 6, 7, 8])) == 8  # type: ignore[arg-type]
     assert auth.check_integrity() == []
 
 
@@ -108,7 +112,7 @@ def test_commits_in_steps_index_what_one_commit_would(auth: CacheAuthority) -> N
     grant = acquire(auth, seq[:3])
     auth.extend("w", inc, [(grant.lease_id, len(seq))])  # type: ignore[arg-type]
     for end in range(4, len(seq) + 1, 4):
-        auth.commit("w", inc, [(grant.lease_id, seq[:end])])  # type: ignore[arg-type]
+        auth.commit("w", inc, [(grant.lease_id, whole(seq[:end]))])  # type: ignore[arg-type]
     pool = auth.pools[PoolId("w")]
     (node,) = pool.index.roots[Namespace("")].children.values()
     assert node.tokens == tuple(seq)
@@ -125,8 +129,80 @@ def test_the_admin_tree_shows_token_ids(auth: CacheAuthority) -> None:
     inc = auth.pools[PoolId("w")].incarnation
     prompt = list(range(40_000, 40_020))
     grant = acquire(auth, prompt)
-    auth.release("w", inc, grant.lease_id, prompt)  # type: ignore[arg-type]
+    auth.release("w", inc, grant.lease_id, whole(prompt))  # type: ignore[arg-type]
     tree = convert.tree(auth.pools[PoolId("w")], None, None)
     (node,) = tree.nodes
     assert list(node.token_preview) == prompt[:4]  # its first block (16 tokens at most)
     assert node.num_tokens == 20
+
+
+# -- the compact wire form (revision 2) ---------------------------------------------------------
+
+
+def test_the_wire_form_is_little_endian_uint32_checked_like_the_readable_one() -> None:
+    ids = [0, 1, 255, 256, 65_536, MAX_TOKEN_ID]
+    wire = b"".join(i.to_bytes(4, "little") for i in ids)
+    assert unpack(from_wire(wire, "t")) == tuple(ids)
+    assert from_wire(wire, "t") == pack(ids, "t")
+    assert to_wire(pack(ids, "t")) == wire
+    with pytest.raises(InvalidArgument, match="outside"):
+        from_wire((MAX_TOKEN_ID + 1).to_bytes(4, "little"), "t")
+    with pytest.raises(InvalidArgument, match="whole number"):
+        from_wire(wire[:-1], "t")
+    with pytest.raises(InvalidArgument, match="empty"):
+        from_wire(b"", "t")
+    assert from_wire(b"", "t", allow_empty=True) == b""
+
+
+def test_either_form_but_not_both() -> None:
+    assert convert.tokens([5, 6], b"", "p") == convert.tokens([], to_wire(pack([5, 6], "p")), "p")
+    with pytest.raises(InvalidArgument, match="not both"):
+        convert.tokens([5, 6], to_wire(pack([5, 6], "p")), "p")
+    item = pb.CommitItem(lease_id=1, token_ids=[1], update=pb.SequenceUpdate(written_tokens=1))
+    with pytest.raises(InvalidArgument, match="not both"):
+        convert.commit_items(pb.CommitLeasesRequest(items=[item]))
+
+
+def update(written: int, appended: list[int], start: int) -> SequenceUpdate:
+    return SequenceUpdate(written, pack(appended, "t", allow_empty=True), start)
+
+
+def test_updates_carry_only_what_the_lease_does_not_know(auth: CacheAuthority) -> None:
+    """A commit of prompt blocks needs no tokens; a release sends what was generated; a
+    resend that overlaps what is known is fine. The index ends as whole sequences leave it."""
+    inc = auth.pools[PoolId("w")].incarnation
+    prompt = list(range(10, 19))  # 2 full blocks of 4 and one token
+    grant = acquire(auth, prompt)
+    assert auth.commit("w", inc, [(grant.lease_id, update(8, [], 0))]) == [8]  # type: ignore[arg-type]
+    generated = [50, 51, 52, 53, 54]
+    # Overlaps the prompt's last two tokens, then appends the generated ones.
+    assert auth.release("w", inc, grant.lease_id, update(13, prompt[-2:] + generated, 7)) == 12  # type: ignore[arg-type]
+    other = acquire(auth, prompt + generated[:3] + [99])
+    assert other.cached_tokens == 12
+    assert auth.check_integrity() == []
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (update(4, [7], 10), "cannot append from 10"),  # past what the lease knows: a gap
+        (update(6, [10, 11, 99], 0), "disagree"),  # disagrees with the prompt
+        (update(7, [], 0), "written of 6 known"),  # more written than known
+        (update(40, list(range(40)), 6), "covers"),  # past the lease's table
+    ],
+)
+def test_a_refused_update_changes_nothing(
+    auth: CacheAuthority, bad: SequenceUpdate, match: str
+) -> None:
+    inc = auth.pools[PoolId("w")].incarnation
+    grant = acquire(auth, [10, 11, 12, 13, 14, 15])
+    lease = auth.pools[PoolId("w")].leases.live[grant.lease_id]
+    before = lease.tokens
+    with pytest.raises(InvalidArgument, match=match):
+        auth.commit("w", inc, [(grant.lease_id, bad)])  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=match):
+        auth.release("w", inc, grant.lease_id, bad)  # type: ignore[arg-type]
+    assert lease.tokens == before and grant.lease_id in auth.pools[PoolId("w")].leases.live
+    assert len(auth.pools[PoolId("w")].index) == 0
+    assert auth.release("w", inc, grant.lease_id, update(6, [], 6)) == 4  # type: ignore[arg-type]
+    assert auth.check_integrity() == []

@@ -1,8 +1,8 @@
 """The lease sync against the real cache-service domain, in process: no gRPC, no model.
 
-``InProcessClient`` answers the lease client's calls from a ``CacheAuthority`` and turns its
-errors into the worker's typed lease errors through the two real tables (the service's
-``STATUS_OF`` and the lease client's code table), so only the wire is left out. A seeded random
+The worker's real lease client calls the real servicer in this process (``InProcessStub``):
+messages go through bytes both ways, errors through the service's and the client's status
+tables, so only the transport is left out. A seeded random
 walk then drives the worker's side (requests arriving, admission, steps that grow and publish,
 finishes, client aborts, missed heartbeats that expire every lease, a cache service that
 restarts and forgets the pool) and after every operation checks, once the calls in flight
@@ -24,13 +24,19 @@ import grpc
 import pytest
 
 from kvcache_service.authority import AuthorityConfig, CacheAuthority
-from kvcache_service.errors import CacheError
-from kvcache_service.ids import Namespace, PoolId
-from kvcache_service.leases import AcquireRequest, Deferral, Reuse
-from kvcache_service.pool import PoolSpec
-from kvcache_service.servicer import status_of
-from worker.engine.lease import Deferred, Lease, LeaseError, PoolRegistration
-from worker.engine.lease_client import DEFAULT_MAX_NAMESPACE_CHARS, _translate
+from kvcache_service.ids import PoolId
+from kvcache_service.servicer import KVCacheServicer
+from worker.engine.lease import (
+    Fenced,
+    Lease,
+    LeaseAsk,
+    LeaseLost,
+    NoRoom,
+    PoolRegistration,
+    Rejected,
+    Written,
+)
+from worker.engine.lease_client import LeaseClient
 from worker.engine.lease_sync import LeasePolicy, LeaseSync
 from worker.engine.sampling_params import Sampled, SamplingParams
 from worker.engine.scheduler import Scheduler
@@ -52,67 +58,56 @@ class FakeClock:
 
 
 class _RpcError(grpc.aio.AioRpcError):
-    """The status a CacheError becomes on the wire, for the lease client's own table."""
+    """What a call's status becomes at the client, as the transport would raise it."""
 
-    def __init__(self, err: CacheError) -> None:
-        super().__init__(status_of(err), grpc.aio.Metadata(), grpc.aio.Metadata(), str(err))
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-class InProcessClient:
-    """The lease client's interface, answered by a CacheAuthority in this process."""
+class _Context:
+    """The servicer's view of a call: no metadata (the test service has no token)."""
 
-    def __init__(self, authority: CacheAuthority) -> None:
-        self.authority = authority
-        self.pool_id = ""
-        self.incarnation = 0
-        self.lease_ttl_s = 0.0
-        self.heartbeat_interval_s = 1.0
-        self.max_namespace_chars = DEFAULT_MAX_NAMESPACE_CHARS
+    def invocation_metadata(self) -> tuple:
+        return ()
 
-    async def _call(self, fn, *args):  # type: ignore[no-untyped-def]
-        incarnation = self.incarnation
-        await asyncio.sleep(0)  # a real call yields to the loop: let others interleave
-        try:
-            return fn(*args)
-        except CacheError as err:
-            raise _translate(_RpcError(err), incarnation) from err
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _RpcError(code, details)
 
-    async def register(self, reg: PoolRegistration) -> int:
-        spec = PoolSpec(POOL, reg.num_blocks, reg.block_size)
-        r = await self._call(self.authority.register_pool, spec, self.incarnation or None)
-        self.pool_id, self.incarnation = reg.pool_id, r.incarnation
-        self.lease_ttl_s, self.heartbeat_interval_s = r.lease_ttl_s, r.heartbeat_interval_s
-        return r.incarnation
 
-    async def heartbeat(self) -> list[int]:
-        expired, _ = await self._call(self.authority.heartbeat, POOL, self.incarnation)
-        return list(expired)
+class InProcessStub:
+    """``KVCacheServiceStub``'s calls answered by the real servicer in this process. The
+    messages go through bytes both ways, so the worker's lease client, both sides' protos and
+    the service's conversions all run: only the transport is left out."""
 
-    async def acquire(
-        self, tokens: list[int], namespace: str, reserve: int, skip_cache: bool
-    ) -> tuple[Lease | Deferred, list[int]]:
-        reuse = Reuse.NONE if skip_cache else Reuse.SHARE_OR_DEFER
-        req = AcquireRequest(
-            POOL, self.incarnation, Namespace(namespace), tuple(tokens), reserve, reuse
-        )
-        result, expired = await self._call(self.authority.acquire, req)
-        if isinstance(result, Deferral):
-            return Deferred(result.waiting_on, result.cached_tokens, result.pending_tokens), expired
-        g = result
-        return Lease(g.lease_id, tuple(g.block_table), g.cached_tokens, g.copy_on_write), expired
+    def __init__(self, servicer: KVCacheServicer) -> None:
+        self.servicer = servicer
 
-    async def extend(self, items: list[tuple[int, int]]) -> dict[int, list[int]]:
-        grown = await self._call(self.authority.extend, POOL, self.incarnation, items)
-        return {lease: list(blocks) for lease, blocks in grown}
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        handler = getattr(self.servicer, name)
 
-    async def commit(self, items: list[tuple[int, list[int]]]) -> None:
-        await self._call(self.authority.commit, POOL, self.incarnation, items)
+        async def call(request, timeout=None, metadata=None):  # type: ignore[no-untyped-def]
+            await asyncio.sleep(0)  # a real call yields to the loop: let others interleave
+            wire = type(request).FromString(request.SerializeToString())
+            response = await handler(wire, _Context())
+            return type(response).FromString(response.SerializeToString())
 
-    async def release(self, lease_id: int, tokens: list[int]) -> None:
-        await self._call(self.authority.release, POOL, self.incarnation, lease_id, tokens)
+        return call
+
+
+class _NoChannel:
+    """Enough of a channel to build the client; its stub is replaced by InProcessStub."""
+
+    def unary_unary(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        return None
 
     async def close(self) -> None:
         pass
+
+
+def in_process_client(servicer: KVCacheServicer) -> LeaseClient:
+    client = LeaseClient("in-process", channel=_NoChannel())  # type: ignore[arg-type]
+    client._stub = InProcessStub(servicer)  # type: ignore[assignment]
+    return client
 
 
 class _Detokenizer:
@@ -137,7 +132,8 @@ class Walk:
 
     def __post_init__(self) -> None:
         self.authority = self.new_authority()
-        self.client = InProcessClient(self.authority)
+        self.servicer = KVCacheServicer(self.authority)
+        self.client = in_process_client(self.servicer)
         self.scheduler = Scheduler(max_batch_size=4, max_step_tokens=16, max_context=256)
         self.sync = LeaseSync(
             self.client,  # type: ignore[arg-type]
@@ -217,7 +213,7 @@ class Walk:
 
     async def restart_service(self) -> None:
         """The cache service restarted: a new authority that never heard of the pool."""
-        self.authority = self.client.authority = self.new_authority()
+        self.authority = self.servicer.auth = self.new_authority()
         await self.sync._heartbeat_once()
 
     # -- checks -------------------------------------------------------------------------------
@@ -227,6 +223,7 @@ class Walk:
         for _ in range(200):
             ext = self.sync._extension
             if not self.sync._background and (ext is None or ext.done()):
+                assert not self.sync._releases, "releases queued with nobody sending them"
                 return
             await asyncio.sleep(0)
         raise AssertionError("calls in flight never landed")
@@ -280,8 +277,21 @@ async def test_random_walks_keep_the_books() -> None:
 
 
 async def test_a_lease_error_is_typed_by_the_real_tables() -> None:
-    """The adapter maps through the service's and the client's tables, not its own."""
+    """Statuses go through the service's table and the client's, for whole calls and for
+    one item of a batch alike."""
     walk = Walk(random.Random(0))
     await walk.sync._register()
-    with pytest.raises(LeaseError):
-        await walk.client.release(12345, [])
+    (unknown,) = await walk.client.release([(12345, None)])
+    assert isinstance(unknown, LeaseLost)
+    asks = [LeaseAsk([1, 2, 3], "", 0, False), LeaseAsk([4] * 999, "", 0, False)]
+    (granted, no_room), _ = await walk.client.acquire(asks)
+    assert isinstance(granted, Lease) and isinstance(no_room, NoRoom)
+    (refused,) = await walk.client.release([(granted.lease_id, Written(9, 5, [5]))])
+    assert isinstance(refused, Rejected)  # appends past what the lease knows: kept live
+    (released,) = await walk.client.release([(granted.lease_id, None)])
+    assert released is None
+    (bad,), _ = await walk.client.acquire([LeaseAsk([1], "\x00", 0, False)])
+    assert isinstance(bad, Rejected)
+    walk.client.incarnation += 1
+    with pytest.raises(Fenced):
+        await walk.client.heartbeat()

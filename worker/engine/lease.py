@@ -7,6 +7,7 @@ into them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -43,6 +44,11 @@ class Rejected(LeaseError):
     """INVALID_ARGUMENT from the cache service: a bug or a bad request."""
 
 
+class Incompatible(LeaseError):
+    """The cache service speaks an older wire revision than this worker needs: registration
+    is retried (the service may be upgraded meanwhile), the reason logged each time."""
+
+
 @dataclass(frozen=True, slots=True)
 class Lease:
     lease_id: int
@@ -56,6 +62,34 @@ class Deferred:
     waiting_on: int
     cached_tokens: int
     pending_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseAsk:
+    """One prompt to acquire a lease for (one item of a batched acquire)."""
+
+    tokens: Sequence[int]
+    namespace: str
+    reserve: int
+    skip_cache: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What a commit or release tells the cache service of a lease's sequence: its first
+    ``count`` tokens have their K/V written. The service knows the tokens the lease was
+    acquired for, so only the ones past them travel: ``tail`` is the sequence from token
+    ``tail_from`` (at most the acquired length) through ``count``."""
+
+    count: int
+    tail_from: int
+    tail: list[int]
+
+    @classmethod
+    def of(cls, tokens: Sequence[int], count: int, known: int) -> Written:
+        """``tokens[:count]`` written, the service knowing the first ``known``."""
+        start = min(known, count)
+        return cls(count, start, list(tokens[start:count]))
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,8 @@ Only this module touches the generated kvcache protos on the worker side.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
 
 import grpc
@@ -16,12 +18,15 @@ from worker.engine.lease import (
     CacheUnavailable,
     Deferred,
     Fenced,
+    Incompatible,
     Lease,
+    LeaseAsk,
     LeaseError,
     LeaseLost,
     NoRoom,
     PoolRegistration,
     Rejected,
+    Written,
 )
 
 RPC_TIMEOUT_S = 10.0
@@ -30,6 +35,9 @@ RPC_TIMEOUT_S = 10.0
 HEARTBEAT_TTL_FRACTION = 0.25
 # A namespace's longest length when the service does not say (one that predates the field).
 DEFAULT_MAX_NAMESPACE_CHARS = 256
+# The cache service's contract revision this client needs (RegisterPoolResponse): packed
+# token ids, sequence updates, AcquireLeases and ReleaseLeases. Upgrade the service first.
+WIRE_REVISION = 2
 
 
 # The cache service's codes (kvcache.proto) -> what the engine does about them. Decided by the
@@ -40,6 +48,9 @@ _ERROR_OF: dict[grpc.StatusCode, type[LeaseError]] = {
     grpc.StatusCode.NOT_FOUND: LeaseLost,
     grpc.StatusCode.INVALID_ARGUMENT: Rejected,
 }
+
+
+_CODE_OF = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def _translate(err: grpc.aio.AioRpcError, incarnation: int) -> LeaseError:
@@ -106,6 +117,12 @@ class LeaseClient:
                 ),
             ),
         )
+        if resp.wire_revision < WIRE_REVISION:
+            raise Incompatible(
+                f"the cache service at {self.address} speaks wire revision "
+                f"{resp.wire_revision or 1}; this worker needs {WIRE_REVISION}: upgrade the "
+                "cache service first"
+            )
         self.pool_id = reg.pool_id
         self.incarnation = resp.incarnation
         self.lease_ttl_s = resp.lease_ttl_s
@@ -121,26 +138,44 @@ class LeaseClient:
         return list(resp.expired_lease_ids)
 
     async def acquire(
-        self, tokens: Sequence[int], namespace: str, reserve: int, skip_cache: bool
-    ) -> tuple[Lease | Deferred, list[int]]:
+        self, asks: Sequence[LeaseAsk]
+    ) -> tuple[list[Lease | Deferred | LeaseError], list[int]]:
+        """One AcquireLeases for ``asks``, tried in order: per ask a Lease, a Deferred or the
+        error it met (NoRoom for the first that did not fit and every ask after it), and the
+        pool's leases that expired since it last heard. A failure of the whole call raises."""
         resp = await self._call(
-            self._stub.AcquireLease,
-            pb.AcquireLeaseRequest(
+            self._stub.AcquireLeases,
+            pb.AcquireLeasesRequest(
                 pool=self._ref,
-                namespace=namespace,
-                prompt_token_ids=tokens,
-                reserve_tokens=reserve,
-                allow_defer=not skip_cache,
-                skip_cache=skip_cache,
+                items=[
+                    pb.AcquireItem(
+                        namespace=a.namespace,
+                        prompt_tokens=packed(a.tokens),
+                        reserve_tokens=a.reserve,
+                        allow_defer=not a.skip_cache,
+                        skip_cache=a.skip_cache,
+                    )
+                    for a in asks
+                ],
             ),
         )
-        expired = list(resp.expired_lease_ids)
-        if resp.WhichOneof("result") == "deferred":
-            d = resp.deferred
-            return Deferred(d.waiting_on_lease_id, d.cached_tokens, d.pending_tokens), expired
-        lease = resp.lease
-        cow = tuple((c.src_block, c.dst_block) for c in lease.copy_on_write)
-        return Lease(lease.lease_id, tuple(lease.block_table), lease.cached_tokens, cow), expired
+        out: list[Lease | Deferred | LeaseError] = []
+        for r in resp.results:
+            kind = r.WhichOneof("result")
+            if kind == "lease":
+                lease = r.lease
+                cow = tuple((c.src_block, c.dst_block) for c in lease.copy_on_write)
+                out.append(
+                    Lease(lease.lease_id, tuple(lease.block_table), lease.cached_tokens, cow)
+                )
+            elif kind == "deferred":
+                d = r.deferred
+                out.append(Deferred(d.waiting_on_lease_id, d.cached_tokens, d.pending_tokens))
+            else:
+                out.append(_item_error(r.error))
+        if len(out) != len(asks):
+            raise CacheUnavailable(f"AcquireLeases answered {len(out)} of {len(asks)} items")
+        return out, list(resp.expired_lease_ids)
 
     async def extend(self, items: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
         resp = await self._call(
@@ -152,17 +187,57 @@ class LeaseClient:
         )
         return {e.lease_id: list(e.new_blocks) for e in resp.leases}
 
-    async def commit(self, items: Sequence[tuple[int, Sequence[int]]]) -> None:
+    async def commit(self, items: Sequence[tuple[int, Written]]) -> None:
         await self._call(
             self._stub.CommitLeases,
             pb.CommitLeasesRequest(
                 pool=self._ref,
-                items=[pb.CommitItem(lease_id=i, token_ids=t) for i, t in items],
+                items=[pb.CommitItem(lease_id=i, update=_update(w)) for i, w in items],
             ),
         )
 
-    async def release(self, lease_id: int, tokens: Sequence[int]) -> None:
-        await self._call(
-            self._stub.ReleaseLease,
-            pb.ReleaseLeaseRequest(pool=self._ref, lease_id=lease_id, token_ids=tokens),
+    async def release(self, items: Sequence[tuple[int, Written | None]]) -> list[LeaseError | None]:
+        """One ReleaseLeases: per item None (released) or the error it met; an item whose
+        update was refused (Rejected) keeps its lease (release it again with None)."""
+        resp = await self._call(
+            self._stub.ReleaseLeases,
+            pb.ReleaseLeasesRequest(
+                pool=self._ref,
+                items=[
+                    pb.ReleaseItem(lease_id=i, update=_update(w) if w is not None else None)
+                    for i, w in items
+                ],
+            ),
         )
+        if len(resp.results) != len(items):
+            raise CacheUnavailable(f"ReleaseLeases answered {len(resp.results)} of {len(items)}")
+        return [_item_error(r.error) if r.HasField("error") else None for r in resp.results]
+
+
+def packed(tokens: Sequence[int]) -> bytes:
+    """Token ids in the wire's compact form: little-endian uint32 (kvcache.proto)."""
+    a = array("I")
+    a.fromlist(tokens if type(tokens) is list else list(tokens))
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def _update(w: Written) -> pb.SequenceUpdate:
+    return pb.SequenceUpdate(
+        written_tokens=w.count, appended_from=w.tail_from, appended_tokens=packed(w.tail)
+    )
+
+
+def _item_error(err: pb.ItemError) -> LeaseError:
+    """One item's error of a batched call, typed as a whole call's would be."""
+    try:
+        code = _CODE_OF[err.code]
+    except KeyError:
+        return CacheUnavailable(f"unknown status {err.code}: {err.message}")
+    cls = _ERROR_OF.get(code)
+    return (
+        cls(err.message)
+        if cls is not None and cls is not Fenced
+        else CacheUnavailable(f"{code.name}: {err.message}")
+    )

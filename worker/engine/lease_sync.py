@@ -42,11 +42,13 @@ from worker.engine.lease import (
     CacheUnavailable,
     Deferred,
     Fenced,
+    LeaseAsk,
     LeaseError,
     LeaseLost,
     NoRoom,
     PoolRegistration,
     Rejected,
+    Written,
 )
 from worker.engine.lease_client import LeaseClient
 from worker.engine.outage import Outage
@@ -58,6 +60,9 @@ from worker.errors import CacheRejected, WorkerError
 log = logging.getLogger(__name__)
 
 RETRY_S = 0.1  # admission retry tick (deferrals on dead leases, unreachable service)
+# Items per AcquireLeases / ReleaseLeases call (the service takes up to 1,024).
+ACQUIRE_BATCH = 64
+RELEASE_BATCH = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +113,9 @@ class LeaseSync:
         self._recovering = False
         self._growth_blocked = False
         self._extension: asyncio.Task | None = None
+        # Releases not sent yet, and the task sending them (one at a time: they batch up).
+        self._releases: list[tuple[int, Written | None]] = []
+        self._releasing: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
 
@@ -193,7 +201,8 @@ class LeaseSync:
             full = seq.num_computed // self.block_size * self.block_size
             if full > seq.committed_tokens:
                 seq.committed_tokens = full
-                items.append((seq.lease.lease_id, seq.tokens[: seq.num_computed]))
+                written = Written.of(seq.tokens, seq.num_computed, seq.admitted_tokens)
+                items.append((seq.lease.lease_id, written))
         if items:
             self._spawn(self._commit(items))
 
@@ -203,9 +212,11 @@ class LeaseSync:
         lease = seq.lease
         if lease is None:
             return
-        tokens = seq.tokens[: seq.num_computed] if self.policy.publish_blocks else []
+        written = None
+        if self.policy.publish_blocks:
+            written = Written.of(seq.tokens, seq.num_computed, seq.admitted_tokens)
         seq.lease = None
-        self._spawn(self._release(lease.lease_id, tokens))
+        self._release(lease.lease_id, written)
 
     # -- lease traffic ------------------------------------------------------------------------
 
@@ -238,7 +249,7 @@ class LeaseSync:
         self._wake_steps()
         self._admit.set()
 
-    async def _commit(self, items: list[tuple[int, list[int]]]) -> None:
+    async def _commit(self, items: list[tuple[int, Written]]) -> None:
         try:
             await self.client.commit(items)
         except LeaseError as err:
@@ -246,18 +257,39 @@ class LeaseSync:
         self._published += 1
         self._admit.set()
 
-    async def _release(self, lease_id: int, tokens: list[int]) -> None:
-        try:
-            await self.client.release(lease_id, tokens)
-        except LeaseError as err:
-            log.debug("release of lease %d failed: %s", lease_id, err)
-        self._published += 1
-        self._admit.set()
+    def _release(self, lease_id: int, written: Written | None) -> None:
+        """Queues a release: the first goes out at once, the ones that come while it is in
+        flight go together in the next ReleaseLeases (so a busy step's ends cost one call)."""
+        self._releases.append((lease_id, written))
+        if self._releasing is None or self._releasing.done():
+            self._releasing = self._spawn(self._flush_releases())
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    async def _flush_releases(self) -> None:
+        while self._releases:
+            items = self._releases[:RELEASE_BATCH]
+            del self._releases[:RELEASE_BATCH]
+            try:
+                results = await self.client.release(items)
+            except LeaseError as err:
+                log.debug("release of %d leases failed: %s", len(items), err)
+            else:
+                for (lease_id, written), failed in zip(items, results, strict=True):
+                    if isinstance(failed, Rejected) and written is not None:
+                        # Its lease is still live: give its blocks back without the tokens.
+                        log.warning(
+                            "lease %d's tokens were refused (%s); releasing it", lease_id, failed
+                        )
+                        self._releases.append((lease_id, None))
+                    elif failed is not None:
+                        log.debug("release of lease %d failed: %s", lease_id, failed)
+            self._published += 1
+            self._admit.set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -276,34 +308,42 @@ class LeaseSync:
                     log.exception("admission pass failed; retrying")
 
     async def _admit_pass(self) -> None:
-        """Leases for waiting requests, oldest first. A request the pool cannot hold yet
-        blocks those behind it (no starvation of long prompts); a deferred one does not."""
-        for seq in list(self.scheduler.waiting):
-            if len(self.scheduler.running) >= self.policy.max_batch_size or self._recovering:
-                return
-            if self._growth_blocked and self.scheduler.running:
-                return  # blocks go to running sequences that must grow first
-            if seq.deferred_at == self._published:
-                continue  # nothing published since the cache service told it to wait
-            remaining = seq.max_tokens - len(seq.output)
-            reserve = min(self.policy.reserve_tokens, remaining)
-            # Taken before the call: a commit that lands while it is in flight must wake us.
-            published = self._published
-            try:
-                result, expired = await self.client.acquire(
-                    seq.tokens, seq.namespace, reserve, not self.policy.prefix_caching
-                )
-            except NoRoom:
-                return
-            except Rejected as err:
-                self._end(seq, CacheRejected(f"the cache service rejected the lease: {err}"))
-                continue
-            except LeaseError as err:
-                self._on_lease_error(err)
-                return
-            self._outage.recovered()
-            self._drop_expired(expired)
-            if isinstance(result, Deferred):
+        """Leases for waiting requests, oldest first, in one AcquireLeases. The service tries
+        them in order and the first the pool cannot hold yet ends the batch, so it blocks
+        those behind it (no starvation of long prompts); a deferred one does not."""
+        if self._recovering or (self._growth_blocked and self.scheduler.running):
+            return  # blocks go to running sequences that must grow first
+        room = self.policy.max_batch_size - len(self.scheduler.running)
+        batch = [s for s in self.scheduler.waiting if s.deferred_at != self._published]
+        # A deferred request waits until something was published since the service deferred it.
+        batch = batch[: max(0, min(room, ACQUIRE_BATCH))]
+        if not batch:
+            return
+        asks = [
+            LeaseAsk(
+                seq.tokens,
+                seq.namespace,
+                min(self.policy.reserve_tokens, seq.max_tokens - len(seq.output)),
+                not self.policy.prefix_caching,
+            )
+            for seq in batch
+        ]
+        # Taken before the call: a commit that lands while it is in flight must wake us.
+        published = self._published
+        try:
+            results, expired = await self.client.acquire(asks)
+        except LeaseError as err:
+            self._on_lease_error(err)
+            return
+        self._outage.recovered()
+        self._drop_expired(expired)
+        for seq, result in zip(batch, results, strict=True):
+            if isinstance(result, Rejected):
+                self._end(seq, CacheRejected(f"the cache service rejected the lease: {result}"))
+            elif isinstance(result, LeaseError):
+                if not isinstance(result, NoRoom):  # no room: wait for blocks to come back
+                    log.warning("cache service error for %s: %s", seq.request_id, result)
+            elif isinstance(result, Deferred):
                 log.debug(
                     "%s waits for lease %d (%d tokens pending)",
                     seq.request_id,
@@ -311,19 +351,18 @@ class LeaseSync:
                     result.pending_tokens,
                 )
                 seq.deferred_at = published
-                continue
-            if seq.status is Status.FINISHED or seq not in self.scheduler.waiting:
-                self._spawn(self._release(result.lease_id, []))  # aborted meanwhile
-                continue
-            log.debug(
-                "%s admitted: lease %d, %d cached tokens",
-                seq.request_id,
-                result.lease_id,
-                result.cached_tokens,
-            )
-            seq.admit(result)
-            self.scheduler.admitted(seq)
-            self._wake_steps()
+            elif seq.status is Status.FINISHED or seq not in self.scheduler.waiting:
+                self._release(result.lease_id, None)  # aborted meanwhile
+            else:
+                log.debug(
+                    "%s admitted: lease %d, %d cached tokens",
+                    seq.request_id,
+                    result.lease_id,
+                    result.cached_tokens,
+                )
+                seq.admit(result)
+                self.scheduler.admitted(seq)
+                self._wake_steps()
 
     # -- liveness -----------------------------------------------------------------------------
 

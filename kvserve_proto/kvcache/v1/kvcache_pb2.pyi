@@ -39,16 +39,18 @@ class RegisterPoolRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., worker_address: _Optional[str] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("incarnation", "lease_ttl_s", "heartbeat_interval_s", "max_namespace_chars")
+    __slots__ = ("incarnation", "lease_ttl_s", "heartbeat_interval_s", "max_namespace_chars", "wire_revision")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     MAX_NAMESPACE_CHARS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_REVISION_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     lease_ttl_s: float
     heartbeat_interval_s: float
     max_namespace_chars: int
-    def __init__(self, incarnation: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., max_namespace_chars: _Optional[int] = ...) -> None: ...
+    wire_revision: int
+    def __init__(self, incarnation: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., max_namespace_chars: _Optional[int] = ..., wire_revision: _Optional[int] = ...) -> None: ...
 
 class PoolRef(_message.Message):
     __slots__ = ("pool_id", "incarnation")
@@ -73,20 +75,22 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, expired_lease_ids: _Optional[_Iterable[int]] = ..., live_leases: _Optional[int] = ...) -> None: ...
 
 class AcquireLeaseRequest(_message.Message):
-    __slots__ = ("pool", "namespace", "prompt_token_ids", "reserve_tokens", "allow_defer", "skip_cache")
+    __slots__ = ("pool", "namespace", "prompt_token_ids", "prompt_tokens", "reserve_tokens", "allow_defer", "skip_cache")
     POOL_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_DEFER_FIELD_NUMBER: _ClassVar[int]
     SKIP_CACHE_FIELD_NUMBER: _ClassVar[int]
     pool: PoolRef
     namespace: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_tokens: bytes
     reserve_tokens: int
     allow_defer: bool
     skip_cache: bool
-    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., reserve_tokens: _Optional[int] = ..., allow_defer: _Optional[bool] = ..., skip_cache: _Optional[bool] = ...) -> None: ...
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[bytes] = ..., reserve_tokens: _Optional[int] = ..., allow_defer: _Optional[bool] = ..., skip_cache: _Optional[bool] = ...) -> None: ...
 
 class CopyOnWrite(_message.Message):
     __slots__ = ("src_block", "dst_block")
@@ -161,12 +165,24 @@ class ExtendLeasesResponse(_message.Message):
     def __init__(self, leases: _Optional[_Iterable[_Union[ExtendedLease, _Mapping]]] = ...) -> None: ...
 
 class CommitItem(_message.Message):
-    __slots__ = ("lease_id", "token_ids")
+    __slots__ = ("lease_id", "token_ids", "update")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    update: SequenceUpdate
+    def __init__(self, lease_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., update: _Optional[_Union[SequenceUpdate, _Mapping]] = ...) -> None: ...
+
+class SequenceUpdate(_message.Message):
+    __slots__ = ("written_tokens", "appended_from", "appended_tokens")
+    WRITTEN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    APPENDED_FROM_FIELD_NUMBER: _ClassVar[int]
+    APPENDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    written_tokens: int
+    appended_from: int
+    appended_tokens: bytes
+    def __init__(self, written_tokens: _Optional[int] = ..., appended_from: _Optional[int] = ..., appended_tokens: _Optional[bytes] = ...) -> None: ...
 
 class CommitLeasesRequest(_message.Message):
     __slots__ = ("pool", "items")
@@ -183,14 +199,16 @@ class CommitLeasesResponse(_message.Message):
     def __init__(self, indexed_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
-    __slots__ = ("pool", "lease_id", "token_ids")
+    __slots__ = ("pool", "lease_id", "token_ids", "update")
     POOL_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
     pool: PoolRef
     lease_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., lease_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    update: SequenceUpdate
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., lease_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., update: _Optional[_Union[SequenceUpdate, _Mapping]] = ...) -> None: ...
 
 class ReleaseLeaseResponse(_message.Message):
     __slots__ = ("indexed_tokens",)
@@ -198,15 +216,97 @@ class ReleaseLeaseResponse(_message.Message):
     indexed_tokens: int
     def __init__(self, indexed_tokens: _Optional[int] = ...) -> None: ...
 
+class AcquireItem(_message.Message):
+    __slots__ = ("namespace", "prompt_tokens", "prompt_token_ids", "reserve_tokens", "allow_defer", "skip_cache")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_DEFER_FIELD_NUMBER: _ClassVar[int]
+    SKIP_CACHE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    prompt_tokens: bytes
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    reserve_tokens: int
+    allow_defer: bool
+    skip_cache: bool
+    def __init__(self, namespace: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., reserve_tokens: _Optional[int] = ..., allow_defer: _Optional[bool] = ..., skip_cache: _Optional[bool] = ...) -> None: ...
+
+class AcquireLeasesRequest(_message.Message):
+    __slots__ = ("pool", "items")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolRef
+    items: _containers.RepeatedCompositeFieldContainer[AcquireItem]
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., items: _Optional[_Iterable[_Union[AcquireItem, _Mapping]]] = ...) -> None: ...
+
+class ItemError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class AcquireResult(_message.Message):
+    __slots__ = ("lease", "deferred", "error")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    deferred: Deferred
+    error: ItemError
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., deferred: _Optional[_Union[Deferred, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ...) -> None: ...
+
+class AcquireLeasesResponse(_message.Message):
+    __slots__ = ("results", "expired_lease_ids")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[AcquireResult]
+    expired_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, results: _Optional[_Iterable[_Union[AcquireResult, _Mapping]]] = ..., expired_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseItem(_message.Message):
+    __slots__ = ("lease_id", "update")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    update: SequenceUpdate
+    def __init__(self, lease_id: _Optional[int] = ..., update: _Optional[_Union[SequenceUpdate, _Mapping]] = ...) -> None: ...
+
+class ReleaseLeasesRequest(_message.Message):
+    __slots__ = ("pool", "items")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolRef
+    items: _containers.RepeatedCompositeFieldContainer[ReleaseItem]
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., items: _Optional[_Iterable[_Union[ReleaseItem, _Mapping]]] = ...) -> None: ...
+
+class ReleaseResult(_message.Message):
+    __slots__ = ("indexed_tokens", "error")
+    INDEXED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    indexed_tokens: int
+    error: ItemError
+    def __init__(self, indexed_tokens: _Optional[int] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ...) -> None: ...
+
+class ReleaseLeasesResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ReleaseResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ReleaseResult, _Mapping]]] = ...) -> None: ...
+
 class RouteRequest(_message.Message):
-    __slots__ = ("namespace", "prompt_token_ids", "model")
+    __slots__ = ("namespace", "prompt_token_ids", "model", "prompt_tokens")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     model: str
-    def __init__(self, namespace: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ...) -> None: ...
+    prompt_tokens: bytes
+    def __init__(self, namespace: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ...) -> None: ...
 
 class PoolRoute(_message.Message):
     __slots__ = ("pool_id", "worker_address", "cached_tokens", "free_blocks", "evictable_blocks", "live_leases", "alive", "model")

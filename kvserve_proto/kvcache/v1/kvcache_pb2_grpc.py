@@ -64,6 +64,16 @@ class KVCacheServiceStub:
                 request_serializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseLeaseRequest.SerializeToString,
                 response_deserializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseLeaseResponse.FromString,
                 _registered_method=True)
+        self.AcquireLeases = channel.unary_unary(
+                '/kvcache.v1.KVCacheService/AcquireLeases',
+                request_serializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AcquireLeasesRequest.SerializeToString,
+                response_deserializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AcquireLeasesResponse.FromString,
+                _registered_method=True)
+        self.ReleaseLeases = channel.unary_unary(
+                '/kvcache.v1.KVCacheService/ReleaseLeases',
+                request_serializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseLeasesRequest.SerializeToString,
+                response_deserializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseLeasesResponse.FromString,
+                _registered_method=True)
         self.Route = channel.unary_unary(
                 '/kvcache.v1.KVCacheService/Route',
                 request_serializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.RouteRequest.SerializeToString,
@@ -118,6 +128,20 @@ class KVCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AcquireLeases(self, request, context):
+        """Wire revision 2: AcquireLease for several prompts in one call, tried in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLeases(self, request, context):
+        """Wire revision 2: ReleaseLease for several leases in one call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Route(self, request, context):
         """For a prompt, the cached prefix length on every registered pool.
         """
@@ -157,6 +181,16 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.ReleaseLease,
                     request_deserializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseLeaseRequest.FromString,
                     response_serializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseLeaseResponse.SerializeToString,
+            ),
+            'AcquireLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquireLeases,
+                    request_deserializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AcquireLeasesRequest.FromString,
+                    response_serializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AcquireLeasesResponse.SerializeToString,
+            ),
+            'ReleaseLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLeases,
+                    request_deserializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseLeasesRequest.FromString,
+                    response_serializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseLeasesResponse.SerializeToString,
             ),
             'Route': grpc.unary_unary_rpc_method_handler(
                     servicer.Route,
@@ -326,6 +360,60 @@ class KVCacheService:
             '/kvcache.v1.KVCacheService/ReleaseLease',
             kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseLeaseRequest.SerializeToString,
             kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcquireLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCacheService/AcquireLeases',
+            kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AcquireLeasesRequest.SerializeToString,
+            kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AcquireLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCacheService/ReleaseLeases',
+            kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseLeasesRequest.SerializeToString,
+            kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,
