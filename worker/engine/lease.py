@@ -85,12 +85,6 @@ class Written:
     tail_from: int
     tail: list[int]
 
-    @classmethod
-    def of(cls, tokens: Sequence[int], count: int, known: int) -> Written:
-        """``tokens[:count]`` written, the service knowing the first ``known``."""
-        start = min(known, count)
-        return cls(count, start, list(tokens[start:count]))
-
 
 @dataclass(frozen=True, slots=True)
 class PoolRegistration:

@@ -79,6 +79,14 @@ class LeasePolicy:
     another request a prefix that is not there."""
 
 
+def _written(seq: Sequence) -> Written:
+    """What a commit or release tells the service of ``seq``'s lease: its computed tokens are
+    written, and it knows those the lease was acquired for (only later ones travel)."""
+    count = seq.num_computed
+    start = min(seq.admitted_tokens, count)
+    return Written(count, start, seq.token_slice(start, count - start))
+
+
 class LeaseSync:
     def __init__(
         self,
@@ -201,7 +209,7 @@ class LeaseSync:
             full = seq.num_computed // self.block_size * self.block_size
             if full > seq.committed_tokens:
                 seq.committed_tokens = full
-                written = Written.of(seq.tokens, seq.num_computed, seq.admitted_tokens)
+                written = _written(seq)
                 items.append((seq.lease.lease_id, written))
         if items:
             self._spawn(self._commit(items))
@@ -214,7 +222,7 @@ class LeaseSync:
             return
         written = None
         if self.policy.publish_blocks:
-            written = Written.of(seq.tokens, seq.num_computed, seq.admitted_tokens)
+            written = _written(seq)
         seq.lease = None
         self._release(lease.lease_id, written)
 
