@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.router import RoutingPolicy
-from kvserve_launch.settings import Flag, Settings
+from kvserve_launch.settings import Flag, Settings, comma_separated
 from kvserve_launch.tls import check_server
 from kvserve_model.default_model import DEFAULT_MODEL_NAME
 
@@ -15,7 +15,9 @@ ENV_PREFIX = "KVGATEWAY_"
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    # The cache service (Route, and admin pass-through).
+    # The cache service (Route, and admin pass-through): one address, or several separated by
+    # commas when it is sharded by pool id (gateway.sharded_cache, docs/sharding.md). A string,
+    # as one address always was; `cache_services` reads it.
     cache_service: str = "127.0.0.1:50051"
     host: str = "127.0.0.1"
     http_port: int = 8000
@@ -66,6 +68,11 @@ class GatewayConfig:
     log_level: str = "INFO"
 
     @property
+    def cache_services(self) -> tuple[str, ...]:
+        """The cache service's address, or its shards' addresses."""
+        return comma_separated(self.cache_service)
+
+    @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
@@ -87,6 +94,10 @@ def check(c: GatewayConfig) -> str | None:
             return f"--{name.replace('_', '-')} must be positive"
     if problem := check_server(c.tls_cert, c.tls_key, c.tls_client_ca):
         return problem
+    if not c.cache_services:
+        return "--cache-service needs an address"
+    if len(set(c.cache_services)) != len(c.cache_services):
+        return "--cache-service lists a shard twice"
     if c.max_prompt_chars < 0:
         return "--max-prompt-chars must not be negative"
     if min(c.max_concurrent_per_client, c.max_concurrent_requests) < 0:
@@ -103,7 +114,8 @@ SETTINGS = Settings(
     description="The kvserve gateway: OpenAI-compatible HTTP and gRPC Generate. "
     "Every flag also reads KVGATEWAY_<FLAG> (e.g. KVGATEWAY_HTTP_PORT).",
     flags={
-        "cache_service": "the cache service's address (Route, admin pass-through)",
+        "cache_service": "the cache service's address (Route, admin pass-through); "
+        "comma-separated: its shards' addresses (docs/sharding.md)",
         "host": "address to listen on (0.0.0.0: every interface)",
         "http_port": "OpenAI-compatible HTTP API port (0: any free port)",
         "grpc_port": "gRPC Generate port (0: any free port)",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from gateway.cache_client import CacheClient
+from gateway.cache_client import CacheApi
 from gateway.chat import ChatServing
 from gateway.completions import CompletionServing
 from gateway.concurrency import ConcurrencyLimiter
@@ -14,6 +14,7 @@ from gateway.dispatcher import Dispatcher
 from gateway.metrics import GatewayMetrics
 from gateway.openai_serving import OpenAIServing
 from gateway.poller import WorkerPoller
+from gateway.sharded_cache import connect_cache
 from gateway.tokenizer import Tokenizer
 from gateway.worker_client import WorkerClients
 from gateway.worker_directory import WorkerDirectory
@@ -24,7 +25,8 @@ from kvserve_launch.tls import Dialer
 class Gateway:
     config: GatewayConfig
     tokenizer: Tokenizer
-    cache: CacheClient
+    # One cache service, or its shards behind one object (gateway.sharded_cache).
+    cache: CacheApi
     clients: WorkerClients
     directory: WorkerDirectory
     metrics: GatewayMetrics
@@ -46,10 +48,15 @@ class Gateway:
         dialer = Dialer.from_files(
             config.tls_ca, config.tls_server_name, config.tls_cert, config.tls_key, ENV_PREFIX
         )
-        cache = CacheClient(config.cache_service, config.cache_token, dialer.aio)
         clients = WorkerClients(dialer.aio)
         directory = WorkerDirectory(config.workers)
         metrics = GatewayMetrics(directory)
+        cache = connect_cache(
+            config.cache_services,
+            config.cache_token,
+            dialer.aio,
+            on_shard_error=lambda shard, call: metrics.cache_shard_errors.labels(shard, call).inc(),
+        )
         dispatcher = Dispatcher(
             model=config.model,
             cache=cache,

@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import replace
 
-from gateway.cache_client import CacheClient, PoolRoute
+from gateway.cache_client import CacheApi, PoolRoute
 from gateway.errors import (
     GatewayError,
     NoWorkerAvailable,
@@ -46,7 +46,7 @@ class Dispatcher:
         self,
         *,
         model: str,
-        cache: CacheClient,
+        cache: CacheApi,
         clients: WorkerClients,
         directory: WorkerDirectory,
         metrics: GatewayMetrics,

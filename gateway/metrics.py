@@ -80,6 +80,13 @@ class GatewayMetrics:
             ["worker", "error"],
             registry=r,
         )
+        self.cache_shard_errors = Counter(
+            "kvserve_gateway_cache_shard_errors",
+            "Calls to one shard of a sharded cache service that failed or timed out (its "
+            "pools were left out of that answer), by shard address and call.",
+            ["shard", "call"],
+            registry=r,
+        )
         self._totals = _TokenTotals()
         r.register(_WorkerCollector(directory, self._totals))
 

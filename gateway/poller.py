@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 
-from gateway.cache_client import CacheClient
+from gateway.cache_client import CacheApi
 from gateway.errors import GatewayError, WorkerUnavailable
 from gateway.worker_client import WorkerClients
 from gateway.worker_directory import WorkerDirectory
@@ -28,7 +28,7 @@ class WorkerPoller:
         self,
         *,
         model: str,
-        cache: CacheClient,
+        cache: CacheApi,
         clients: WorkerClients,
         directory: WorkerDirectory,
         interval_s: float,

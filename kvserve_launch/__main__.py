@@ -27,12 +27,16 @@ def banner(s: System) -> str:
         if cfg.tls_client_ca:
             admin_tls += f" --tls-cert {cfg.tls_cert} --tls-key {cfg.tls_key}"
     n = len(s.workers)
+    if len(s.cache_addresses) == 1:
+        cache = f"cache service {s.cache_address}"
+    else:  # the admin CLI speaks to one shard; /admin/cache/* on the gateway covers them all
+        cache = f"cache shards  {', '.join(s.cache_addresses)}"
     return f"""
 kvserve is up: {n} worker{"s" if n != 1 else ""} serving {cfg.model}
 
   OpenAI API    {http}/v1        (health {http}/health, metrics {http}/metrics, docs {http}/docs)
   gRPC          {s.grpc_address}            (worker.v1.Worker/Generate, the workers' own service)
-  cache service {s.cache_address}            admin token: {cfg.admin_token}
+  {cache}            admin token: {cfg.admin_token}
 
 Try:
   {curl} {http}/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -66,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     pids = ",".join(str(c.pid) for c in system.children())
     print(
         f"KVSERVE_READY http={system.http_address} grpc={system.grpc_address} "
-        f"cache={system.cache_address} pids={pids}",
+        f"cache={','.join(system.cache_addresses)} pids={pids}",
         flush=True,
     )
     code = supervise(system, stop)
@@ -78,21 +82,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def supervise(system: System, stop: threading.Event) -> int:
     """Wait for Ctrl-C/SIGTERM. A worker that dies is reported and the rest keep serving (the
-    gateway routes around it); without the gateway or the cache service nothing can, so their
-    exit stops everything with an error."""
+    gateway routes around it); so is one cache shard of several (its pools drop out of
+    routing, the other shards' keep serving). Without the gateway, or the one cache service,
+    nothing can, so their exit stops everything with an error."""
     reported: set[str] = set()
+    shards = system.caches if len(system.caches) > 1 else []
     while not stop.wait(0.5):
-        for child in (system.gateway, system.cache):
+        for child in (system.gateway, *([] if shards else system.caches)):
             if not child.running:
                 print(f"kvserve: {died(child)}", file=sys.stderr)
                 return 1
-        for w in system.workers:
-            if not w.running and w.name not in reported:
-                reported.add(w.name)
-                left = sum(x.running for x in system.workers)
-                print(f"kvserve: {died(w)}; {left} worker(s) still serving", file=sys.stderr)
-                if not left:
-                    return 1
+        for group, what in ((system.workers, "worker(s)"), (shards, "cache shard(s)")):
+            for child in group:
+                if not child.running and child.name not in reported:
+                    reported.add(child.name)
+                    left = sum(x.running for x in group)
+                    print(f"kvserve: {died(child)}; {left} {what} still serving", file=sys.stderr)
+                    if not left:
+                        return 1
     return 0
 
 

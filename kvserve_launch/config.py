@@ -29,6 +29,9 @@ class LaunchConfig:
     http_port: int = 8000
     grpc_port: int = 50050
     cache_port: int = 50051
+    # The cache service as this many shards, each its own process (shard i on cache_port + i;
+    # worker i registers with shard i mod N; the gateway fans out: docs/sharding.md).
+    cache_shards: int = 1
     # Worker i listens on worker_base_port + i; 0: ephemeral ports (the gateway discovers
     # workers through the cache service, so nobody needs to know them in advance).
     worker_base_port: int = 0
@@ -75,6 +78,8 @@ def check(c: LaunchConfig) -> str | None:
     """What is wrong across the fields of ``c``; None if nothing."""
     if c.workers < 1:
         return "--workers must be at least 1"
+    if c.cache_shards < 1:
+        return "--cache-shards must be at least 1"
     if c.num_blocks < 0 or c.block_size < 0:
         return "--num-blocks and --block-size must not be negative"
     return check_tls(c.tls_cert, c.tls_key, c.tls_ca, c.tls_server_name, c.tls_client_ca)
@@ -114,7 +119,8 @@ SETTINGS = Settings(
         "internal_host": "the cache service's and the workers' listen address",
         "http_port": "the gateway's HTTP port (0: any free port)",
         "grpc_port": "the gateway's gRPC port (0: any free port)",
-        "cache_port": "the cache service's port (0: any free port)",
+        "cache_port": "the cache service's port (0: any free port); shard i: this + i",
+        "cache_shards": "cache service shards, one process each (workers spread round-robin)",
         "worker_base_port": "worker i listens on this + i (0: any free ports)",
         "admin_token": Flag("admin bearer token (default: a random one, printed)", secret=True),
         "num_blocks": "KV blocks per worker (0: the worker's default)",

@@ -4,6 +4,9 @@ Start order follows the dependencies: the cache service first (workers register 
 with it), then the workers in parallel (each loads the model), then the gateway (it discovers
 the workers through the cache service). Stop order is the reverse, so no process outlives
 what it talks to and in-flight requests drain through the gateway first.
+
+With ``--cache-shards N`` the cache service is N processes that share nothing: worker i
+registers with shard i mod N, and the gateway is given every shard (docs/sharding.md).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve_launch.config import ENV_PREFIX, LaunchConfig
 from kvserve_launch.process import Child, Sink, print_sink
@@ -31,14 +34,25 @@ class System:
     worker_addresses: list[str]
     http_address: str
     grpc_address: str
+    # Cache shards 1..N-1 (--cache-shards N) and their addresses; ``cache`` is shard 0.
+    extra_caches: list[Child] = field(default_factory=list)
+    extra_cache_addresses: list[str] = field(default_factory=list)
+
+    @property
+    def caches(self) -> list[Child]:
+        return [self.cache, *self.extra_caches]
+
+    @property
+    def cache_addresses(self) -> list[str]:
+        return [self.cache_address, *self.extra_cache_addresses]
 
     def children(self) -> list[Child]:
-        return [self.gateway, *self.workers, self.cache]
+        return [self.gateway, *self.workers, *self.caches]
 
     def stop(self, grace_s: float = 10.0) -> None:
         stop_all([self.gateway], grace_s)
         stop_all(self.workers, grace_s)
-        stop_all([self.cache], grace_s)
+        stop_all(self.caches, grace_s)
 
 
 def stop_all(children: list[Child], grace_s: float) -> None:
@@ -67,11 +81,11 @@ def tls_flags(cfg: LaunchConfig, serves: bool = True, dials: bool = True) -> lis
     return argv
 
 
-def cache_command(cfg: LaunchConfig, python: str = sys.executable) -> list[str]:
+def cache_command(cfg: LaunchConfig, python: str = sys.executable, shard: int = 0) -> list[str]:
     return [
         python, "-m", "kvcache_service",
         "--host", cfg.internal_host,
-        "--port", str(cfg.cache_port),
+        "--port", str(cfg.cache_port + shard if cfg.cache_port else 0),
         "--log-level", cfg.log_level,
         *tls_flags(cfg, dials=False),
     ]  # fmt: skip
@@ -100,6 +114,7 @@ def worker_command(
 def gateway_command(
     cfg: LaunchConfig, cache_address: str, python: str = sys.executable
 ) -> list[str]:
+    """``cache_address``: the cache service's, or its shards' separated by commas."""
     return [
         python, "-m", "gateway",
         "--cache-service", cache_address,
@@ -145,22 +160,26 @@ def launch(cfg: LaunchConfig, sink: Sink = print_sink, python: str = sys.executa
     prepare_model(cfg.model, lambda line: sink("launch", line + "\n"))
     started: list[Child] = []
     timeout = cfg.startup_timeout_s
+    n = cfg.cache_shards
     try:
-        cache = Child(
-            "cache",
-            cache_command(cfg, python),
-            ready_prefix="KVCACHE_READY",
-            env=secret_env(cfg),
-            sink=sink,
-            port_setting=setting(ENV_PREFIX, "cache_port"),
-        ).start()
-        started.append(cache)
-        cache_address = cache.wait_ready(timeout)
+        caches = [
+            Child(
+                "cache" if n == 1 else f"cache-{i}",
+                cache_command(cfg, python, shard=i),
+                ready_prefix="KVCACHE_READY",
+                env=secret_env(cfg),
+                sink=sink,
+                port_setting=setting(ENV_PREFIX, "cache_port"),
+            ).start()
+            for i in range(n)
+        ]
+        started.extend(caches)
+        cache_addresses = [c.wait_ready(timeout) for c in caches]
         env = worker_env(cfg)
         workers = [
             Child(
                 f"worker-{i}",
-                worker_command(cfg, i, cache_address, python),
+                worker_command(cfg, i, cache_addresses[i % n], python),
                 ready_prefix="WORKER_READY",
                 env=env,
                 sink=sink,
@@ -172,7 +191,7 @@ def launch(cfg: LaunchConfig, sink: Sink = print_sink, python: str = sys.executa
         worker_addresses = [w.wait_ready(timeout) for w in workers]
         gateway = Child(
             "gateway",
-            gateway_command(cfg, cache_address, python),
+            gateway_command(cfg, ",".join(cache_addresses), python),
             ready_prefix="GATEWAY_READY",
             env=secret_env(cfg),
             sink=sink,
@@ -185,11 +204,13 @@ def launch(cfg: LaunchConfig, sink: Sink = print_sink, python: str = sys.executa
         raise
     return System(
         cfg,
-        cache,
+        caches[0],
         workers,
         gateway,
-        cache_address,
+        cache_addresses[0],
         worker_addresses,
         fields["http"],
         fields["grpc"],
+        caches[1:],
+        cache_addresses[1:],
     )
