@@ -293,7 +293,7 @@ def tree(
                 parent_id=parent.node_id if parent is not None and parent.parent is not None else 0,
                 namespace=ns,
                 depth=depth,
-                num_tokens=len(node.blocks) * pool.block_size,
+                num_tokens=node.num_tokens,
                 blocks=node.blocks,
                 refcounts=[rc[b] for b in node.blocks],
                 token_preview=node.chunks[0][:16],

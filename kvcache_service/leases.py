@@ -89,6 +89,8 @@ class Lease:
     last_indexed: BlockId | None = None
     chain_base: int = 0
     chain: list[int] = field(default_factory=list)
+    # Its first own block is a tail it took over (lease_book._adoptable), not a fresh one.
+    adopted: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,9 @@ PARTIAL_SCAN_LIMIT = 64
 
 @dataclass(slots=True, eq=False)
 class Node:
-    """A run of full blocks along one path; the edge label is their tokens.
+    """A run of full blocks along one path; the edge label is their tokens. Or a **tail**: one
+    block holding fewer tokens than a block's, a finished sequence's last partial block (see
+    ``RadixIndex.insert_tail``), always a leaf.
 
     `edge` holds the packed tokens of `blocks`, block after block: a whole edge compares with
     a prompt in one memcmp, and splitting, merging or dropping the tail block slices it (C
@@ -53,6 +55,10 @@ class Node:
     @property
     def tokens(self) -> tuple[int, ...]:
         return unpack(self.edge)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.edge) // TOKEN_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +99,13 @@ def common_units(a: bytes, a_pos: int, b: bytes, b_pos: int, limit: int, unit: i
 class RadixIndex:
     """A compressed radix tree per namespace over block-sized token chunks.
 
-    It stores block ids, never KV, and only committed full blocks, with each block's chain
-    hash (inflight.chain_hashes: a hash of the whole prefix through it), computed once when
-    the block is indexed, so that an acquire hashes only the blocks it did not match. Only
-    the lease book (insert on commit) and the budget (remove on eviction) mutate it; it does
-    not know about refcounts, so callers decide what may be removed.
+    It stores block ids, never KV: committed full blocks, with each block's chain hash
+    (inflight.chain_hashes: a hash of the whole prefix through it), computed once when the
+    block is indexed, so that an acquire hashes only the blocks it did not match; and tails,
+    the partial last blocks of finished sequences (a chat's next turn reuses all of its
+    history, copying the tail on write). Only the lease book (insert on commit, insert_tail on
+    release) and the budget (remove on eviction) mutate it; it does not know about
+    refcounts, so callers decide what may be removed.
     """
 
     def __init__(self, block_size: int) -> None:
@@ -246,6 +254,36 @@ class RadixIndex:
             node, j = child, 0
         return out
 
+    def insert_tail(
+        self, ns: Namespace, tokens: Tokens, start: int, after: BlockId | None, block: BlockId
+    ) -> bool:
+        """Indexes ``block`` as a tail: it holds ``tokens`` past block ``start`` (fewer than a
+        block's worth), after ``after``, the canonical block at ``start - 1`` (None at the
+        start). A partial match reuses it like the head of any indexed block: copied on write.
+
+        A tail hangs where a node ends, so ``after`` inside a node splits it there. Nothing is
+        indexed (False) when a block there already holds these tokens: the same tail, a
+        longer one, or a full block. Tails are leaves: nothing is ever indexed below one.
+        """
+        cb = self.chunk_bytes
+        part = tokens[start * cb :]
+        assert 0 < len(part) < cb, "a tail holds part of a block"
+        assert (after is None) == (start == 0), "`after` is the block before `start`"
+        if after is None:
+            node = self.roots.get(ns) or self._root(ns)
+        else:
+            node = self._where[after]
+            j = node.blocks.index(after) + 1
+            if j < len(node.blocks):
+                if node.edge.startswith(part, j * cb):
+                    return False  # the node's next block holds them
+                node = self._split(node, j)
+        for child in node.by_first.get(part[:TOKEN_BYTES], {}).values():
+            if child.edge.startswith(part):
+                return False
+        self._link(node, part, self._node(node, part, [block], [0]))
+        return True
+
     def _root(self, ns: Namespace) -> Node:
         root = self.roots[ns] = Node(self._next_node_id, None, ns, b"", [], [])
         self._next_node_id += 1
@@ -322,11 +360,22 @@ class RadixIndex:
             if parent.parent is None:
                 if not parent.children:
                     del self.roots[parent.namespace]
-            elif len(parent.children) == 1:
+            elif len(parent.children) == 1 and not self.is_tail(
+                next(iter(parent.children.values()))
+            ):
                 self._merge_only_child(parent)
 
+    def is_tail(self, node: Node) -> bool:
+        return len(node.edge) < self.chunk_bytes
+
+    def holds_tail(self, block: BlockId) -> bool:
+        """Whether ``block`` is indexed as a tail (see insert_tail)."""
+        node = self._where.get(block)
+        return node is not None and self.is_tail(node)
+
     def _merge_only_child(self, node: Node) -> None:
-        """Keeps the tree compressed: a non-root node with one child absorbs it."""
+        """Keeps the tree compressed: a non-root node with one child absorbs it (not a tail:
+        a tail hangs where its parent ends)."""
         (child,) = node.children.values()
         node.edge += child.edge
         node.blocks += child.blocks
@@ -408,14 +457,22 @@ class RadixIndex:
                     problems.append(f"node {node.node_id}: children grouped by first token differ")
                 if not node.blocks:
                     problems.append(f"node {node.node_id} is empty")
-                if len(node.edge) != len(node.blocks) * cb:
+                if self.is_tail(node):
+                    if len(node.blocks) != 1 or not node.edge or node.children:
+                        problems.append(f"tail {node.node_id} is not one partial block, a leaf")
+                elif len(node.edge) != len(node.blocks) * cb:
                     problems.append(f"node {node.node_id}: its edge does not fill its blocks")
                 if len(node.hashes) != len(node.blocks):
                     problems.append(f"node {node.node_id}: a chain hash per block is missing")
                 parent = node.parent
                 if parent is None or parent.children.get(node.edge[:cb]) is not node:
                     problems.append(f"node {node.node_id} is not under its parent's key")
-                if parent is not None and parent.parent is not None and len(parent.children) == 1:
+                if (
+                    parent is not None
+                    and parent.parent is not None
+                    and len(parent.children) == 1
+                    and not self.is_tail(node)
+                ):
                     problems.append(f"node {node.node_id} is an only child (not compressed)")
                 if node.namespace != ns:
                     problems.append(f"node {node.node_id} names another namespace")

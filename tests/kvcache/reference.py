@@ -22,6 +22,8 @@ class RefLease:
     refs: dict[int, int]  # block -> position
     indexed: int
     inflight: list[Prefix] = field(default_factory=list)
+    adopted: bool = False  # its first own block is a tail it took over
+    tail: int | None = None  # the block it indexed as a tail at its release
 
 
 class RefPool:
@@ -62,18 +64,27 @@ class RefPool:
         return out
 
     def partial_len(self, ns: str, tokens: tuple[int, ...], full: int) -> int:
-        """Longest common prefix of the next block of `tokens` with any indexed block there."""
+        """Longest common prefix of the next block of `tokens` with any indexed block there,
+        a full one or a tail (a finished sequence's partial last block)."""
         head = tokens[: full * self.bs]
         seg = tokens[full * self.bs : (full + 1) * self.bs]
         best = 0
         for (cns, ctoks), _b in self.by_content.items():
-            if cns != ns or len(ctoks) != (full + 1) * self.bs or ctoks[: full * self.bs] != head:
+            if cns != ns or not self._at(ctoks, full) or ctoks[: full * self.bs] != head:
                 continue
             n = 0
-            while n < len(seg) and seg[n] == ctoks[full * self.bs + n]:
+            while (
+                n < len(seg)
+                and full * self.bs + n < len(ctoks)
+                and seg[n] == ctoks[full * self.bs + n]
+            ):
                 n += 1
             best = max(best, n)
         return best
+
+    def _at(self, ctoks: tuple[int, ...], pos: int) -> bool:
+        """Whether an indexed block keyed by ``ctoks`` is at block position ``pos``."""
+        return pos * self.bs < len(ctoks) <= (pos + 1) * self.bs
 
     def expected_cached(self, ns: str, tokens: tuple[int, ...]) -> tuple[int, list[int]]:
         full = self.full_match(ns, tokens)
@@ -108,7 +119,9 @@ class RefPool:
     def evict(self, b: int) -> None:
         assert b in self.stamp, f"evicting non-evictable block {b}"
         prefix = self.content.pop(b)
-        assert not any(
+        # A tail (a partial last block) has no descendants: other tails it is a prefix of are
+        # its siblings.
+        assert len(prefix[1]) % self.bs or not any(
             c[0] == prefix[0] and len(c[1]) > len(prefix[1]) and c[1][: len(prefix[1])] == prefix[1]
             for c in self.by_content
             if c != prefix
@@ -146,6 +159,28 @@ class RefPool:
         lease.indexed = max(lease.indexed, nfull)
         return lease.indexed * self.bs
 
+    def index_tail(self, lease_id: int, written: tuple[int, ...]) -> None:
+        """At release: the partial block the lease wrote last is indexed (a tail), unless it
+        reused it, or wrote nothing past what it reused, or a block there already holds its
+        tokens (the same tail, a longer one, a full block)."""
+        lease = self.leases[lease_id]
+        nfull, part = divmod(len(written), self.bs)
+        if not part or lease.indexed != nfull:
+            return
+        if len(written) <= lease.cached and not lease.adopted:
+            return
+        if nfull >= len(lease.table) or nfull < lease.cached // self.bs:
+            return
+        b = lease.table[nfull]
+        if b in self.content:
+            return
+        for cns, ctoks in self.by_content:
+            if cns == lease.ns and self._at(ctoks, nfull) and ctoks[: len(written)] == written:
+                return
+        self.content[b] = (lease.ns, written)
+        self.by_content[(lease.ns, written)] = b
+        lease.tail = b
+
     def end(self, lease_id: int) -> None:
         lease = self.leases.pop(lease_id)
         for key in lease.inflight:
@@ -158,6 +193,9 @@ class RefPool:
                     self.make_evictable(b)
             else:
                 del self.allocated[b]
+        if lease.tail is not None and lease.tail in self.stamp:
+            # A tail goes to the old end of the order: first to be evicted.
+            self.stamp[lease.tail] = min(self.stamp.values()) - 1
 
     def pin(self, key: Prefix, blocks: list[int]) -> None:
         self.pins[key] = blocks

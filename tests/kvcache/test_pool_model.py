@@ -141,11 +141,17 @@ class PoolMachine(RuleBasedStateMachine):
                 for b in ref.evictable()
                 if cached % bs
                 and ref.content[b][0] == ns
-                and len(ref.content[b][1]) == (full + 1) * bs
+                and full * bs < len(ref.content[b][1]) <= (full + 1) * bs
                 and ref.content[b][1][:cached] == prompt[:cached]
             ]
+            # A tail nobody holds is taken over, not copied: one fresh block fewer.
             assert any(
-                self._victims(ref, {ns: need}, held | ({src} if src is not None else set())) is None
+                self._victims(
+                    ref,
+                    {ns: need - (src is not None and len(ref.content[src][1]) % bs != 0)},
+                    held | ({src} if src is not None else set()),
+                )
+                is None
                 for src in [None, *sources]
             )
             return
@@ -162,18 +168,32 @@ class PoolMachine(RuleBasedStateMachine):
         lease = RefLease(ns, prompt, list(result.block_table), cached, {}, full)
         for pos, b in enumerate(full_blocks[:full]):
             ref.ref(lease, b, pos)
+        adopted = None
         if cached % bs:
-            ((src, dst),) = result.copy_on_write
-            assert dst == result.block_table[full]
+            if result.copy_on_write:
+                ((src, dst),) = result.copy_on_write
+                assert dst == result.block_table[full]
+            else:
+                src = adopted = result.block_table[full]
             src_ns, src_tokens = ref.content[src]
             assert src_ns == ns and src_tokens[: full * bs] == prompt[: full * bs]
             assert src_tokens[full * bs : cached] == prompt[full * bs : cached]
+            # Taken over exactly when it is a tail nobody holds (evictable), else copied.
+            takeover = len(src_tokens) % bs != 0 and src in ref.stamp
+            assert takeover == (adopted is not None), (src, src_tokens, adopted)
+            event(f"acquire: a tail, copied={len(src_tokens) % bs != 0 and not takeover}")
+            event(f"acquire: a tail, taken over={takeover}")
             held.add(src)
             ref.ref(lease, src, full)
         else:
             assert result.copy_on_write == ()
-        self._evict(ref, self._victims(ref, {ns: need}, held))
+        self._evict(ref, self._victims(ref, {ns: need - (adopted is not None)}, held))
+        if adopted is not None:
+            del ref.by_content[ref.content.pop(adopted)]
+            lease.adopted = True
         for pos, b in enumerate(result.block_table[full:], start=full):
+            if b == adopted:
+                continue
             assert b not in ref.allocated, f"block {b} handed out while in use"
             ref.allocated[b] = ns
             ref.ref(lease, b, pos)
@@ -270,6 +290,11 @@ class PoolMachine(RuleBasedStateMachine):
             update, written = self._update(data, lease, tokens)
             self.auth.release(pool_id, self.inc[pool_id], lease_id, update)
             self._commit_ref(ref, lease_id, tokens, written)
+            tails = len([c for c in ref.content.values() if len(c[1]) % ref.bs])
+            ref.index_tail(lease_id, written)
+            event(
+                f"release: indexed a tail={tails < len([c for c in ref.content.values() if len(c[1]) % ref.bs])}"
+            )
         else:
             self.auth.release(pool_id, self.inc[pool_id], lease_id)
         ref.end(lease_id)
@@ -313,8 +338,16 @@ class PoolMachine(RuleBasedStateMachine):
         k = (len(prefix) - 1) // ref.bs
 
         def extends(key) -> bool:
+            """An indexed block of a sequence extending the prefix: from the block holding its
+            last token on, or a tail (a partial last block) at least as long as the prefix."""
             cns, toks = key
-            return cns == ns and len(toks) >= (k + 1) * ref.bs and toks[: len(prefix)] == prefix
+            deep_enough = len(toks) >= (k + 1) * ref.bs or len(toks) % ref.bs != 0
+            return (
+                cns == ns
+                and deep_enough
+                and toks[: len(prefix)] == prefix
+                and len(toks) >= len(prefix)
+            )
 
         pool = self.auth.get_pool(pool_id).admin
         if not any(extends(key) for key in ref.by_content):
@@ -406,6 +439,7 @@ class QuotaPoolMachine(PoolMachine):
             update = SequenceUpdate.whole(pack(prompt, "p"))
             self.auth.release(pool_id, self.inc[pool_id], lease_id, update)
             ref.commit(lease_id, prompt)
+            ref.index_tail(lease_id, prompt)
             ref.end(lease_id)
 
 

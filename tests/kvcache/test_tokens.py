@@ -176,7 +176,8 @@ def test_updates_carry_only_what_the_lease_does_not_know(auth: CacheAuthority) -
     assert auth.commit("w", inc, [(grant.lease_id, update(8, [], 0))]) == [8]  # type: ignore[arg-type]
     generated = [50, 51, 52, 53, 54]
     # Overlaps the prompt's last two tokens, then appends the generated ones.
-    assert auth.release("w", inc, grant.lease_id, update(13, prompt[-2:] + generated, 7)) == 12  # type: ignore[arg-type]
+    # 3 full blocks and a tail of 1 token.
+    assert auth.release("w", inc, grant.lease_id, update(13, prompt[-2:] + generated, 7)) == 13  # type: ignore[arg-type]
     other = acquire(auth, prompt + generated[:3] + [99])
     assert other.cached_tokens == 12
     assert auth.check_integrity() == []
@@ -204,5 +205,72 @@ def test_a_refused_update_changes_nothing(
         auth.release("w", inc, grant.lease_id, bad)  # type: ignore[arg-type]
     assert lease.tokens == before and grant.lease_id in auth.pools[PoolId("w")].leases.live
     assert len(auth.pools[PoolId("w")].index) == 0
-    assert auth.release("w", inc, grant.lease_id, update(6, [], 6)) == 4  # type: ignore[arg-type]
+    assert auth.release("w", inc, grant.lease_id, update(6, [], 6)) == 6  # type: ignore[arg-type]
+    assert auth.check_integrity() == []
+
+
+# -- tails: a finished sequence's partial last block ---------------------------------------------
+
+
+def test_a_chat_turn_reuses_its_whole_history_through_the_tail(auth: CacheAuthority) -> None:
+    """The next turn of a chat resends the history: every token the last turn wrote is
+    reused, its partial last block included (a tail), not only its full blocks. A tail that
+    no lease holds is taken over by the turn that continues it (no copy, no stale twin)."""
+    inc = auth.pools[PoolId("w")].incarnation
+    pool = auth.pools[PoolId("w")]
+    history = list(range(200, 210))  # 2 full blocks of 4 and a tail of 2
+    first = acquire(auth, history[:7])
+    assert auth.release("w", inc, first.lease_id, whole(history)) == 10  # type: ignore[arg-type]
+    tail = first.block_table[2]
+    assert tail in pool.index and tail in pool.order  # indexed, evictable
+    free = pool.blocks.num_free
+    turn = acquire(auth, [*history, 77, 78])
+    assert turn.cached_tokens == 10 and turn.copy_on_write == ()
+    assert list(turn.block_table[:3]) == list(first.block_table[:3])  # the tail is its own
+    assert tail not in pool.index and tail not in pool.order
+    assert pool.blocks.num_free == free - 2  # 12 + 8 reserve: 5 blocks, 2 shared, 1 taken, 2 fresh
+    assert auth.check_integrity() == []
+    # While it is taken, the same history shares the full blocks and computes the rest.
+    again = acquire(auth, [*history, 99])
+    assert again.cached_tokens == 8 and again.copy_on_write == ()
+    assert auth.release("w", inc, turn.lease_id, whole([*history, 77, 78])) == 12  # type: ignore[arg-type]
+    # Its next turn, written by the one that took the tail over, is all cached again.
+    assert acquire(auth, [*history, 77, 78, 5]).cached_tokens == 12
+    auth.release("w", inc, again.lease_id)  # type: ignore[arg-type]
+    assert auth.check_integrity() == []
+
+
+def test_a_tail_is_indexed_only_where_it_adds_something(auth: CacheAuthority) -> None:
+    inc = auth.pools[PoolId("w")].incarnation
+    seq = list(range(300, 306))  # a full block and a tail of 2
+    a = acquire(auth, seq)
+    auth.release("w", inc, a.lease_id, whole(seq))  # type: ignore[arg-type]
+    pool = auth.pools[PoolId("w")]
+    indexed = len(pool.index)
+    # The same tail, or a shorter one, adds nothing: the block is freed, not indexed.
+    for same in (seq, seq[:5]):
+        b = acquire(auth, same)
+        auth.release("w", inc, b.lease_id, whole(same))  # type: ignore[arg-type]
+        assert len(pool.index) == indexed
+    # A lease that takes the tail over and ends before writing gives it back.
+    c = acquire(auth, [*seq, 1])
+    assert c.cached_tokens == 6 and len(pool.index) == indexed - 1
+    assert auth.release("w", inc, c.lease_id, whole(seq)) == 6  # type: ignore[arg-type]
+    assert len(pool.index) == indexed
+    # A lease that wrote nothing past what it copied indexes no tail (its copy-on-write
+    # destination was never filled): a prompt ending inside a full block.
+    d = acquire(auth, [*seq[:4], 7, 8, 9, 10])
+    auth.release("w", inc, d.lease_id, whole([*seq[:4], 7, 8, 9, 10]))  # type: ignore[arg-type]
+    e = acquire(auth, [*seq[:4], 7, 8, 0])
+    assert e.cached_tokens == 6 and e.copy_on_write
+    assert auth.release("w", inc, e.lease_id, whole([*seq[:4], 7, 8])) == 4  # type: ignore[arg-type]
+    indexed = len(pool.index)
+    # A tail after a block in the middle of a node splits it there.
+    long = list(range(400, 412))  # 3 full blocks
+    d = acquire(auth, long[:11])
+    auth.release("w", inc, d.lease_id, whole(long))  # type: ignore[arg-type]
+    f = acquire(auth, [*long[:4], 5, 6])
+    assert f.cached_tokens == 4
+    assert auth.release("w", inc, f.lease_id, whole([*long[:4], 5, 6])) == 6  # type: ignore[arg-type]
+    assert acquire(auth, [*long[:4], 5, 6, 7]).cached_tokens == 6
     assert auth.check_integrity() == []
