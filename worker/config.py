@@ -108,7 +108,7 @@ SETTINGS = Settings(
         "num_blocks": "pool size in blocks (0: from the next two, else the device's default)",
         "kv_memory_mb": "pool size as a memory budget in MiB",
         "kv_memory_fraction": "pool size as a fraction of the memory free after the weights",
-        "max_batch_size": "sequences per engine step (0: 16 on CPU, 32 on a GPU)",
+        "max_batch_size": "sequences per engine step (0: 32)",
         "max_step_tokens": "tokens per step (0: 256 on CPU, 2048 on a GPU)",
         "max_pending_requests": "most requests held, running + waiting (default: 8 x batch; "
         "0: no limit)",

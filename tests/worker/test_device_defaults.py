@@ -17,7 +17,7 @@ PER_BLOCK = 128 * 1024  # bytes of K and V for one block (4 layers, 4 heads, 32 
 def test_cpu_keeps_the_cpu_defaults() -> None:
     limits = choose_limits("cpu", 20 * GIB, PER_BLOCK, WorkerConfig())
     assert limits.num_blocks == 256 * MIB // PER_BLOCK
-    assert (limits.max_batch_size, limits.max_step_tokens) == (16, 256)
+    assert (limits.max_batch_size, limits.max_step_tokens) == (32, 256)
     assert limits.pool_source == "256 MiB default"
 
 
@@ -55,7 +55,7 @@ def test_explicit_settings_win_over_the_device(device) -> None:
 def test_the_request_limit_scales_with_the_batch_unless_set() -> None:
     """--max-pending-requests: unset, 8 requests per batch slot (running + waiting); a value
     wins, 0 included (no limit)."""
-    assert choose_limits("cpu", None, PER_BLOCK, WorkerConfig()).max_pending_requests == 128
+    assert choose_limits("cpu", None, PER_BLOCK, WorkerConfig()).max_pending_requests == 256
     assert choose_limits("gpu", None, PER_BLOCK, WorkerConfig()).max_pending_requests == 256
     cfg = WorkerConfig(max_batch_size=3)
     assert choose_limits("cpu", None, PER_BLOCK, cfg).max_pending_requests == 24
