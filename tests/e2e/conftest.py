@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -41,9 +42,10 @@ def logs() -> LogSink:
     return LogSink()
 
 
-@pytest.fixture(scope="module")
-def system(logs: LogSink) -> Iterator[System]:
-    config = LaunchConfig(
+def started_system(logs: LogSink, **overrides: Any) -> Iterator[System]:
+    """The whole system on loopback (two workers, any free ports; ``overrides`` change the
+    launch config), stopped when the fixture that yields from it ends."""
+    fields: dict[str, Any] = dict(
         workers=2,
         host="127.0.0.1",
         http_port=0,
@@ -53,6 +55,7 @@ def system(logs: LogSink) -> Iterator[System]:
         num_blocks=256,
         startup_timeout_s=STARTUP_TIMEOUT_S,
     )
+    config = LaunchConfig(**(fields | overrides))
     try:
         running = launch(config, sink=logs)
     except Exception as e:
@@ -61,6 +64,11 @@ def system(logs: LogSink) -> Iterator[System]:
         yield running
     finally:
         running.stop(grace_s=10.0)
+
+
+@pytest.fixture(scope="module")
+def system(logs: LogSink) -> Iterator[System]:
+    yield from started_system(logs)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -15,10 +15,10 @@ import pytest
 
 from kvserve_launch.__main__ import banner
 from kvserve_launch.config import LaunchConfig
-from kvserve_launch.system import System, cache_command, launch
+from kvserve_launch.system import System, cache_command
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kv
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as kv_grpc
-from tests.e2e.conftest import ADMIN_TOKEN, STARTUP_TIMEOUT_S, LogSink
+from tests.e2e.conftest import ADMIN_TOKEN, LogSink, started_system
 
 MODEL = "kvserve-tiny-llama"
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -48,25 +48,7 @@ def test_shard_i_listens_on_cache_port_plus_i_and_the_banner_lists_them():
 
 @pytest.fixture(scope="module")
 def sharded(logs: LogSink) -> Iterator[System]:
-    config = LaunchConfig(
-        workers=2,
-        cache_shards=2,
-        host="127.0.0.1",
-        http_port=0,
-        grpc_port=0,
-        cache_port=0,
-        admin_token=ADMIN_TOKEN,
-        num_blocks=256,
-        startup_timeout_s=STARTUP_TIMEOUT_S,
-    )
-    try:
-        running = launch(config, sink=logs)
-    except Exception as e:
-        pytest.fail(f"the system did not start: {e}\n{logs.dump()}")
-    try:
-        yield running
-    finally:
-        running.stop(grace_s=10.0)
+    yield from started_system(logs, cache_shards=2)
 
 
 def pools_on(address: str) -> list[str]:
