@@ -10,7 +10,9 @@ mlx-lm attention layers call the module-level ``scaled_dot_product_attention`` i
 ``mlx_lm.models.base``; :func:`install` points that name, in the modules of one model's layers,
 at :func:`paged_sdpa`, which serves :class:`PagedLayerCache` decodes and passes every other call
 (dense caches, prefill, attention sinks, keys a model changed after fetching them) to the
-original unchanged. It is the seam where a Metal or CUDA block-table kernel plugs in later.
+original unchanged, except prefill chunks on the CPU, whose softmax runs in numpy
+(``worker.model.cpu_attention``: MLX's CPU ``exp`` is ~15x slower than numpy's). It is the seam
+where a Metal or CUDA block-table kernel plugs in later.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
+from worker.model import cpu_attention
 from worker.model.paged_cache import PagedLayerCache
 
 _ORIGINAL_SDPA = base.scaled_dot_product_attention
@@ -115,11 +118,11 @@ def paged_sdpa(
     sinks: mx.array | None = None,
 ) -> mx.array:
     """Drop-in for ``mlx_lm.models.base.scaled_dot_product_attention``."""
-    if (
-        isinstance(cache, PagedLayerCache)
-        and sinks is None
-        and _servable(cache, queries, keys, values, mask)
-    ):
+    if not isinstance(cache, PagedLayerCache) or sinks is not None or not cache.block_attention:
+        return _ORIGINAL_SDPA(
+            queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
+        )
+    if _servable(cache, queries, keys, values, mask):
         pool_k, pool_v = cache.pool.layer_arrays(cache.layer)
         heads, batch = pool_k.shape[0], cache.batch
         rows = batch.block_rows(heads, pool_k.shape[1])
@@ -127,6 +130,8 @@ def paged_sdpa(
         return block_table_attention(
             queries, pool_k, pool_v, rows, scale, row_mask, cache.attention_streams
         )
+    if cpu_attention.servable(queries, keys, mask):  # a prefill chunk on the CPU
+        return cpu_attention.prefill_attention(queries, keys, values, scale, mask)
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
