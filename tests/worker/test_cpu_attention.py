@@ -51,7 +51,8 @@ def test_matches_mlx_sdpa(b, hq, hk, n_q, n_k, d, mask_kind) -> None:
     got = cpu_attention.prefill_attention(q, k, v, 0.3, mask)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
     assert got.shape == want.shape and got.dtype == want.dtype
-    np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6, rtol=1e-5)
+    # Float32 rounding apart (the two sides may run on different BLAS libraries).
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-4)
 
 
 def test_half_precision_in_and_out() -> None:
