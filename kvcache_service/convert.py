@@ -97,10 +97,15 @@ def _reuse(skip_cache: bool, allow_defer: bool) -> Reuse:
     return Reuse.SHARE_OR_DEFER if allow_defer else Reuse.SHARE
 
 
-def acquire_request(req: pb.AcquireLeaseRequest) -> AcquireRequest:
+def acquire_request(
+    req: pb.AcquireLeaseRequest | pb.AcquireItem, pool: pb.PoolRef | None = None
+) -> AcquireRequest:
+    """An AcquireLease call, or one item of an AcquireLeases batch (``pool``: the batch's);
+    both carry the same fields."""
+    ref = pool if pool is not None else req.pool
     return AcquireRequest(
-        pool_id=PoolId(req.pool.pool_id),
-        incarnation=req.pool.incarnation,
+        pool_id=PoolId(ref.pool_id),
+        incarnation=ref.incarnation,
         namespace=Namespace(req.namespace),
         prompt=tokens(req.prompt_token_ids, req.prompt_tokens, "prompt"),
         reserve_tokens=req.reserve_tokens,
@@ -112,23 +117,11 @@ def acquire_items(req: pb.AcquireLeasesRequest) -> list[AcquireRequest | CacheEr
     """Each item of a batch as an AcquireRequest, or the error its tokens met (that item
     fails alone)."""
     out: list[AcquireRequest | CacheError] = []
-    pool_id, incarnation = PoolId(req.pool.pool_id), req.pool.incarnation
     for item in req.items:
         try:
-            prompt = tokens(item.prompt_token_ids, item.prompt_tokens, "prompt")
+            out.append(acquire_request(item, req.pool))
         except InvalidArgument as err:
             out.append(err)
-            continue
-        out.append(
-            AcquireRequest(
-                pool_id=pool_id,
-                incarnation=incarnation,
-                namespace=Namespace(item.namespace),
-                prompt=prompt,
-                reserve_tokens=item.reserve_tokens,
-                reuse=_reuse(item.skip_cache, item.allow_defer),
-            )
-        )
     return out
 
 

@@ -45,6 +45,15 @@ def real_index_view(pool: PoolState) -> dict[tuple[str, tuple[int, ...]], int]:
     return out
 
 
+def machine_settings(examples: int) -> settings:
+    return settings(
+        max_examples=examples,
+        stateful_step_count=50,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+
+
 prompts = st.builds(
     lambda stem, cut, tail: stem[:cut] + tuple(tail),
     st.sampled_from(STEMS),
@@ -415,12 +424,7 @@ class PoolMachine(RuleBasedStateMachine):
             }
 
 
-PoolMachine.TestCase.settings = settings(
-    max_examples=300,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+PoolMachine.TestCase.settings = machine_settings(300)
 TestPoolModel = PoolMachine.TestCase
 
 
@@ -443,10 +447,5 @@ class QuotaPoolMachine(PoolMachine):
             ref.end(lease_id)
 
 
-QuotaPoolMachine.TestCase.settings = settings(
-    max_examples=150,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+QuotaPoolMachine.TestCase.settings = machine_settings(150)
 TestQuotaPoolModel = QuotaPoolMachine.TestCase

@@ -54,7 +54,11 @@ _CODE_OF = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def _translate(err: grpc.aio.AioRpcError, incarnation: int) -> LeaseError:
-    code, details = err.code(), err.details() or ""
+    return _lease_error(err.code(), err.details() or "", incarnation)
+
+
+def _lease_error(code: grpc.StatusCode, details: str, incarnation: int) -> LeaseError:
+    """A status code of a whole call, or of one item of a batch, typed alike."""
     cls = _ERROR_OF.get(code)
     if cls is Fenced:
         return Fenced(details, incarnation)
@@ -143,6 +147,7 @@ class LeaseClient:
         """One AcquireLeases for ``asks``, tried in order: per ask a Lease, a Deferred or the
         error it met (NoRoom for the first that did not fit and every ask after it), and the
         pool's leases that expired since it last heard. A failure of the whole call raises."""
+        incarnation = self.incarnation
         resp = await self._call(
             self._stub.AcquireLeases,
             pb.AcquireLeasesRequest(
@@ -172,7 +177,7 @@ class LeaseClient:
                 d = r.deferred
                 out.append(Deferred(d.waiting_on_lease_id, d.cached_tokens, d.pending_tokens))
             else:
-                out.append(_item_error(r.error))
+                out.append(_item_error(r.error, incarnation))
         if len(out) != len(asks):
             raise CacheUnavailable(f"AcquireLeases answered {len(out)} of {len(asks)} items")
         return out, list(resp.expired_lease_ids)
@@ -199,6 +204,7 @@ class LeaseClient:
     async def release(self, items: Sequence[tuple[int, Written | None]]) -> list[LeaseError | None]:
         """One ReleaseLeases: per item None (released) or the error it met; an item whose
         update was refused (Rejected) keeps its lease (release it again with None)."""
+        incarnation = self.incarnation
         resp = await self._call(
             self._stub.ReleaseLeases,
             pb.ReleaseLeasesRequest(
@@ -211,7 +217,9 @@ class LeaseClient:
         )
         if len(resp.results) != len(items):
             raise CacheUnavailable(f"ReleaseLeases answered {len(resp.results)} of {len(items)}")
-        return [_item_error(r.error) if r.HasField("error") else None for r in resp.results]
+        return [
+            _item_error(r.error, incarnation) if r.HasField("error") else None for r in resp.results
+        ]
 
 
 def packed(tokens: Sequence[int]) -> bytes:
@@ -229,15 +237,9 @@ def _update(w: Written) -> pb.SequenceUpdate:
     )
 
 
-def _item_error(err: pb.ItemError) -> LeaseError:
-    """One item's error of a batched call, typed as a whole call's would be."""
-    try:
-        code = _CODE_OF[err.code]
-    except KeyError:
+def _item_error(err: pb.ItemError, incarnation: int) -> LeaseError:
+    """One item's error of a batched call (its code as a number), typed as a call's would be."""
+    code = _CODE_OF.get(err.code)
+    if code is None:
         return CacheUnavailable(f"unknown status {err.code}: {err.message}")
-    cls = _ERROR_OF.get(code)
-    return (
-        cls(err.message)
-        if cls is not None and cls is not Fenced
-        else CacheUnavailable(f"{code.name}: {err.message}")
-    )
+    return _lease_error(code, err.message, incarnation)
