@@ -14,7 +14,7 @@ from gateway.generation import (
     TopLogprob,
     Usage,
 )
-from kvserve_model.sampling_params import SamplingParams
+from kvserve_model.sampling_params import SPECULATIVE_VALUES, SamplingParams
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 
 _FINISH_TO_PB = {
@@ -40,6 +40,8 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         repetition_penalty=s.repetition_penalty,
         include_stop_str_in_output=s.include_stop_str_in_output,
         skip_special_tokens=s.skip_special_tokens,
+        speculative=pb.Speculative.ValueType(SPECULATIVE_VALUES[s.speculative]),
+        num_draft_tokens=s.num_draft_tokens,
     )
     if s.seed is not None:
         msg.seed = s.seed
@@ -56,6 +58,9 @@ def request_to_pb(r: GenerationRequest) -> pb.GenerateRequest:
 
 
 def chunk_from_pb(msg: pb.GenerateResponse) -> Chunk:
+    # Once per token per stream: the common message (no logprobs, no usage) takes no
+    # generator and no nested message reads.
+    logprobs = msg.logprobs
     return Chunk(
         token_ids=tuple(msg.token_ids),
         text=msg.text,
@@ -66,9 +71,11 @@ def chunk_from_pb(msg: pb.GenerateResponse) -> Chunk:
                 lp.token,
                 tuple(TopLogprob(t.token_id, t.logprob, t.token) for t in lp.top),
             )
-            for lp in msg.logprobs
-        ),
-        finish_reason=_FINISH_FROM_PB.get(msg.finish_reason),
+            for lp in logprobs
+        )
+        if logprobs
+        else (),
+        finish_reason=_FINISH_FROM_PB.get(msg.finish_reason) if msg.finish_reason else None,
         usage=(
             Usage(msg.usage.prompt_tokens, msg.usage.cached_tokens, msg.usage.completion_tokens)
             if msg.HasField("usage")
@@ -79,6 +86,10 @@ def chunk_from_pb(msg: pb.GenerateResponse) -> Chunk:
 
 
 def chunk_to_pb(c: Chunk, request_id: str) -> pb.GenerateResponse:
+    if not c.logprobs and c.usage is None and c.finish_reason is None:  # once per token
+        return pb.GenerateResponse(
+            request_id=request_id, token_ids=c.token_ids, text=c.text, worker_id=c.worker_id
+        )
     msg = pb.GenerateResponse(
         request_id=request_id,
         token_ids=c.token_ids,

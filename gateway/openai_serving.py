@@ -103,6 +103,8 @@ class OpenAIServing:
             repetition_penalty=req.repetition_penalty or 1.0,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            speculative=req.speculative or "",
+            num_draft_tokens=req.num_draft_tokens or 0,
         )
         check_sampling(params, self.tokenizer.vocab_size)
         return params

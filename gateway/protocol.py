@@ -105,6 +105,11 @@ class SamplingRequest(_Request):
     skip_special_tokens: bool = True
     # Prefixes are shared only between requests with the same salt (tenant isolation).
     cache_salt: str | None = None  # bounded by --max-namespace-chars (limits.py)
+    # Speculative decoding, per request: prompt lookup ("ngram") or the workers'
+    # --draft-model ("draft_model"); num_draft_tokens is mlx_lm.server's name (checked
+    # against kvserve_model.sampling_limits, like every sampling field).
+    speculative: Literal["ngram", "draft_model"] | None = None
+    num_draft_tokens: int | None = None
 
 
 class CompletionRequest(SamplingRequest):

@@ -12,7 +12,7 @@ Pure Python, no MLX: the gateway imports it.
 
 from __future__ import annotations
 
-from kvserve_model.sampling_params import SamplingParams
+from kvserve_model.sampling_params import SPECULATIVE_VALUES, SamplingParams
 
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
@@ -25,6 +25,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_DRAFT_TOKENS = 16
 
 
 class SamplingLimitError(ValueError):
@@ -69,3 +70,10 @@ def check_sampling(p: SamplingParams, vocab_size: int) -> None:
         raise SamplingLimitError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
     if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
         raise SamplingLimitError("stop_token_ids", f"each id must be in [0, {vocab_size})")
+    if p.speculative not in SPECULATIVE_VALUES:
+        raise SamplingLimitError(
+            "speculative", f"must be one of ngram, draft_model or unset, got {p.speculative!r}"
+        )
+    _in("num_draft_tokens", p.num_draft_tokens, 0, MAX_DRAFT_TOKENS)
+    if p.num_draft_tokens and not p.speculates:
+        raise SamplingLimitError("num_draft_tokens", "needs speculative (ngram or draft_model)")

@@ -14,6 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# worker.v1.Speculative's values by name; "" is SPECULATIVE_OFF.
+SPECULATIVE_NAMES = {0: "", 1: "ngram", 2: "draft_model"}
+SPECULATIVE_VALUES = {v: k for k, v in SPECULATIVE_NAMES.items()}
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -34,10 +38,19 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Speculative decoding: "" off, "ngram" (prompt lookup) or "draft_model" (the worker's
+    # --draft-model); num_draft_tokens 0: the worker's default. Greedy output is unchanged by
+    # it, sampled output keeps its distribution.
+    speculative: str = ""
+    num_draft_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def speculates(self) -> bool:
+        return self.speculative != ""
 
     @classmethod
     def from_wire(cls, msg: Any) -> SamplingParams:
@@ -63,4 +76,7 @@ class SamplingParams:
             skip_special_tokens=(
                 msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
             ),
+            # An enum value this side does not know stays visible, for check_sampling.
+            speculative=SPECULATIVE_NAMES.get(msg.speculative, f"#{msg.speculative}"),
+            num_draft_tokens=msg.num_draft_tokens,
         )

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from kvserve_launch.settings import Flag, Settings
 from kvserve_launch.tls import check_server
 from kvserve_model.default_model import DEFAULT_MODEL_NAME
+from kvserve_model.sampling_limits import MAX_DRAFT_TOKENS
 
 ENV_PREFIX = "KVWORKER_"
 
@@ -46,6 +47,11 @@ class WorkerConfig:
     extend_ahead_tokens: int = 8
     # Off: every request computes its whole prompt (benchmarks, debugging).
     prefix_caching: bool = True
+    # Speculative decoding (a request opts in): a small model with the same tokenizer for
+    # "draft_model" speculation (empty: none; "ngram" needs none), and the drafts per step
+    # for requests that name no number.
+    draft_model: str = ""
+    num_draft_tokens: int = 4
     # Run the engine's shapes once before registering, so no request pays for first-use
     # kernel compilation and allocation (worker.warmup).
     warmup: bool = True
@@ -86,6 +92,8 @@ def check(c: WorkerConfig) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 0 (0: the device's default)"
     if c.max_pending_requests is not None and c.max_pending_requests < 0:
         return "--max-pending-requests must be >= 0 (0: no limit)"
+    if not 1 <= c.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        return f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}]"
     if not 0.0 <= c.kv_memory_fraction <= 1.0:
         return "--kv-memory-fraction must be in [0, 1] (0: the device's default)"
     return None
@@ -117,6 +125,9 @@ SETTINGS = Settings(
         "prefix_caching": Flag(
             "compute every prompt in full (benchmarks, debugging)", off_only=True
         ),
+        "draft_model": "a small model with the same tokenizer, for requests that ask for "
+        "speculative draft_model",
+        "num_draft_tokens": "speculative decoding: drafts per step when a request names none",
         "warmup": "run the engine's shapes once before saying ready",
         "self_check": "refuse a model whose paged path disagrees with mlx-lm's dense path",
         "tls_cert": "PEM certificate: with --tls-key, the gRPC port serves TLS",

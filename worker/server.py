@@ -27,6 +27,7 @@ from worker.engine.lease_client import LeaseClient
 from worker.engine.loop import Engine, EngineLimits
 from worker.errors import RecurrentStateError, UnsupportedModelError
 from worker.model.dense_runner import DenseRunner, check_dense_parity, dense_limits, estimate_state
+from worker.model.draft import DraftModel
 from worker.model.kv_pool import bytes_per_block
 from worker.model.loader import LoadedModel, load_model
 from worker.model.runner import ModelRunner
@@ -111,7 +112,25 @@ def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExec
         )
         return runner
 
-    executor = ModelExecutor(build)
+    build_draft = None
+    if config.draft_model:
+        draft = load_model(config.draft_model)
+        if draft.tokenizer.vocab_size != loaded.tokenizer.vocab_size:
+            raise UnsupportedModelError(
+                f"draft model {config.draft_model}: its tokenizer has {draft.tokenizer.vocab_size}"
+                f" tokens, the served model's {loaded.tokenizer.vocab_size}; a draft model must "
+                "share the served model's tokenizer"
+            )
+
+        def build_draft(runner: Runner) -> DraftModel:
+            if runner.kind != "paged":
+                raise UnsupportedModelError(
+                    "--draft-model needs the paged runner (recurrent layers cannot roll "
+                    "rejected drafts back)"
+                )
+            return DraftModel(draft.model, config.draft_model, runner.spec.vocab_size)
+
+    executor = ModelExecutor(build, build_draft)
     return executor, chosen[0]
 
 
@@ -177,6 +196,9 @@ async def running(
         # The dense runner's blocks hold no K/V: no prefix to match or to publish.
         prefix_caching=config.prefix_caching and not dense,
         publish_blocks=not dense,
+        num_draft_tokens=config.num_draft_tokens,
+        speculation=not dense,
+        draft_model=config.draft_model if executor.draft is not None else "",
     )
     engine = Engine(
         executor,

@@ -156,4 +156,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             requests_finished=e.stats.requests_finished,
             runner=self.runner,
             max_pending_requests=e.limits.max_pending_requests,
+            draft_tokens=e.stats.draft_tokens,
+            accepted_draft_tokens=e.stats.accepted_draft_tokens,
+            draft_model=e.limits.draft_model,
         )

@@ -370,6 +370,42 @@ async def test_cache_salt_isolates_prefixes(stack: Stack):
     }
 
 
+async def test_speculative_decoding_is_asked_per_request(stack: Stack):
+    await stack.http.post(
+        "/v1/completions",
+        json={"prompt": "def f(x):", "max_tokens": 4, "speculative": "ngram"},
+    )
+    await stack.http.post(
+        "/v1/chat/completions", json=chat(SYSTEM_B, speculative="draft_model", num_draft_tokens=6)
+    )
+    await stack.http.post("/v1/completions", json={"prompt": "plain", "max_tokens": 4})
+    sent = sorted(
+        (
+            (r.sampling.speculative, r.sampling.num_draft_tokens)
+            for w in stack.workers
+            for r in w.record.requests
+        )
+    )
+    assert sent == [
+        (pb.SPECULATIVE_OFF, 0),
+        (pb.SPECULATIVE_NGRAM, 0),
+        (pb.SPECULATIVE_DRAFT_MODEL, 6),
+    ]
+    asked = sum(len(w.record.requests) for w in stack.workers)
+    for body, param in [
+        ({"speculative": "medusa"}, "speculative"),
+        ({"speculative": "ngram", "num_draft_tokens": 17}, "num_draft_tokens"),
+        ({"num_draft_tokens": 3}, "num_draft_tokens"),
+        ({"speculative": "ngram", "num_draft_tokens": -1}, "num_draft_tokens"),
+    ]:
+        resp = await stack.http.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 4, **body}
+        )
+        assert resp.status_code == 400, body
+        assert resp.json()["error"]["param"] == param
+    assert sum(len(w.record.requests) for w in stack.workers) == asked  # none dispatched
+
+
 async def test_grpc_generate_through_the_gateway(stack: Stack):
     async with grpc.aio.insecure_channel(stack.gateway.grpc_address) as channel:
         stub = pb_grpc.WorkerStub(channel)

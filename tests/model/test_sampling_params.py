@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve_model.sampling_limits import SamplingLimitError, check_sampling
-from kvserve_model.sampling_params import SamplingParams
+from kvserve_model.sampling_params import SPECULATIVE_VALUES, SamplingParams
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 
 
@@ -32,9 +32,25 @@ def test_every_field_travels() -> None:
         repetition_penalty=1.25,
         include_stop_str_in_output=True,
         skip_special_tokens=False,
+        speculative="draft_model",
+        num_draft_tokens=5,
     )
-    msg = pb.SamplingParams(**{k: getattr(sent, k) for k in SamplingParams.__dataclass_fields__})
+    fields = {k: getattr(sent, k) for k in SamplingParams.__dataclass_fields__}
+    fields["speculative"] = SPECULATIVE_VALUES[sent.speculative]
+    msg = pb.SamplingParams(**fields)
     assert SamplingParams.from_wire(msg) == sent
+    # The wire enum and the names agree.
+    assert SPECULATIVE_VALUES == {
+        "": pb.SPECULATIVE_OFF,
+        "ngram": pb.SPECULATIVE_NGRAM,
+        "draft_model": pb.SPECULATIVE_DRAFT_MODEL,
+    }
+
+
+def test_an_unknown_speculative_method_is_refused_by_name() -> None:
+    params = SamplingParams.from_wire(pb.SamplingParams(speculative=7))  # type: ignore[arg-type]
+    with pytest.raises(SamplingLimitError, match="speculative"):
+        check_sampling(params, vocab_size=256)
 
 
 @pytest.mark.parametrize("field", ["top_p", "repetition_penalty"])

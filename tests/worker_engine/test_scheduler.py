@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvserve_model.resolve import resolve_model
 from worker.engine.lease import Lease
-from worker.engine.sampling_params import Sampled, SamplingParams
-from worker.engine.scheduler import Scheduler
+from worker.engine.sampling_params import Accepted, Sampled, SamplingParams
+from worker.engine.scheduler import Scheduled, Scheduler, Step
 from worker.engine.sequence import Finish, Sequence, TextStream
+from worker.engine.speculation import NgramDrafter
 from worker.model.sampling import RowSampler
 
 BS = 16
@@ -129,3 +132,60 @@ def test_token_slice_matches_the_token_list(tokenizer) -> None:
     for start in range(8):
         for n in range(1, 5):
             assert seq.token_slice(start, n) == seq.tokens[start : start + n]
+
+
+def test_speculative_decodes_draft_within_slots_tokens_and_context(tokenizer) -> None:
+    s = Scheduler(max_batch_size=8, max_step_tokens=64, max_context=4096)
+    # A prompt that repeats, so prompt lookup proposes its continuation.
+    seq = make_seq(tokenizer, 0, 0.0, 2, max_tokens=20, speculative="ngram")
+    seq.prompt = [5, 6, 7, 8] * 4 + [5, 6]
+    seq.num_draft = 4
+    seq.drafter = NgramDrafter()
+    seq.num_computed = len(seq.prompt) - 1
+    s.running.append(seq)
+    step = s.schedule()
+    assert step is not None
+    (item,) = step.items
+    assert (item.token_ids, item.drafts, item.samples) == ([6, 7, 8, 5, 6], (7, 8, 5, 6), True)
+    # Two slots left in the lease: one for the last token, one draft.
+    seq.block_table = [0, 1]
+    seq.num_computed = 30
+    seq.output = [7] * 12
+    assert s.draft_room(seq) == 1
+    # One token left to max_tokens: no draft (it could not be kept).
+    seq.block_table = list(range(8))
+    seq.output = [7] * 19
+    seq.num_computed = seq.num_tokens - 1
+    assert s.draft_room(seq) == 0
+    # Verdicts are taken token by token: the first that finishes the request is its last.
+    seq.output = [7] * 10
+    seq.num_computed = seq.num_tokens - 1
+    start = seq.num_computed
+    verdict = Accepted((Sampled(7), Sampled(257), Sampled(7)), drafts=2)
+    item = Scheduled(seq, start, [7, 7, 257], tuple(seq.block_table), seq.lease.lease_id, (7, 257))
+    finished = s.postprocess(Step([item], []), [verdict])
+    assert finished == [seq] and seq.output[-2:] == [7, 257]
+    assert seq.num_computed == seq.num_tokens - 1
+    assert (seq.draft_tokens, seq.accepted_drafts) == (2, 2)
+
+
+def naive_propose(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    end = len(tokens)
+    for n in range(min(max_n, end - 1), min_n - 1, -1):
+        suffix = tokens[end - n :]
+        for j in range(end - n - 1, -1, -1):
+            if tokens[j : j + n] == suffix:
+                return tokens[j + n : j + n + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_prompt_lookup_matches_a_naive_search(seed: int) -> None:
+    rng = random.Random(seed)
+    max_n, min_n = rng.choice([(4, 2), (3, 1), (2, 2), (5, 3)])
+    drafter = NgramDrafter(max_n, min_n)
+    tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 6))]
+    for _ in range(60):
+        k = rng.randrange(0, 6)
+        assert drafter.propose(tokens, k) == naive_propose(tokens, k, max_n, min_n), tokens
+        tokens += [rng.randrange(4) for _ in range(rng.randrange(1, 4))]

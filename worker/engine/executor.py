@@ -25,11 +25,12 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from worker.engine.sampling_params import RowFailed, Sampled
+from worker.engine.sampling_params import Accepted, RowFailed, Sampled
 from worker.engine.scheduler import Step
 from worker.engine.step_budget import ForwardTime
+from worker.model.draft import DraftModel
 from worker.model.forward_batch import SeqInput
-from worker.model.sampling import RowSampler, sample_rows
+from worker.model.sampling import RowSampler, sample_rows, verify_rows
 from worker.model.spec import ModelSpec
 
 
@@ -51,6 +52,8 @@ class Runner(Protocol):
 
     def forward(self, seqs: Sequence[SeqInput]) -> mx.array: ...
 
+    def forward_all(self, seqs: Sequence[SeqInput]) -> list[mx.array]: ...
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
 
     def retain(self, keys: Collection[int]) -> None: ...
@@ -67,11 +70,23 @@ class SampleRow:
 
 
 @dataclass(frozen=True, slots=True)
+class Speculation:
+    """A speculative item's drafts: those the scheduler proposed (already the tail of its
+    input's tokens), and how many the draft model may add to them."""
+
+    item: int
+    drafts: tuple[int, ...]
+    draft_slots: int
+    tokens: list[int]  # the sequence so far (the draft model's input); empty: no draft model
+
+
+@dataclass(frozen=True, slots=True)
 class _Job:
     inputs: list[SeqInput]
     copies: list[tuple[int, int]]
     samples: list[SampleRow]
     live: frozenset[int] | None = None  # seq keys still running; None: keep every sequence
+    speculations: tuple[Speculation, ...] = ()
 
 
 @cache
@@ -81,26 +96,40 @@ def mlx_thread() -> ThreadPoolExecutor:
 
 
 class ModelExecutor:
-    def __init__(self, build: Callable[[], Runner]) -> None:
+    def __init__(
+        self,
+        build: Callable[[], Runner],
+        build_draft: Callable[[Runner], DraftModel] | None = None,
+    ) -> None:
+        """``build`` makes the runner, ``build_draft`` the draft model for it (speculative
+        decoding's ``--draft-model``), both on the model thread."""
         self._thread = mlx_thread()
         self.runner: Runner = self._thread.submit(build).result()
+        self.draft: DraftModel | None = None
+        if build_draft is not None:
+            self.draft = self._thread.submit(build_draft, self.runner).result()
 
     async def run(
         self, step: Step, live: frozenset[int] | None = None
-    ) -> tuple[list[Sampled | RowFailed | None], ForwardTime]:
+    ) -> tuple[list[Sampled | Accepted | RowFailed | None], ForwardTime]:
         """The step's sampled tokens (None for rows that yield none) and how long its forwards
         took on this thread (the engine's step-time budget learns from it). Each sequence is
         keyed by its lease id; ``live`` (the running leases) lets the runner drop the state of
         every other sequence (``Runner.retain``)."""
         samples = []
+        speculations = []
         for i, item in enumerate(step.items):
             if item.samples:
                 seq = item.seq
                 history = seq.tokens if seq.sampler.processors else []
                 samples.append(SampleRow(i, seq.sampler, history, len(seq.output)))
+            if item.speculative:
+                tokens = item.seq.tokens if item.draft_slots else []
+                speculations.append(Speculation(i, item.drafts, item.draft_slots, tokens))
         inputs = [SeqInput(i.token_ids, i.block_table, i.start, i.lease_id) for i in step.items]
-        sampled, took = await self._submit(_Job(inputs, step.copies, samples, live))
-        out: list[Sampled | RowFailed | None] = [None] * len(step.items)
+        job = _Job(inputs, step.copies, samples, live, tuple(speculations))
+        sampled, took = await self._submit(job)
+        out: list[Sampled | Accepted | RowFailed | None] = [None] * len(step.items)
         for row, s in zip(samples, sampled, strict=True):
             out[row.item] = s
         return out, took
@@ -110,28 +139,40 @@ class ModelExecutor:
         inputs: list[SeqInput],
         copies: list[tuple[int, int]],
         samples: list[SampleRow],
-    ) -> list[Sampled | RowFailed]:
+    ) -> list[Sampled | Accepted | RowFailed]:
         """One step as plain inputs (the warm-up drives it too): applies ``copies``, runs
         ``inputs``, and samples ``samples``, answering in their order."""
         return (await self._submit(_Job(inputs, copies, samples)))[0]
 
-    async def _submit(self, job: _Job) -> tuple[list[Sampled | RowFailed], ForwardTime]:
+    async def _submit(self, job: _Job) -> tuple[list[Sampled | Accepted | RowFailed], ForwardTime]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, self._run, job)
 
-    def _run(self, job: _Job) -> tuple[list[Sampled | RowFailed], ForwardTime]:
-        """Decodes and prefill chunks as two forwards (each is padded to its longest query),
-        then samples the rows that finished their tokens. Each forward is timed with its
-        sampling: wall time on this thread is what the step costs, waits for the GIL included."""
+    def _run(self, job: _Job) -> tuple[list[Sampled | Accepted | RowFailed], ForwardTime]:
+        """Decodes, speculative decodes and prefill chunks as up to three forwards (each is
+        padded to its longest query), then samples the rows that finished their tokens. Each
+        forward is timed with its sampling (drafting too): wall time on this thread is what
+        the step costs, waits for the GIL included; speculative decodes count as decode."""
         if job.live is not None:
             self.runner.retain(job.live)
+            if self.draft is not None:
+                self.draft.retain(job.live)
         if job.copies:
             self.runner.copy_blocks(job.copies)
         by_item = {r.item: r for r in job.samples}
-        out: dict[int, Sampled | RowFailed] = {}  # by item
-        decodes = [i for i, s in enumerate(job.inputs) if len(s.token_ids) == 1]
-        prefills = [i for i, s in enumerate(job.inputs) if len(s.token_ids) > 1]
+        out: dict[int, Sampled | Accepted | RowFailed] = {}  # by item
+        speculative = {sp.item for sp in job.speculations}
+        decodes = [
+            i for i, s in enumerate(job.inputs) if len(s.token_ids) == 1 and i not in speculative
+        ]
+        prefills = [
+            i for i, s in enumerate(job.inputs) if len(s.token_ids) > 1 and i not in speculative
+        ]
         seconds = [0.0, 0.0]
+        if job.speculations:
+            start = time.perf_counter()
+            out.update(self._verify(job, by_item))
+            seconds[0] += time.perf_counter() - start
         for g, items in enumerate((decodes, prefills)):
             if not items:
                 continue
@@ -146,9 +187,33 @@ class ModelExecutor:
             sampled = sample_rows(logits, rows) if rows else []
             for (k, *_), s in zip(rows, sampled, strict=True):
                 out[items[k]] = s
-            seconds[g] = time.perf_counter() - start
+            seconds[g] += time.perf_counter() - start
         padded = len(prefills) * max((len(job.inputs[i].token_ids) for i in prefills), default=0)
         return [out[r.item] for r in job.samples], ForwardTime(seconds[0], seconds[1], padded)
+
+    def _verify(self, job: _Job, by_item: dict[int, SampleRow]) -> dict[int, Accepted | RowFailed]:
+        """The speculative items: the draft model's drafts added, then one forward over every
+        item's last token and drafts, and each row's verdict (``verify_rows``)."""
+        inputs = []
+        drafted = []
+        for sp in job.speculations:
+            seq = job.inputs[sp.item]
+            drafts = sp.drafts
+            if sp.draft_slots:
+                if self.draft is None:
+                    raise RuntimeError("a draft_model speculation reached a worker without one")
+                assert seq.seq_key is not None
+                drafts += tuple(self.draft.propose(seq.seq_key, sp.tokens, sp.draft_slots))
+            drafted.append(drafts)
+            token_ids = [*seq.token_ids[: len(seq.token_ids) - len(sp.drafts)], *drafts]
+            inputs.append(SeqInput(token_ids, seq.block_table, seq.start, seq.seq_key))
+        logits = self.runner.forward_all(inputs)
+        rows = []
+        for sp, row_logits, drafts in zip(job.speculations, logits, drafted, strict=True):
+            r = by_item[sp.item]
+            rows.append((row_logits, r.sampler, r.history, r.position, drafts))
+        verdicts = verify_rows(rows)
+        return {sp.item: v for sp, v in zip(job.speculations, verdicts, strict=True)}
 
     def shutdown(self) -> None:
         """Waits for work in flight; the thread stays for the next runner of this process."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from worker.engine.sampling_params import SamplingParams, validate
 from worker.engine.sequence import Sequence, TextStream
+from worker.engine.speculation import NgramDrafter
 from worker.errors import InvalidRequest, Overloaded
 from worker.model.sampling import RowSampler
 
@@ -28,6 +29,12 @@ class RequestLimits:
     block_size: int
     num_blocks: int
     max_pending_requests: int = 0  # running + waiting; 0: no limit
+    # Speculative decoding: drafts per step when a request names none (--num-draft-tokens);
+    # whether the runner can (the dense runner cannot roll recurrent state back); whether a
+    # --draft-model is loaded.
+    num_draft_tokens: int = 4
+    speculation: bool = True
+    draft_model: bool = False
 
 
 class Intake:
@@ -86,6 +93,7 @@ class Intake:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
                 f"the model's context of {lim.max_context} tokens"
             )
+        num_draft = self._speculation(params)
         need = -(-(len(prompt) + max_tokens) // lim.block_size)
         if need > lim.num_blocks:
             raise InvalidRequest(
@@ -107,4 +115,23 @@ class Intake:
             ),
             eos_ids=self.eos_ids,
             block_size=lim.block_size,
+            num_draft=num_draft,
+            drafter=NgramDrafter() if params.speculative == "ngram" else None,
         )
+
+    def _speculation(self, params: SamplingParams) -> int:
+        """Drafts per step for this request (0: it does not speculate), or why it cannot."""
+        if not params.speculates:
+            return 0
+        lim = self.limits
+        if not lim.speculation:
+            raise InvalidRequest(
+                "speculative decoding needs the paged runner; this model runs on the dense "
+                "runner (recurrent layers cannot roll rejected drafts back)"
+            )
+        if params.speculative == "draft_model" and not lim.draft_model:
+            raise InvalidRequest(
+                "speculative draft_model: this worker has no draft model (start it with "
+                "--draft-model); speculative ngram needs none"
+            )
+        return params.num_draft_tokens or lim.num_draft_tokens

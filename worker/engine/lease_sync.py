@@ -183,11 +183,12 @@ class LeaseSync:
         not come back in time."""
         if self._extension is not None and not self._extension.done():
             return
+        # A speculating sequence may write its drafts' K/V and keep them all in one step.
         ahead = self.policy.extend_ahead_tokens
         items = [
             (s.lease.lease_id, (len(s.block_table) + 1) * self.block_size)
             for s in self.scheduler.running
-            if s.lease is not None and s.capacity - s.num_tokens < ahead
+            if s.lease is not None and s.capacity - s.num_tokens < ahead + s.num_draft
         ]
         if items:
             self._extension = asyncio.create_task(self._extend(items))

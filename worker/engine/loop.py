@@ -23,7 +23,7 @@ from worker.engine.intake import Intake, RequestLimits
 from worker.engine.lease import PoolRegistration
 from worker.engine.lease_client import LeaseClient
 from worker.engine.lease_sync import LeasePolicy, LeaseSync
-from worker.engine.sampling_params import RowFailed, Sampled
+from worker.engine.sampling_params import Accepted, RowFailed, Sampled
 from worker.engine.scheduler import Scheduler, Step
 from worker.engine.sequence import Sequence, Status
 from worker.engine.step_budget import StepBudget
@@ -38,6 +38,8 @@ class EngineStats:
     generated_tokens: int = 0
     requests_finished: int = 0
     steps: int = 0
+    draft_tokens: int = 0  # speculative decoding: drafts verified
+    accepted_draft_tokens: int = 0  # and kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,12 @@ class EngineLimits:
     max_pending_requests: int = 0
     """Most requests held at once, running + waiting (``--max-pending-requests``); 0: no
     limit. The intake refuses the next one."""
+    num_draft_tokens: int = 4
+    """Speculative decoding: drafts per step when a request names none."""
+    speculation: bool = True
+    """Whether the runner can speculate (the dense runner cannot roll rejected drafts back)."""
+    draft_model: str = ""
+    """The ``--draft-model`` loaded; empty: none (``draft_model`` speculation is refused)."""
 
 
 class Engine:
@@ -102,6 +110,9 @@ class Engine:
                 self.block_size,
                 registration.num_blocks,
                 limits.max_pending_requests,
+                limits.num_draft_tokens,
+                limits.speculation,
+                bool(limits.draft_model),
             ),
             tokenizer,
             lambda: self.leases.max_namespace_chars,
@@ -176,12 +187,12 @@ class Engine:
             self.leases.release(seq)
 
     def _end_failed_rows(
-        self, step: Step, sampled: list[Sampled | RowFailed | None]
-    ) -> list[Sampled | None]:
+        self, step: Step, sampled: list[Sampled | Accepted | RowFailed | None]
+    ) -> list[Sampled | Accepted | None]:
         """Ends the requests whose sampling failed (INTERNAL); the rest of the step goes on.
         Their forward wrote sound K/V, but postprocess has not advanced them yet, so the
         release publishes only what earlier steps computed."""
-        out: list[Sampled | None] = []
+        out: list[Sampled | Accepted | None] = []
         for item, s in zip(step.items, sampled, strict=True):
             if isinstance(s, RowFailed):
                 err = s.error
@@ -210,7 +221,13 @@ class Engine:
         for item in step.items:
             end = item.start + len(item.token_ids)
             self.stats.prefilled_tokens += max(0, min(end, item.seq.admitted_tokens) - item.start)
-        self.stats.generated_tokens += sum(1 for s in sampled if s is not None)
+        for s in sampled:
+            if isinstance(s, Accepted):
+                self.stats.generated_tokens += len(s.tokens)
+                self.stats.draft_tokens += s.drafts
+                self.stats.accepted_draft_tokens += s.accepted
+            elif s is not None:
+                self.stats.generated_tokens += 1
 
     # -- info ---------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from kvserve_model.sampling_limits import SamplingLimitError, check_sampling
 from kvserve_model.sampling_params import SamplingParams
 from worker.errors import InvalidRequest
 
-__all__ = ["RowFailed", "Sampled", "SamplingParams", "validate"]
+__all__ = ["Accepted", "RowFailed", "Sampled", "SamplingParams", "validate"]
 
 
 def validate(params: SamplingParams, vocab_size: int) -> None:
@@ -29,6 +29,19 @@ class Sampled:
     token: int
     logprob: float = 0.0
     top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """A speculative row's verdict: the drafts the model agreed with, then one token of its
+    own (a correction, or the token after the last draft), in order."""
+
+    tokens: tuple[Sampled, ...]
+    drafts: int  # drafts verified; len(tokens) - 1 of them were accepted
+
+    @property
+    def accepted(self) -> int:
+        return len(self.tokens) - 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from worker.engine.sampling_params import Sampled
+from worker.engine.sampling_params import Accepted, Sampled
 from worker.engine.sequence import Finish, Sequence, Status, StreamEvent
 from worker.errors import WorkerError
 
@@ -23,11 +23,20 @@ class Scheduled:
     token_ids: list[int]
     block_table: tuple[int, ...]
     lease_id: int
+    # Speculative decoding: prompt-lookup drafts, the tail of token_ids; or how many drafts
+    # the draft model may add on the model thread (worker.model.draft). Both are verified in
+    # the same forward, and only what the model agrees with is kept.
+    drafts: tuple[int, ...] = ()
+    draft_slots: int = 0
 
     @property
     def samples(self) -> bool:
         """Whether this forward computes through the last token, so it yields the next one."""
-        return self.start + len(self.token_ids) == self.seq.num_tokens
+        return self.start + len(self.token_ids) - len(self.drafts) == self.seq.num_tokens
+
+    @property
+    def speculative(self) -> bool:
+        return bool(self.drafts) or self.draft_slots > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,21 +79,41 @@ class Scheduler:
         items: list[Scheduled] = []
         copies: list[tuple[int, int]] = []
 
-        def take(seq: Sequence, n: int) -> None:
+        def take(seq: Sequence, n: int, drafts: tuple[int, ...] = (), draft_slots: int = 0) -> None:
             start = seq.num_computed
             assert seq.lease is not None
-            tokens = seq.token_slice(start, n)
-            items.append(Scheduled(seq, start, tokens, tuple(seq.block_table), seq.lease.lease_id))
+            tokens = seq.token_slice(start, n) + list(drafts)
+            items.append(
+                Scheduled(
+                    seq,
+                    start,
+                    tokens,
+                    tuple(seq.block_table),
+                    seq.lease.lease_id,
+                    drafts,
+                    draft_slots,
+                )
+            )
             copies.extend(seq.pending_cow)
             seq.pending_cow = ()
 
-        # Decodes first (one token each), then prefill chunks, oldest request first.
+        # Decodes first (one token each, with its drafts if it speculates), then prefill
+        # chunks, oldest request first.
         for seq in self.running:
             if len(items) == self.max_batch_size or budget == 0:
                 break
             if seq.to_compute == 1 and seq.capacity > seq.num_computed:
-                take(seq, 1)
-                budget -= 1
+                room = min(self.draft_room(seq), budget - 1)
+                if room > 0 and seq.drafter is not None:
+                    drafts = tuple(seq.drafter.propose(seq.tokens, room))
+                    take(seq, 1, drafts)
+                    budget -= 1 + len(drafts)
+                elif room > 0 and seq.params.speculative == "draft_model":
+                    take(seq, 1, draft_slots=room)
+                    budget -= 1 + room
+                else:
+                    take(seq, 1)
+                    budget -= 1
         # Prefill chunks run as one forward padded to the longest chunk, so the budget
         # counts padded tokens: chunks x longest chunk.
         if prefill_tokens is not None:
@@ -101,26 +130,62 @@ class Scheduler:
                 chunks, longest = chunks + 1, max(longest, n)
         return Step(items, copies) if items else None
 
-    def postprocess(self, step: Step, sampled: list[Sampled | None]) -> list[Sequence]:
-        """Advances every scheduled sequence; streams new tokens; returns the finished."""
+    def draft_room(self, seq: Sequence) -> int:
+        """How many drafts ``seq`` may verify in its next decode: its request's number, within
+        the lease's slots (every draft's K/V is written), its max_tokens and the context (no
+        draft is verified that could not be kept)."""
+        if not seq.num_draft:
+            return 0
+        return max(
+            0,
+            min(
+                seq.num_draft,
+                seq.capacity - seq.num_computed - 1,
+                seq.max_tokens - len(seq.output) - 1,
+                self.max_context - seq.num_tokens - 1,
+            ),
+        )
+
+    def postprocess(self, step: Step, sampled: list[Sampled | Accepted | None]) -> list[Sequence]:
+        """Advances every scheduled sequence; streams new tokens; returns the finished.
+
+        A speculative row's tokens are taken one by one, as if decoded one per step: the first
+        that finishes the request (eos, a stop, max_tokens) is its last. Its K/V holds the last
+        token and the kept drafts; what the rejected drafts wrote past them is never published
+        and the next forward overwrites it."""
         finished = []
         for item, s in zip(step.items, sampled, strict=True):
             seq = item.seq
             if seq.lease is None or seq.lease.lease_id != item.lease_id or seq.aborted:
                 continue  # lost its lease or was cancelled while the forward ran
-            seq.num_computed = item.start + len(item.token_ids)
-            if s is None:
-                continue
-            seq.output.append(s.token)
-            finish = self._finish_reason(seq, s.token)
-            text, hit_stop = seq.text.add(s.token)
-            if hit_stop:
-                finish = Finish.STOP
+            if isinstance(s, Accepted):
+                seq.num_computed = item.start + 1 + s.accepted
+                seq.draft_tokens += s.drafts
+                seq.accepted_drafts += s.accepted
+                new = s.tokens
+            else:
+                seq.num_computed = item.start + len(item.token_ids)
+                if s is None:
+                    continue
+                new = (s,)
+            finish, text, kept = None, "", 0
+            for t in new:
+                seq.output.append(t.token)
+                kept += 1
+                finish = self._finish_reason(seq, t.token)
+                piece, hit_stop = seq.text.add(t.token)
+                text += piece
+                if hit_stop:
+                    finish = Finish.STOP
+                if finish is not None:
+                    text += "" if hit_stop else seq.text.finish()
+                    break
+            seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
             if finish is not None:
-                text += "" if hit_stop else seq.text.finish()
                 seq.status = Status.FINISHED
                 finished.append(seq)
-            seq.out.put_nowait(StreamEvent([s.token], text, [s], finish))
+            out = new[:kept]
+            seq.out.put_nowait(StreamEvent([t.token for t in out], text, list(out), finish))
         if finished:
             self.running = [s for s in self.running if s.status is Status.RUNNING]
         return finished

@@ -12,6 +12,7 @@ from worker.engine.sampling_params import Sampled, SamplingParams
 from worker.errors import WorkerError
 
 if TYPE_CHECKING:  # the sampler runs MLX; the sequence only carries it
+    from worker.engine.speculation import NgramDrafter
     from worker.model.sampling import RowSampler
 
 
@@ -131,6 +132,12 @@ class Sequence:
     aborted: bool = False
     preemptions: int = 0
     admitted_tokens: int = 0  # tokens the current lease was acquired for
+    # Speculative decoding: drafts per decode (0: off); prompt lookup's index, if it drafts
+    # that way; drafts verified and kept so far.
+    num_draft: int = 0
+    drafter: NgramDrafter | None = None
+    draft_tokens: int = 0
+    accepted_drafts: int = 0
 
     @property
     def tokens(self) -> list[int]:

@@ -168,6 +168,12 @@ class DenseRunner:
             raise BatchError("a forward needs at least one sequence")
         return mx.stack([self._forward_one(i, s) for i, s in enumerate(seqs)])
 
+    def forward_all(self, seqs: Sequence[SeqInput]) -> list[mx.array]:
+        """Logits at every position are what speculative decoding verifies drafts with; a
+        recurrent state cannot roll rejected drafts back, so the intake refuses speculation
+        on this runner and nothing calls this."""
+        raise BatchError("the dense runner does not verify drafts (no speculative decoding)")
+
     def _forward_one(self, i: int, s: SeqInput) -> mx.array:
         vocab = self.spec.vocab_size
         if min(s.token_ids) < 0 or max(s.token_ids) >= vocab:

@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
-from worker.engine.sampling_params import RowFailed, Sampled, SamplingParams
+from worker.engine.sampling_params import Accepted, RowFailed, Sampled, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +59,14 @@ class RowSampler:
 
     def sample(self, logprobs: mx.array, position: int) -> mx.array:
         """One token from a (1, vocab) row of log-probabilities; filters in mlx-lm's order."""
-        p = self.params
-        if p.greedy:
+        if self.params.greedy:
             return mx.argmax(logprobs, axis=-1)
+        return mx.random.categorical(self.weights(logprobs), key=self.key(position))
+
+    def weights(self, logprobs: mx.array) -> mx.array:
+        """The unnormalized log-weights a sampled (not greedy) token is drawn from: the
+        filters in mlx-lm's order, then the temperature."""
+        p = self.params
         x = logprobs
         if 0.0 < p.top_p < 1.0:
             x = _top_p(x, p.top_p)
@@ -69,7 +74,7 @@ class RowSampler:
             x = mx.where(x < mx.max(x, axis=-1, keepdims=True) + math.log(p.min_p), -mx.inf, x)
         if 0 < p.top_k < x.shape[-1]:  # top_k == vocab keeps every token: off
             x = _top_k(x, p.top_k)
-        return mx.random.categorical(x * (1.0 / p.temperature), key=self.key(position))
+        return x * (1.0 / p.temperature)
 
 
 def _top_k(x: mx.array, k: int) -> mx.array:
@@ -121,16 +126,112 @@ def sample_rows(logits: mx.array, rows: Sequence[Row]) -> list[Sampled | RowFail
 def sample_row(
     logits: mx.array, row: int, rs: RowSampler, history: Sequence[int], position: int
 ) -> Sampled:
-    x = logits[row : row + 1]
+    logprobs = _logprobs(logits[row : row + 1], rs, history)
+    token = int(np.asarray(rs.sample(logprobs, position)).reshape(-1)[0])
+    return _sampled(logprobs, token, rs)
+
+
+def _logprobs(x: mx.array, rs: RowSampler, history: Sequence[int]) -> mx.array:
+    """A (1, vocab) row of logits, through the request's processors, as log-probabilities."""
     if rs.processors:
         hist = mx.array(list(history), dtype=mx.int32)
         for proc in rs.processors:
             x = proc(hist, x)
-    logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
-    token = int(np.asarray(rs.sample(logprobs, position)).reshape(-1)[0])
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def _sampled(logprobs: mx.array, token: int, rs: RowSampler) -> Sampled:
     lp = np.asarray(logprobs[0])
     top: tuple[tuple[int, float], ...] = ()
     if rs.params.logprobs:
         ids = np.argsort(-lp, kind="stable")[: rs.params.logprobs]
         top = tuple((int(i), float(lp[i])) for i in ids)
     return Sampled(token, float(lp[token]), top)
+
+
+# -- speculative decoding: verifying drafts ----------------------------------------------------
+
+# (logits [1 + drafts, vocab], sampler, tokens so far, position of the first new token, drafts)
+VerifyRow = tuple[mx.array, RowSampler, Sequence[int], int, Sequence[int]]
+
+
+def verify_rows(rows: Sequence[VerifyRow]) -> list[Accepted | RowFailed]:
+    """Each row's verdict on its drafts (:func:`verify_row`). Plain greedy rows take one
+    batched argmax over all their positions; a row that raises is a RowFailed alone."""
+    out: dict[int, Accepted | RowFailed] = {}
+    greedy = [i for i, r in enumerate(rows) if r[1].plain_greedy]
+    if greedy:
+        try:
+            picks = np.asarray(mx.argmax(mx.concatenate([rows[i][0] for i in greedy]), axis=-1))
+            at = 0
+            for i in greedy:
+                drafts = rows[i][4]
+                target = picks[at : at + len(drafts) + 1].tolist()
+                at += len(drafts) + 1
+                n = _agreed(target, drafts)
+                tokens = tuple(Sampled(int(t)) for t in target[: n + 1])
+                out[i] = Accepted(tokens, len(drafts))
+        except Exception:  # whatever MLX raises: find the row at fault below
+            log.exception("batched greedy verification failed; verifying its rows one by one")
+            out.clear()
+    for i, r in enumerate(rows):
+        if i in out:
+            continue
+        try:
+            out[i] = verify_row(*r)
+        except Exception as e:  # whatever MLX raises: this row ends, the batch goes on
+            log.exception("verifying drafts failed for row %d", i)
+            out[i] = RowFailed(e)
+    return [out[i] for i in range(len(rows))]
+
+
+def _agreed(target: Sequence[int], drafts: Sequence[int]) -> int:
+    n = 0
+    while n < len(drafts) and target[n] == drafts[n]:
+        n += 1
+    return n
+
+
+def verify_row(
+    logits: mx.array, rs: RowSampler, history: Sequence[int], position: int, drafts: Sequence[int]
+) -> Accepted:
+    """The drafts the model keeps, then one token of its own; ``logits[j]`` is the model's
+    distribution after ``drafts[:j]``.
+
+    Greedy: a draft is kept while it is the argmax, so the tokens are exactly those of plain
+    greedy decoding. Sampled: a draft is a point mass (prompt lookup, or a draft model's
+    argmax), so speculative sampling's rule becomes: keep draft d with probability p(d), the
+    request's filtered, tempered distribution; on rejection draw from p with d taken out. Each
+    output token is then distributed exactly as p (Leviathan et al., 2023). Every draw is keyed
+    by the output position, so a seeded request repeats itself (its tokens differ from those it
+    gets without speculation: the draws are different ones).
+    """
+    history = list(history) if rs.processors else []
+    tokens: list[Sampled] = []
+    for j in range(len(drafts) + 1):
+        logprobs = _logprobs(logits[j : j + 1], rs, history)
+        if j == len(drafts):
+            token = int(np.asarray(rs.sample(logprobs, position + j)).reshape(-1)[0])
+        else:
+            token = _judge(logprobs, rs, position + j, drafts[j])
+        tokens.append(_sampled(logprobs, token, rs))
+        if j == len(drafts) or token != drafts[j]:
+            break
+        if rs.processors:
+            history.append(token)
+    return Accepted(tuple(tokens), len(drafts))
+
+
+def _judge(logprobs: mx.array, rs: RowSampler, position: int, draft: int) -> int:
+    """The token at ``position`` given a draft: the draft if kept, else a replacement."""
+    if rs.params.greedy:
+        return int(np.asarray(mx.argmax(logprobs, axis=-1)).reshape(-1)[0])
+    weights = rs.weights(logprobs)
+    accept_key, resample_key = mx.random.split(rs.key(position))
+    p_draft = mx.softmax(weights, axis=-1)[0, draft]
+    if bool(np.asarray(mx.random.uniform(key=accept_key) < p_draft)):
+        return draft
+    residual = mx.put_along_axis(
+        weights, mx.array([[draft]]), mx.array(-mx.inf, weights.dtype), axis=-1
+    )
+    return int(np.asarray(mx.random.categorical(residual, key=resample_key)).reshape(-1)[0])
