@@ -96,6 +96,7 @@ class Renderer(ABC):
         self.model = model
         self.created = created
         self.n = n
+        self._envelope_dump: dict[str, Any] | None = None  # see _envelope
 
     @abstractmethod
     def choice(self, index: int, done: Completion) -> BaseModel:
@@ -182,8 +183,18 @@ class Renderer(ABC):
         )
 
     def _event(self, choices: list[BaseModel], usage: UsageTotals | None = None) -> str:
-        event = self._object(self.event_type, choices, usage.info() if usage else None)
-        body = event.model_dump(mode="json")
-        if usage is None:  # only the usage event carries the field
-            body.pop("usage")
-        return sse(self.trim(body))
+        if usage is None:  # an event per token: only its choices are dumped each time
+            body = {**self._envelope(), "choices": [c.model_dump(mode="json") for c in choices]}
+            return sse(self.trim(body))
+        event = self._object(self.event_type, choices, usage.info())
+        return sse(self.trim(event.model_dump(mode="json")))
+
+    def _envelope(self) -> dict[str, Any]:
+        """A stream event's fields but its choices (which stay in their place), dumped once
+        a request; without ``usage``: only the usage event carries the field."""
+        envelope = self._envelope_dump
+        if envelope is None:
+            envelope = self._object(self.event_type, [], None).model_dump(mode="json")
+            envelope.pop("usage")
+            self._envelope_dump = envelope
+        return envelope

@@ -49,9 +49,14 @@ class _Uvicorn(uvicorn.Server):
 
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on connections whose
+    # socket says so, and accepted ones inherit the listener's. With Nagle on, each SSE event
+    # after the first waited for the client's delayed ACK of the last (up to ~40 ms), and
+    # events went out in bunches (bench/bench_gateway_overhead.py; docs/serving-benchmark.md).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         sock.listen(1024)
     except OSError as e:

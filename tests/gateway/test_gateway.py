@@ -499,3 +499,18 @@ async def test_http_top_k_past_the_wire_is_400_not_500(stack: Stack):
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["param"] == "top_k"
     assert not any(w.record.requests for w in stack.workers)
+
+
+def test_http_connections_turn_nagle_off():
+    """asyncio sets TCP_NODELAY only on sockets whose protocol says TCP; accepted connections
+    inherit the listener's. With Nagle on, SSE events waited for the client's delayed ACK."""
+    import socket
+
+    from gateway.server import _listen
+
+    sock = _listen("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        sock.close()
