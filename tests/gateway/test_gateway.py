@@ -380,11 +380,9 @@ async def test_speculative_decoding_is_asked_per_request(stack: Stack):
     )
     await stack.http.post("/v1/completions", json={"prompt": "plain", "max_tokens": 4})
     sent = sorted(
-        (
-            (r.sampling.speculative, r.sampling.num_draft_tokens)
-            for w in stack.workers
-            for r in w.record.requests
-        )
+        (r.sampling.speculative, r.sampling.num_draft_tokens)
+        for w in stack.workers
+        for r in w.record.requests
     )
     assert sent == [
         (pb.SPECULATIVE_OFF, 0),
