@@ -88,6 +88,19 @@ def test_completions(client: OpenAI):
     assert streamed == c.choices[0].text  # greedy: the same text either way
 
 
+def test_speculative_decoding_gives_the_same_greedy_text(client: OpenAI):
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+    texts = []
+    for extra in ({}, {"speculative": "ngram"}, {"speculative": "ngram", "num_draft_tokens": 8}):
+        c = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
+            extra_body={"ignore_eos": True, **extra},
+        )  # fmt: skip
+        assert c.usage is not None and c.usage.completion_tokens == 40
+        texts.append(c.choices[0].text)
+    assert texts[1] == texts[0] and texts[2] == texts[0]
+
+
 def test_chat(client: OpenAI):
     r = client.chat.completions.create(
         model=MODEL, messages=messages(SYSTEM_PROMPT, "Hello!"), max_tokens=5, temperature=0,
