@@ -114,11 +114,14 @@ def random_kv(shape: tuple[int, ...]) -> mx.array:
 
 
 def paged_decoders(model: nn.Module, s: Sizes, batch: int, ctx: int) -> dict[str, Callable]:
-    """Decode steps on one pool: block-table attention (default) and gather + SDPA."""
+    """Decode steps on one pool: as the worker runs them (its decode attention chosen by
+    measurement, ``ModelRunner.choose_decode_attention``), block-table attention, and the
+    reference gather + SDPA."""
     bs = 32
     per_seq = -(-(ctx + 2 * s.steps + 4) // bs)
     runner = ModelRunner.create(model, block_size=bs, num_blocks=batch * per_seq)
     gather = ModelRunner(model, runner.pool, runner.spec, block_attention=False)
+    blocks = ModelRunner(model, runner.pool, runner.spec)
     for layer in range(runner.pool.num_layers):  # fill with noise: realistic magnitudes
         k, v = runner.pool.layer_arrays(layer)
         k[...] = random_kv(k.shape)
@@ -132,7 +135,15 @@ def paged_decoders(model: nn.Module, s: Sizes, batch: int, ctx: int) -> dict[str
         r.forward([SeqInput([1], tables[i], pos[0]) for i in range(batch)])
         pos[0] += 1
 
-    return {"paged": lambda: step(runner), "gather": lambda: step(gather)}
+    CHOICE[0] = runner.choose_decode_attention().path
+    return {
+        "paged": lambda: step(runner),
+        "blocks": lambda: step(blocks),
+        "gather": lambda: step(gather),
+    }
+
+
+CHOICE = [""]  # the decode attention the last cell's runner chose
 
 
 def _dense_kv(batch: int, ctx: int, s: Sizes) -> tuple[mx.array, mx.array]:
@@ -274,17 +285,17 @@ def main() -> None:
         "random block tables\n"
     )
     print(
-        "| batch | context | paged ms | paged (gather+SDPA) ms | BatchKVCache ms "
-        "| dense serial ms | paged vs BatchKVCache | paged vs serial |"
+        "| batch | context | paged ms (its choice) | block-table ms | gather+SDPA ms "
+        "| BatchKVCache ms | dense serial ms | paged vs BatchKVCache | paged vs serial |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for ctx in s.contexts:
         for batch in s.batches:
             t = decode_cell(model, s, batch, ctx)
-            p, g, b, d = t["paged"], t["gather"], t["batch_kv"], t["serial"]
+            p, k, g, b, d = t["paged"], t["blocks"], t["gather"], t["batch_kv"], t["serial"]
             print(
-                f"| {batch} | {ctx} | {p * 1e3:.1f} | {g * 1e3:.1f} | {b * 1e3:.1f} "
-                f"| {d * 1e3:.1f} | {b / p:.2f}x | {d / p:.2f}x |",
+                f"| {batch} | {ctx} | {p * 1e3:.1f} ({CHOICE[0]}) | {k * 1e3:.1f} | {g * 1e3:.1f} "
+                f"| {b * 1e3:.1f} | {d * 1e3:.1f} | {b / p:.2f}x | {d / p:.2f}x |",
                 flush=True,
             )
     if args.skip_prefill:

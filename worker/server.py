@@ -82,6 +82,7 @@ def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExec
             log.info("%s", result.describe())
             result.raise_if_failed()
         log.info("%s", runner.describe())
+        log.info("%s", runner.choose_decode_attention().describe())
         return runner
 
     def build_dense() -> Runner:

@@ -5,7 +5,8 @@ with two and one kv heads (grouped-query attention on 5-D scores ``[B, kv_heads,
 which needs a 5-D mask) on tiny fp32 models, block size 8 so that prompts span several blocks, with decode attention served
 from the pool blocks (the CPU default). ``test_reference_path`` repeats the batched and
 copy-on-write scenarios on the gather-then-SDPA reference path and
-``test_block_attention_split_over_streams`` with attention split over three MLX streams;
+``test_block_attention_split_over_streams`` with attention split over three MLX streams,
+``test_gathered_decodes_with_cpu_prefill`` with decodes gathered but prefill on the CPU path;
 ``test_default_block_size``
 one scenario at block size 32, ``test_batches_of_one_two_three`` batches as small as the
 kv-head counts (where a mask in the wrong layout broadcasts silently), and ``test_corrupted_block_table_is_detected`` shows that the
@@ -187,6 +188,24 @@ def test_reference_path(model, scenario):
     runner = _runner(model, block_attention=False)
     run = _batched_prefill_and_decode if scenario == "batch" else _shared_unaligned_prefix
     assert run(model, runner) <= TOL
+
+
+@pytest.mark.parametrize("scenario", ["batch", "copy_on_write"])
+def test_gathered_decodes_with_cpu_prefill(model, scenario):
+    """What ``choose_decode_attention`` picks on a multithreaded BLAS: prefill chunks through
+    the CPU attention, decodes gathered."""
+    runner = _runner(model)
+    runner.block_decode = False
+    run = _batched_prefill_and_decode if scenario == "batch" else _shared_unaligned_prefix
+    assert run(model, runner) <= TOL
+
+
+def test_the_decode_attention_choice_is_measured(model):
+    runner = _runner(model)
+    choice = runner.choose_decode_attention(batch=2, context=16, repeats=1)
+    assert choice.path in ("blocks", "gather") and choice.blocks_s > 0 and choice.gather_s > 0
+    assert runner.block_decode == (choice.path == "blocks")
+    assert _runner(model, block_attention=False).choose_decode_attention().path == "gather"
 
 
 @pytest.mark.parametrize("scenario", ["batch", "copy_on_write"])

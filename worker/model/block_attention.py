@@ -10,7 +10,8 @@ mlx-lm attention layers call the module-level ``scaled_dot_product_attention`` i
 ``mlx_lm.models.base``; :func:`install` points that name, in the modules of one model's layers,
 at :func:`paged_sdpa`, which serves :class:`PagedLayerCache` decodes and passes every other call
 (dense caches, prefill, attention sinks, keys a model changed after fetching them) to the
-original unchanged, except prefill chunks on the CPU, whose softmax runs in numpy
+original unchanged (or, where the runner measured it faster, to :func:`gathered_attention`),
+except prefill chunks on the CPU, whose softmax runs in numpy
 (``worker.model.cpu_attention``: MLX's CPU ``exp`` is ~15x slower than numpy's). It is the seam
 where a Metal or CUDA block-table kernel plugs in later.
 """
@@ -95,6 +96,50 @@ def _attend_rows(
     return mx.gather_mm(probs, v, rhs_indices=rows).sum(axis=1)
 
 
+# Bytes of K and V gathered at once by gathered_attention. A few sequences at a time: one layer
+# of a batch of 32 at context 1,024 gathered whole took 95-128 ms, in chunks 31-66.
+GATHER_CHUNK_BYTES = 8 << 20
+
+
+def gathered_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    rows: mx.array,
+    scale: float,
+    mask: mx.array | None,
+    streams: Sequence[mx.Stream] = (),
+) -> mx.array:
+    """Decode attention of ``queries`` ``[B, Hq, 1, D]`` over their blocks, gathered a few
+    sequences at a time into contiguous K/V for SDPA; the chunks alternate between ``streams``.
+
+    Same arguments as :func:`block_table_attention` but the mask, which is the batch's
+    ``[B|1, 1, 1, L]`` (or None). A few large operations instead of one GEMM per block, for a
+    multithreaded BLAS, at the price of a copy of the context: ``ModelRunner.
+    choose_decode_attention`` measures at start which path a worker takes."""
+    b = queries.shape[0]
+    h, blocks, bs, dk = keys.shape
+    dv = values.shape[-1]
+    n = rows.shape[1]
+    k_rows, v_rows = keys.reshape(h * blocks, bs, dk), values.reshape(h * blocks, bs, dv)
+    per_seq = h * n * bs * (dk + dv) * keys.dtype.size
+    chunk = max(1, GATHER_CHUNK_BYTES // per_seq)
+    outs = []
+    for j, lo in enumerate(range(0, b, chunk)):
+        hi = min(b, lo + chunk)
+        with mx.stream(
+            streams[j % len(streams)] if streams else mx.default_stream(mx.default_device())
+        ):
+            r = rows[lo * h : hi * h]
+            k = k_rows[r].reshape(hi - lo, h, n * bs, dk)
+            v = v_rows[r].reshape(hi - lo, h, n * bs, dv)
+            m = None if mask is None else mask if mask.shape[0] == 1 else mask[lo:hi]
+            outs.append(
+                mx.fast.scaled_dot_product_attention(queries[lo:hi], k, v, scale=scale, mask=m)
+            )
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
 def _servable(cache: PagedLayerCache, queries: mx.array, keys: Any, values: Any, mask: Any) -> bool:
     batch = cache.batch
     fetched = cache.fetched()
@@ -126,6 +171,11 @@ def paged_sdpa(
         pool_k, pool_v = cache.pool.layer_arrays(cache.layer)
         heads, batch = pool_k.shape[0], cache.batch
         rows = batch.block_rows(heads, pool_k.shape[1])
+        if not cache.block_decode:
+            seq_mask = None if mask is None or isinstance(mask, str) else mask
+            return gathered_attention(
+                queries, pool_k, pool_v, rows, scale, seq_mask, cache.attention_streams
+            )
         row_mask = None if mask is None or isinstance(mask, str) else batch.row_mask(mask, heads)
         return block_table_attention(
             queries, pool_k, pool_v, rows, scale, row_mask, cache.attention_streams

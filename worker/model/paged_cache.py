@@ -24,7 +24,15 @@ from worker.model.kv_pool import KVPool
 class PagedLayerCache:
     """mlx-lm cache protocol for layer ``layer`` of ``pool`` during one forward of ``batch``."""
 
-    __slots__ = ("_batch", "_fetched", "_layer", "_pool", "attention_streams", "block_attention")
+    __slots__ = (
+        "_batch",
+        "_fetched",
+        "_layer",
+        "_pool",
+        "attention_streams",
+        "block_attention",
+        "block_decode",
+    )
 
     def __init__(
         self,
@@ -33,6 +41,7 @@ class PagedLayerCache:
         layer: int,
         block_attention: bool = False,
         attention_streams: Sequence[mx.Stream] = (),
+        block_decode: bool = True,
     ) -> None:
         self._batch = batch
         self._pool = pool
@@ -42,6 +51,9 @@ class PagedLayerCache:
         """Whether ``worker.model.block_attention.paged_sdpa`` may serve this layer's decodes."""
         self.attention_streams = attention_streams
         """Streams block attention splits its rows over (empty: the default stream)."""
+        self.block_decode = block_decode
+        """With ``block_attention``: decodes read blocks where they lie; off, they gather
+        (``ModelRunner.choose_decode_attention`` measures which is faster here)."""
 
     @property
     def offset(self) -> int | mx.array:
