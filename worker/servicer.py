@@ -7,6 +7,7 @@ way a request ends early is a typed error (worker.errors) that STATUS_OF turns i
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -61,6 +62,28 @@ FINISH_REASON = {
 }
 
 
+def coalesce(
+    event: StreamEvent, queue: asyncio.Queue[StreamEvent]
+) -> tuple[StreamEvent, StreamEvent | None]:
+    """``event`` and every event already queued behind it, as one, and the next event to send
+    on its own (an error, which must end the stream after the tokens before it), if any.
+
+    A stream whose reader lags (a gateway or client slower than the engine, or an event loop
+    busy with other streams) then sends one message for all it has, not one per token: on a
+    small model a gRPC message costs more than the forward that made its token."""
+    while event.finish is None and not queue.empty():
+        nxt = queue.get_nowait()
+        if nxt.error is not None:
+            return event, nxt
+        event = StreamEvent(
+            [*event.token_ids, *nxt.token_ids],
+            event.text + nxt.text,
+            [*event.logprobs, *nxt.logprobs],
+            nxt.finish,
+        )
+    return event, None
+
+
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(
         self, engine: Engine, worker_id: str, model_name: str, runner: str = "paged"
@@ -96,9 +119,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return
         self.engine.submit(seq)  # no await since check_room: the room is still there
         done = False
+        held: StreamEvent | None = None
         try:
             while not done:
-                event = await seq.out.get()
+                event = held or await seq.out.get()
+                event, held = coalesce(event, seq.out)
                 if event.error is not None:
                     await context.abort(status_of(event.error), str(event.error))
                 done = event.finish is not None

@@ -11,6 +11,7 @@ import pytest
 
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from tests.worker_engine.conftest import BS, System, generate, request, started_system
+from worker.servicer import WorkerServicer
 
 VOCAB = 256  # the byte range of the embedded model's vocabulary
 
@@ -200,3 +201,26 @@ async def test_a_failing_admission_or_heartbeat_recovers(model, reference) -> No
         assert engine.leases.client.incarnation == incarnation  # the pool never lapsed
         assert not any(t.done() for t in [engine._task, *engine.leases._tasks])
         await system.check()
+
+
+async def test_a_lagging_stream_gets_its_tokens_coalesced(system: System, reference) -> None:
+    """A reader slower than the engine gets every queued token in one message: the same
+    tokens, text and logprobs, fewer messages. Driven through the servicer's own Generate with
+    the worker's real engine, read only once the request has finished."""
+    await system.add_worker()
+    engine = system.workers[0].engine
+    servicer = WorkerServicer(engine, "w0", "m")
+    p = prompt(90, 20)
+    stream = servicer.Generate(request(p, max_tokens=24, logprobs=1), None)  # type: ignore[arg-type]
+    first = await anext(stream)  # the request is in; now let the engine run ahead of us
+    for _ in range(200):
+        if engine.stats.requests_finished:
+            break
+        await asyncio.sleep(0.01)
+    rest = [msg async for msg in stream]
+    tokens = [*first.token_ids, *(t for m in rest for t in m.token_ids)]
+    assert tokens == reference(p, 24)[0]
+    assert len(rest) == 1 and rest[0].finish_reason == pb.FINISH_REASON_LENGTH
+    assert len(first.logprobs) + len(rest[0].logprobs) == 24
+    assert rest[0].usage.completion_tokens == 24
+    await system.wait_idle()
