@@ -30,6 +30,7 @@ from tests.worker.helpers import (
     tiny_model,
 )
 from worker.model import block_attention
+from worker.model.forward_batch import SeqInput
 from worker.model.runner import ModelRunner
 
 STEPS = 32
@@ -130,6 +131,33 @@ def test_long_prompt_in_chunks(model):
         assert max_diff(chunk_logits, dense.logits_all[pos : pos + size]) <= TOL
         pos += size
     assert decode_together(runner, [seq], [dense], STEPS) <= TOL
+
+
+def test_speculative_verify_forwards_with_rollback(model):
+    """Forwards of a few tokens a sequence (a decode with its drafts: the last token, then
+    drafts of which only some are right), batched over sequences at different contexts: the
+    logits where every input was right match the dense path, and the slots the wrong drafts
+    wrote are overwritten by the next forward (rolled back by position alone)."""
+    rng = np.random.default_rng(11)
+    runner = _runner(model, num_blocks=40)
+    true = [p + c for p, c in zip(prompts(rng, 11, 20, 7), prompts(rng, 40, 40, 40), strict=True)]
+    dense = [DenseSeq(model, t).logits_all for t in true]
+    tables = [_blocks(0, 10), _blocks(10, 10), _blocks(20, 10)]
+    pos = [11, 20, 7]
+    runner.forward_all([SeqInput(t[:p], tb, 0) for t, p, tb in zip(true, pos, tables, strict=True)])
+    worst = 0.0
+    for k in (2, 5, 9, 17, 3, 1, 6):
+        keep = [max(1, k // 2), k, 1]  # right inputs per sequence; the rest are wrong drafts
+        inputs = []
+        for i in range(3):
+            chunk = list(true[i][pos[i] : pos[i] + k])
+            chunk[keep[i] :] = [(t + 1) % 200 for t in chunk[keep[i] :]]
+            inputs.append(SeqInput(chunk, tables[i], pos[i]))
+        for i, logits in enumerate(runner.forward_all(inputs)):
+            want = dense[i][pos[i] : pos[i] + keep[i]]
+            worst = max(worst, max_diff(logits[: keep[i]], want))
+            pos[i] += keep[i]
+    assert worst <= TOL
 
 
 def test_evicted_sequence_resumes_from_cached_blocks(model):
