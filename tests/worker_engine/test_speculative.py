@@ -86,12 +86,15 @@ async def test_a_draft_model_that_always_agrees(system: System, reference) -> No
     # A stop token that the drafts carry: the output ends at it.
     stop = want[10]
     end = want.index(stop)
+    before = (await info(stub)).generated_tokens
     got = await generate(
         stub,
         request(p, max_tokens=45, speculative=DRAFT, num_draft_tokens=8, stop_token_ids=[stop]),
     )
     assert got["tokens"] == want[: end + 1]
     assert got["last"].finish_reason == pb.FINISH_REASON_STOP
+    # Verified tokens after the stop are not counted as generated.
+    assert (await info(stub)).generated_tokens - before == end + 1
     await system.wait_idle()
 
 

@@ -177,8 +177,9 @@ class Engine:
         results, took = await self.executor.run(step, live)
         self.budget.observe(took)
         sampled = self._end_failed_rows(step, results)
+        before = sum(len(item.seq.output) for item in step.items)  # a sequence once a step
         finished = self.scheduler.postprocess(step, sampled)
-        self._account(step, sampled)
+        self._account(step, sampled, sum(len(item.seq.output) for item in step.items) - before)
         # Publishing comes last, once nothing of the step can raise any more: a step that
         # fails before this line has sent no commit, and _fail_step releases without its KV.
         self.leases.publish(step)
@@ -216,18 +217,18 @@ class Engine:
                 seq.num_computed = min(seq.num_computed, item.start)
             self._end(seq, error)
 
-    def _account(self, step: Step, sampled: list) -> None:
+    def _account(self, step: Step, sampled: list, generated: int) -> None:
+        """``generated``: tokens the step added to outputs (a verdict's tokens after a stop
+        are not)."""
         self.stats.steps += 1
+        self.stats.generated_tokens += generated
         for item in step.items:
             end = item.start + len(item.token_ids)
             self.stats.prefilled_tokens += max(0, min(end, item.seq.admitted_tokens) - item.start)
         for s in sampled:
             if isinstance(s, Accepted):
-                self.stats.generated_tokens += len(s.tokens)
                 self.stats.draft_tokens += s.drafts
                 self.stats.accepted_draft_tokens += s.accepted
-            elif s is not None:
-                self.stats.generated_tokens += 1
 
     # -- info ---------------------------------------------------------------------------------
 
