@@ -48,7 +48,6 @@ import resource
 import shlex
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -66,6 +65,7 @@ from loadgen import Request, Result  # noqa: E402
 from run import source_tree  # noqa: E402  (bench/serving/run.py)
 
 from kvserve_launch.config import LaunchConfig  # noqa: E402
+from kvserve_launch.process import KeptLines  # noqa: E402
 from kvserve_launch.system import System, launch  # noqa: E402
 from kvserve_model.default_model import DEFAULT_MODEL_NAME  # noqa: E402
 from kvserve_proto.worker.v1 import worker_pb2 as pb  # noqa: E402
@@ -398,22 +398,6 @@ def settings(env: dict[str, str] | None = None) -> list[str]:
     ]
 
 
-class LogTail:
-    """The children's output, kept (not printed) for an error report."""
-
-    def __init__(self) -> None:
-        self.lines: collections.deque[str] = collections.deque(maxlen=200)
-        self.lock = threading.Lock()
-
-    def __call__(self, name: str, line: str) -> None:
-        with self.lock:
-            self.lines.append(f"{name:<9}| {line.rstrip()}")
-
-    def dump(self) -> str:
-        with self.lock:
-            return "\n".join(self.lines)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -438,7 +422,7 @@ def main() -> None:
     if unknown := set(modes) - set(MODES):
         p.error(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")
 
-    logs = LogTail()
+    logs = KeptLines(200)
     config = LaunchConfig(
         workers=1, model=args.model, http_port=0, grpc_port=0, cache_port=0,
         log_level="WARNING", startup_timeout_s=600.0,

@@ -62,6 +62,23 @@ def print_sink(name: str, line: str) -> None:
     sys.stderr.flush()
 
 
+class KeptLines:
+    """A sink that keeps the children's last ``limit`` lines (thread-safe) instead of printing
+    them, for a report when something fails (tests, benchmarks)."""
+
+    def __init__(self, limit: int = 400) -> None:
+        self.lines: collections.deque[str] = collections.deque(maxlen=limit)
+        self.lock = threading.Lock()
+
+    def __call__(self, name: str, line: str) -> None:
+        with self.lock:
+            self.lines.append(f"{name:<9}| {line.rstrip()}")
+
+    def dump(self) -> str:
+        with self.lock:
+            return "\n".join(self.lines)
+
+
 class Child:
     def __init__(
         self,

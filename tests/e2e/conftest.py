@@ -7,34 +7,17 @@ and shown when a test fails; every process is stopped in teardown, whatever happ
 
 from __future__ import annotations
 
-import collections
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from kvserve_launch.config import LaunchConfig
+from kvserve_launch.process import KeptLines as LogSink
 from kvserve_launch.system import System, launch
 
 ADMIN_TOKEN = "e2e-admin-token"
 STARTUP_TIMEOUT_S = 240.0
-
-
-class LogSink:
-    """Collects child output lines (thread-safe) for failure reports."""
-
-    def __init__(self) -> None:
-        self.lines: collections.deque[str] = collections.deque(maxlen=400)
-        self.lock = threading.Lock()
-
-    def __call__(self, name: str, line: str) -> None:
-        with self.lock:
-            self.lines.append(f"{name:<9}| {line.rstrip()}")
-
-    def dump(self) -> str:
-        with self.lock:
-            return "\n".join(self.lines)
 
 
 @pytest.fixture(scope="module")
