@@ -283,9 +283,34 @@ def candidates() -> list[BlasLibrary]:
     return [lib for lib in found if lib is not None]
 
 
+# glibc malloc settings for a process whose MLX runs on the CPU. MLX's CPU backend has no
+# buffer cache: every temporary (a layer's gathered K/V, its scores) is a malloc and a free.
+# glibc gives freed memory back to the kernel (trimming an arena's top, or munmap above the
+# mmap threshold) and the next allocation page-faults it in again: a batch-32 decode step of a
+# 110M llama at context 1,024 took 225,000 minor faults (880 MB) and 2.3 s of system time.
+# Keeping freed memory (a trim threshold of 1 GiB) and serving allocations up to 32 MiB (the
+# most glibc allows) from the arenas took that to 256 faults and 0.66 s. Settings the
+# operator gave in GLIBC_TUNABLES win; other allocators ignore the variable.
+MALLOC_TUNABLES = (
+    ("glibc.malloc.trim_threshold", str(1 << 30)),
+    ("glibc.malloc.mmap_threshold", str(32 << 20)),
+)
+
+
+def with_malloc_tunables(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with :data:`MALLOC_TUNABLES` added to ``GLIBC_TUNABLES`` (those not set)."""
+    given = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+    names = {t.split("=", 1)[0] for t in given}
+    added = [f"{name}={value}" for name, value in MALLOC_TUNABLES if name not in names]
+    if added:
+        env["GLIBC_TUNABLES"] = ":".join([*given, *added])
+    return env
+
+
 def library_env(lib: BlasLibrary, base: Mapping[str, str]) -> dict[str, str]:
-    """A copy of ``base`` that starts processes with ``lib`` preloaded."""
-    env = dict(base)
+    """A copy of ``base`` that starts processes with ``lib`` preloaded (and glibc's malloc
+    keeping freed memory: :data:`MALLOC_TUNABLES`)."""
+    env = with_malloc_tunables(dict(base))
     for name, value in lib.env:
         env.setdefault(name, value)
     if env.get(THREADS_ENV) and not env.get(lib.threads_var):

@@ -9,6 +9,8 @@ import random
 import grpc
 import pytest
 
+from kvcache_service.leases import AcquireRequest, Reuse
+from kvcache_service.tokens import pack
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from tests.worker_engine.conftest import BS, System, generate, request, started_system
 from worker.servicer import WorkerServicer
@@ -223,4 +225,34 @@ async def test_a_lagging_stream_gets_its_tokens_coalesced(system: System, refere
     assert len(rest) == 1 and rest[0].finish_reason == pb.FINISH_REASON_LENGTH
     assert len(first.logprobs) + len(rest[0].logprobs) == 24
     assert rest[0].usage.completion_tokens == 24
+    await system.wait_idle()
+
+
+async def test_a_deferral_on_a_lease_the_worker_never_hears_end_is_retried(system: System) -> None:
+    """A request deferred on another lease filling its prefix asks again once this worker
+    publishes something. The lease here is none of the worker's (its end, like a release that
+    failed and expired at the service, is never heard of): the request still starts, after
+    DEFER_RETRY_S, and does not wait forever."""
+    stub = await system.add_worker()
+    worker = system.workers[0]
+    p = prompt(95, 3 * BS)
+    grant, _ = system.authority.acquire(
+        AcquireRequest(
+            "w0",
+            worker.engine.leases.client.incarnation,
+            "",
+            pack(p[: 2 * BS], "prompt"),
+            reuse=Reuse.SHARE,
+        )
+    )
+    call = asyncio.create_task(generate(stub, request(p, max_tokens=4)))
+    for _ in range(100):
+        if any(s.deferred_at is not None for s in worker.engine.scheduler.waiting):
+            break
+        await asyncio.sleep(0.01)
+    else:
+        raise AssertionError("the request was not deferred on the foreign lease")
+    system.authority.release("w0", worker.engine.leases.client.incarnation, grant.lease_id)
+    got = await asyncio.wait_for(call, timeout=10)
+    assert len(got["tokens"]) == 4
     await system.wait_idle()

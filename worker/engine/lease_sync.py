@@ -60,6 +60,10 @@ from worker.errors import CacheRejected, WorkerError
 log = logging.getLogger(__name__)
 
 RETRY_S = 0.1  # admission retry tick (deferrals on dead leases, unreachable service)
+# A deferred request asks again once this worker published something, or after this long:
+# the lease it waits on may end without this worker hearing of it (its release failed and it
+# expired at the service, or it belongs to a lease this worker lost track of).
+DEFER_RETRY_S = 1.0
 # Items per AcquireLeases / ReleaseLeases call (the service takes up to 1,024).
 ACQUIRE_BATCH = 64
 RELEASE_BATCH = 256
@@ -323,8 +327,14 @@ class LeaseSync:
         if self._recovering or (self._growth_blocked and self.scheduler.running):
             return  # blocks go to running sequences that must grow first
         room = self.policy.max_batch_size - len(self.scheduler.running)
-        batch = [s for s in self.scheduler.waiting if s.deferred_at != self._published]
-        # A deferred request waits until something was published since the service deferred it.
+        # A deferred request waits until something was published since the service deferred
+        # it, or DEFER_RETRY_S passed.
+        now = time.monotonic()
+        batch = [
+            s
+            for s in self.scheduler.waiting
+            if s.deferred_at != self._published or now >= s.deferred_until
+        ]
         batch = batch[: max(0, min(room, ACQUIRE_BATCH))]
         if not batch:
             return
@@ -360,6 +370,7 @@ class LeaseSync:
                     result.pending_tokens,
                 )
                 seq.deferred_at = published
+                seq.deferred_until = time.monotonic() + DEFER_RETRY_S
             elif seq.status is Status.FINISHED or seq not in self.scheduler.waiting:
                 self._release(result.lease_id, None)  # aborted meanwhile
             else:
@@ -410,6 +421,7 @@ class LeaseSync:
         if not lease_ids:
             return
         expired = set(lease_ids)
+        self._published += 1  # their blocks are back: a request deferred on one may go on
         for seq in list(self.scheduler.running):
             if seq.lease is not None and seq.lease.lease_id in expired:
                 log.warning("lease of %s expired; recomputing it", seq.request_id)

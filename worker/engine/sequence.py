@@ -129,6 +129,7 @@ class Sequence:
     # The lease sync's publish count when the cache service deferred this request (its
     # prefix was being computed by another lease); None: not deferred.
     deferred_at: int | None = None
+    deferred_until: float = 0.0  # monotonic time after which it asks again regardless
     aborted: bool = False
     preemptions: int = 0
     admitted_tokens: int = 0  # tokens the current lease was acquired for
