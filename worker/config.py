@@ -52,6 +52,9 @@ class WorkerConfig:
     # for requests that name no number.
     draft_model: str = ""
     num_draft_tokens: int = 4
+    # Tokens a Generate stream message carries at least (the first goes alone, at once): more
+    # streams fewer, larger messages, for throughput where a message costs more than a token.
+    stream_interval: int = 1
     # Run the engine's shapes once before registering, so no request pays for first-use
     # kernel compilation and allocation (worker.warmup).
     warmup: bool = True
@@ -92,6 +95,8 @@ def check(c: WorkerConfig) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 0 (0: the device's default)"
     if c.max_pending_requests is not None and c.max_pending_requests < 0:
         return "--max-pending-requests must be >= 0 (0: no limit)"
+    if c.stream_interval < 1:
+        return "--stream-interval must be >= 1"
     if not 1 <= c.num_draft_tokens <= MAX_DRAFT_TOKENS:
         return f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}]"
     if not 0.0 <= c.kv_memory_fraction <= 1.0:
@@ -128,6 +133,7 @@ SETTINGS = Settings(
         "draft_model": "a small model with the same tokenizer, for requests that ask for "
         "speculative draft_model",
         "num_draft_tokens": "speculative decoding: drafts per step when a request names none",
+        "stream_interval": "tokens a stream message carries at least, after the first",
         "warmup": "run the engine's shapes once before saying ready",
         "self_check": "refuse a model whose paged path disagrees with mlx-lm's dense path",
         "tls_cert": "PEM certificate: with --tls-key, the gRPC port serves TLS",

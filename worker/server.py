@@ -213,7 +213,8 @@ async def running(
         loaded.tokenizer,
     )
     pb_grpc.add_WorkerServicer_to_server(
-        WorkerServicer(engine, worker_id, config.model, runner.kind), server
+        WorkerServicer(engine, worker_id, config.model, runner.kind, config.stream_interval),
+        server,
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

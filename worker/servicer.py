@@ -62,17 +62,19 @@ FINISH_REASON = {
 }
 
 
-def coalesce(
-    event: StreamEvent, queue: asyncio.Queue[StreamEvent]
+async def coalesce(
+    event: StreamEvent, queue: asyncio.Queue[StreamEvent], at_least: int = 1
 ) -> tuple[StreamEvent, StreamEvent | None]:
-    """``event`` and every event already queued behind it, as one, and the next event to send
-    on its own (an error, which must end the stream after the tokens before it), if any.
+    """``event`` and the events behind it, as one message: every event already queued, and
+    more until it holds ``at_least`` tokens (``--stream-interval``) or the request ends. Also
+    the next event to send on its own (an error, which must end the stream after the tokens
+    before it), if any.
 
     A stream whose reader lags (a gateway or client slower than the engine, or an event loop
     busy with other streams) then sends one message for all it has, not one per token: on a
     small model a gRPC message costs more than the forward that made its token."""
-    while event.finish is None and not queue.empty():
-        nxt = queue.get_nowait()
+    while event.finish is None and (not queue.empty() or len(event.token_ids) < at_least):
+        nxt = queue.get_nowait() if not queue.empty() else await queue.get()
         if nxt.error is not None:
             return event, nxt
         event = StreamEvent(
@@ -86,12 +88,19 @@ def coalesce(
 
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(
-        self, engine: Engine, worker_id: str, model_name: str, runner: str = "paged"
+        self,
+        engine: Engine,
+        worker_id: str,
+        model_name: str,
+        runner: str = "paged",
+        stream_interval: int = 1,
     ) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self.model_name = model_name
         self.runner = runner  # "paged", or "dense" for models with recurrent state
+        # Tokens a stream message carries at least, after the first (--stream-interval).
+        self.stream_interval = stream_interval
 
     def _prompt(self, request: pb.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
@@ -120,10 +129,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.engine.submit(seq)  # no await since check_room: the room is still there
         done = False
         held: StreamEvent | None = None
+        interval = 1  # the first token goes out alone, at once: time to first token
         try:
             while not done:
                 event = held or await seq.out.get()
-                event, held = coalesce(event, seq.out)
+                event, held = await coalesce(event, seq.out, interval)
+                interval = self.stream_interval
                 if event.error is not None:
                     await context.abort(status_of(event.error), str(event.error))
                 done = event.finish is not None

@@ -256,3 +256,18 @@ async def test_a_deferral_on_a_lease_the_worker_never_hears_end_is_retried(syste
     got = await asyncio.wait_for(call, timeout=10)
     assert len(got["tokens"]) == 4
     await system.wait_idle()
+
+
+async def test_stream_interval_sends_fewer_larger_messages(system: System, reference) -> None:
+    stub = await system.add_worker(stream_interval=4)
+    p = prompt(96, 30)
+    sizes, tokens = [], []
+    async for msg in stub.Generate(request(p, max_tokens=23, logprobs=1)):
+        sizes.append(len(msg.token_ids))
+        tokens += msg.token_ids
+        last = msg
+    assert tokens == reference(p, 23)[0]
+    assert sizes[0] == 1  # the first token at once
+    assert all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 23 and len(sizes) <= 7
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH and len(last.logprobs) == sizes[-1]
+    await system.wait_idle()
