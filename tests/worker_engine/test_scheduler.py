@@ -189,3 +189,30 @@ def test_prompt_lookup_matches_a_naive_search(seed: int) -> None:
         k = rng.randrange(0, 6)
         assert drafter.propose(tokens, k) == naive_propose(tokens, k, max_n, min_n), tokens
         tokens += [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+
+
+def test_a_sequence_whose_drafts_are_rarely_kept_drafts_only_to_probe(tokenizer) -> None:
+    s = Scheduler(max_batch_size=8, max_step_tokens=64, max_context=4096)
+    seq = make_seq(tokenizer, 10, 0.0, 8, max_tokens=100, speculative="draft_model")
+    seq.num_draft = 4
+    seq.num_computed = 9
+    assert s.draft_room(seq) == 4
+    for n in range(1, 6):  # verdicts keeping nothing pull its acceptance down
+        seq.output = [7] * n
+        seq.num_computed = seq.num_tokens - 1
+        item = Scheduled(seq, seq.num_computed, [7, 1, 2, 3, 4], tuple(seq.block_table), 0, (), 4)
+        s.postprocess(Step([item], []), [Accepted((Sampled(9),), drafts=4)])
+    assert seq.acceptance < 0.25
+    rooms = []
+    for n in range(16, 32):
+        seq.output = [7] * n
+        seq.num_computed = seq.num_tokens - 1
+        rooms.append(s.draft_room(seq))
+    assert rooms.count(0) == 14 and rooms.count(4) == 2  # one decode in 8 probes
+    # Kept drafts bring it back.
+    for _ in range(6):
+        seq.output.append(7)
+        seq.num_computed = seq.num_tokens - 1
+        item = Scheduled(seq, seq.num_computed, [7, 1, 2], tuple(seq.block_table), 0, (), 2)
+        s.postprocess(Step([item], []), [Accepted((Sampled(1), Sampled(2), Sampled(3)), drafts=2)])
+    assert seq.acceptance > 0.25

@@ -139,6 +139,7 @@ class Sequence:
     drafter: NgramDrafter | None = None
     draft_tokens: int = 0
     accepted_drafts: int = 0
+    acceptance: float = 1.0  # recent share of drafts kept (worker.engine.scheduler)
 
     @property
     def tokens(self) -> list[int]:
