@@ -205,8 +205,10 @@ class ModelExecutor:
                 assert seq.seq_key is not None
                 drafts += tuple(self.draft.propose(seq.seq_key, sp.tokens, sp.draft_slots))
             drafted.append(drafts)
-            token_ids = [*seq.token_ids[: len(seq.token_ids) - len(sp.drafts)], *drafts]
-            inputs.append(SeqInput(token_ids, seq.block_table, seq.start, seq.seq_key))
+            # A decode: its last token, then every draft.
+            inputs.append(
+                SeqInput([seq.token_ids[0], *drafts], seq.block_table, seq.start, seq.seq_key)
+            )
         logits = self.runner.forward_all(inputs)
         rows = []
         for sp, row_logits, drafts in zip(job.speculations, logits, drafted, strict=True):

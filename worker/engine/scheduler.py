@@ -113,7 +113,9 @@ class Scheduler:
             if seq.to_compute == 1 and seq.capacity > seq.num_computed:
                 room = min(self.draft_room(seq), budget - 1)
                 if room > 0 and seq.drafter is not None:
-                    drafts = tuple(seq.drafter.propose(seq.tokens, room))
+                    drafter = seq.drafter
+                    drafter.extend(seq.token_slice(drafter.seen, seq.num_tokens - drafter.seen))
+                    drafts = tuple(drafter.propose(room))
                     take(seq, 1, drafts)
                     budget -= 1 + len(drafts)
                 elif room > 0 and seq.params.speculative == "draft_model":

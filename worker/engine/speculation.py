@@ -27,10 +27,11 @@ DEFAULT_MIN_N = 2
 
 
 class NgramDrafter:
-    """An index of one sequence's n-grams: for each, the position after its latest
-    occurrence that has a continuation."""
+    """One sequence's tokens and an index of their n-grams: for each, the position after its
+    latest occurrence that has a continuation. Fed the tokens as they come (:meth:`extend`),
+    so a step costs what its new tokens cost, not the context's length."""
 
-    __slots__ = ("_index", "_seen", "max_n", "min_n")
+    __slots__ = ("_index", "_tokens", "max_n", "min_n")
 
     def __init__(self, max_n: int = DEFAULT_MAX_N, min_n: int = DEFAULT_MIN_N) -> None:
         if not 1 <= min_n <= max_n:
@@ -38,30 +39,32 @@ class NgramDrafter:
         self.max_n = max_n
         self.min_n = min_n
         self._index: dict[tuple[int, ...], int] = {}
-        self._seen = 0  # tokens indexed: every n-gram ending before position _seen - 1
+        self._tokens: list[int] = []
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` drafts to follow ``tokens`` (the sequence so far, which only grows
-        between calls, or is the same list rolled back to a shorter one)."""
-        if k <= 0 or len(tokens) < self.min_n + 1:
-            return []
-        self._update(tokens)
+    @property
+    def seen(self) -> int:
+        """Tokens fed so far."""
+        return len(self._tokens)
+
+    def extend(self, new: Sequence[int]) -> None:
+        """Appends the sequence's next tokens and indexes every n-gram that now has a
+        continuation: the one ending at position i - 1 maps to i. Later occurrences overwrite
+        earlier ones (the latest context is the likeliest to repeat)."""
+        tokens = self._tokens
+        first = len(tokens)
+        tokens.extend(new)
+        for i in range(max(first, self.min_n), len(tokens)):
+            for n in range(self.min_n, min(self.max_n, i) + 1):
+                self._index[tuple(tokens[i - n : i])] = i
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` drafts to follow the tokens fed so far."""
+        tokens = self._tokens
         end = len(tokens)
+        if k <= 0 or end < self.min_n + 1:
+            return []
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
             at = self._index.get(tuple(tokens[end - n :]))
             if at is not None:
-                return list(tokens[at : min(at + k, end)])
+                return tokens[at : min(at + k, end)]
         return []
-
-    def _update(self, tokens: Sequence[int]) -> None:
-        """Indexes every n-gram that has a continuation: the one ending at position i - 1 maps
-        to i, for i < len(tokens). Later occurrences overwrite earlier ones (the latest
-        context is the likeliest to repeat)."""
-        end = len(tokens)
-        if end < self._seen:  # rolled back (a preemption recomputes; tokens are kept, but
-            self._index.clear()  # be safe if a caller ever shortens them)
-            self._seen = 0
-        for i in range(max(self._seen, self.min_n), end):
-            for n in range(self.min_n, min(self.max_n, i) + 1):
-                self._index[tuple(tokens[i - n : i])] = i
-        self._seen = end

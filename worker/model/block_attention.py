@@ -141,36 +141,26 @@ def gathered_attention(
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 
-def _servable(cache: PagedLayerCache, queries: mx.array, keys: Any, values: Any, mask: Any) -> bool:
-    batch = cache.batch
-    fetched = cache.fetched()
-    if not cache.block_attention or not batch.is_decode or fetched is None or queries.shape[2] != 1:
-        return False
-    if keys is not fetched[0] or values is not fetched[1]:
-        return False  # the model changed the keys after fetching them: use what it passes
-    if mask is None or isinstance(mask, str):
-        return mask in (None, "causal")
-    shape = mask.shape
-    return mask.ndim == 4 and shape[1:] == (1, 1, batch.key_len) and shape[0] in (1, batch.size)
-
-
-# Queries a sequence up to which a forward's attention goes through gathered_attention rather
-# than the prefill path: a speculative decode verifies its last token and up to 16 drafts.
+# Queries a sequence up to which attention reads the pool blocks like a decode (one query) does:
+# a speculative decode verifies its last token and up to 16 drafts. Longer chunks are prefill.
 # (Batch 8 of a 110M llama at context 400: 2 queries a sequence took 222 ms through the prefill
 # path, which gathers every context whole and syncs each layer for numpy, against 103 ms for 1.)
 FEW_QUERIES = 17
 
 
-def _few_queries(
+def _reads_pool(
     cache: PagedLayerCache, queries: mx.array, keys: Any, values: Any, mask: Any
 ) -> bool:
+    """Whether this call is a decode, or a decode with drafts (at most FEW_QUERIES queries a
+    sequence), over exactly the K/V its cache fetched, with a mask attention from the pool
+    blocks can apply."""
     batch = cache.batch
     fetched = cache.fetched()
     n = queries.shape[2]
-    if not 1 < n <= FEW_QUERIES or batch.query_len != n or fetched is None:
+    if not 1 <= n <= FEW_QUERIES or batch.query_len != n or fetched is None:
         return False
     if keys is not fetched[0] or values is not fetched[1]:
-        return False
+        return False  # the model changed the keys after fetching them: use what it passes
     if mask is None or isinstance(mask, str):
         return mask in (None, "causal")
     return (
@@ -192,22 +182,18 @@ def paged_sdpa(
         return _ORIGINAL_SDPA(
             queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
         )
-    if _servable(cache, queries, keys, values, mask):
+    if _reads_pool(cache, queries, keys, values, mask):
         pool_k, pool_v = cache.pool.layer_arrays(cache.layer)
         heads, batch = pool_k.shape[0], cache.batch
         rows = batch.block_rows(heads, pool_k.shape[1])
-        if not cache.block_decode:
-            seq_mask = None if mask is None or isinstance(mask, str) else mask
-            return gathered_attention(
-                queries, pool_k, pool_v, rows, scale, seq_mask, cache.attention_streams
+        decode = queries.shape[2] == 1
+        if decode and isinstance(mask, str):
+            mask = None  # one query attends to its whole context
+        if decode and cache.block_decode:
+            row_mask = None if mask is None else batch.row_mask(mask, heads)
+            return block_table_attention(
+                queries, pool_k, pool_v, rows, scale, row_mask, cache.attention_streams
             )
-        row_mask = None if mask is None or isinstance(mask, str) else batch.row_mask(mask, heads)
-        return block_table_attention(
-            queries, pool_k, pool_v, rows, scale, row_mask, cache.attention_streams
-        )
-    if _few_queries(cache, queries, keys, values, mask):  # a decode with drafts to verify
-        pool_k, pool_v = cache.pool.layer_arrays(cache.layer)
-        rows = cache.batch.block_rows(pool_k.shape[0], pool_k.shape[1])
         return gathered_attention(
             queries, pool_k, pool_v, rows, scale, mask, cache.attention_streams
         )

@@ -34,6 +34,9 @@ PREFILL_CHUNK = 512
 class _State:
     cache: list[Any]
     fed: list[int] = field(default_factory=list)  # tokens whose K/V the cache holds
+    # Leading tokens of fed known to be the sequence's: those it had at the last proposal (a
+    # sequence only grows), so only the drafts after them are compared, not the context.
+    confirmed: int = 0
 
 
 class DraftModel:
@@ -64,7 +67,9 @@ class DraftModel:
         state = self._states.get(key)
         if state is None:
             state = self._states[key] = _State(make_prompt_cache(self.model))
-        common = _common_prefix(state.fed, tokens)
+        common = state.confirmed + _common_prefix(
+            state.fed[state.confirmed :], tokens[state.confirmed :]
+        )
         common = min(common, len(tokens) - 1)  # the last token is fed again for its logits
         if len(state.fed) > common:
             trim_prompt_cache(state.cache, len(state.fed) - common)
@@ -82,6 +87,7 @@ class DraftModel:
             drafts.append(last)
         # The cache now holds tokens and every draft but the last.
         state.fed = [*tokens, *drafts[:-1]]
+        state.confirmed = len(tokens)
         return drafts
 
 

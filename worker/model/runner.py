@@ -171,13 +171,9 @@ class ModelRunner:
             1, getattr(getattr(self.model, "args", None), "num_attention_heads", heads) // heads
         )
         q = mx.random.normal((batch, heads * rep, 1, dim), key=mx.random.key(0)).astype(k.dtype)
-        order = np.random.default_rng(0).permutation(per_head - 1)[: batch * n]
-        tables = order.reshape(batch, n).astype(np.int32)
-        rows = mx.array(
-            (np.arange(heads)[None, :, None] * per_head + tables[:, None, :])
-            .reshape(batch * heads, n)
-            .astype(np.uint32)
-        )
+        order = np.random.default_rng(0).permutation(per_head - 1)[: batch * n].tolist()
+        decodes = [SeqInput([0], order[i * n : (i + 1) * n], n * bs - 1) for i in range(batch)]
+        rows = ForwardBatch(decodes, bs, self.pool.num_blocks).block_rows(heads, per_head)
         scale = dim**-0.5
 
         def blocks() -> mx.array:

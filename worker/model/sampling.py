@@ -127,8 +127,14 @@ def sample_row(
     logits: mx.array, row: int, rs: RowSampler, history: Sequence[int], position: int
 ) -> Sampled:
     logprobs = _logprobs(logits[row : row + 1], rs, history)
-    token = int(np.asarray(rs.sample(logprobs, position)).reshape(-1)[0])
+    token = _token(rs.sample(logprobs, position))
     return _sampled(logprobs, token, rs)
+
+
+def _token(x: mx.array) -> int:
+    """A one-token draw as an int (through numpy, which releases the GIL while MLX evaluates;
+    ``.item()`` holds it)."""
+    return int(np.asarray(x).reshape(-1)[0])
 
 
 def _logprobs(x: mx.array, rs: RowSampler, history: Sequence[int]) -> mx.array:
@@ -211,7 +217,7 @@ def verify_row(
     for j in range(len(drafts) + 1):
         logprobs = _logprobs(logits[j : j + 1], rs, history)
         if j == len(drafts):
-            token = int(np.asarray(rs.sample(logprobs, position + j)).reshape(-1)[0])
+            token = _token(rs.sample(logprobs, position + j))
         else:
             token = _judge(logprobs, rs, position + j, drafts[j])
         tokens.append(_sampled(logprobs, token, rs))
@@ -225,7 +231,7 @@ def verify_row(
 def _judge(logprobs: mx.array, rs: RowSampler, position: int, draft: int) -> int:
     """The token at ``position`` given a draft: the draft if kept, else a replacement."""
     if rs.params.greedy:
-        return int(np.asarray(mx.argmax(logprobs, axis=-1)).reshape(-1)[0])
+        return _token(mx.argmax(logprobs, axis=-1))
     weights = rs.weights(logprobs)
     accept_key, resample_key = mx.random.split(rs.key(position))
     p_draft = mx.softmax(weights, axis=-1)[0, draft]
@@ -234,4 +240,4 @@ def _judge(logprobs: mx.array, rs: RowSampler, position: int, draft: int) -> int
     residual = mx.put_along_axis(
         weights, mx.array([[draft]]), mx.array(-mx.inf, weights.dtype), axis=-1
     )
-    return int(np.asarray(mx.random.categorical(residual, key=resample_key)).reshape(-1)[0])
+    return _token(mx.random.categorical(residual, key=resample_key))
