@@ -73,3 +73,18 @@ def test_what_it_leaves_to_mlx() -> None:
     q, k, _ = qkv(1, 4, 2, 3, 9, 8, seed=2)
     assert not cpu_attention.servable(q, k, "sliding")  # a mask form it does not know
     assert not cpu_attention.servable(q, k, mx.zeros((1, 1, 3, 8)))  # keys it cannot align
+
+
+def test_softmax_in_place_writes_only_its_own_scores() -> None:
+    """The softmax runs in place on the buffer MLX evaluated the scores into: the inputs, and an
+    earlier call's output, must come out untouched, and a second call must agree."""
+    q, k, v = qkv(2, 8, 2, 6, 24, 16, seed=5)
+    before = [np.array(a) for a in (q, k, v)]
+    first = cpu_attention.prefill_attention(q, k, v, 0.25, "causal")
+    mx.eval(first)
+    kept = np.array(first)
+    second = cpu_attention.prefill_attention(q, k, v, 0.25, "causal")
+    for a, b in zip((q, k, v), before, strict=True):
+        np.testing.assert_array_equal(np.array(a), b)
+    np.testing.assert_array_equal(np.array(first), kept)
+    np.testing.assert_array_equal(np.array(second), kept)
