@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
-from worker.model import cpu_attention
+from worker.model import cpu_attention, cpu_math
 from worker.model.paged_cache import PagedLayerCache
 
 _ORIGINAL_SDPA = base.scaled_dot_product_attention
@@ -90,7 +90,7 @@ def _attend_rows(
             scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
         else:
             scores = scores + mask.astype(scores.dtype)
-    probs = mx.softmax(scores, axis=-1, precise=True).astype(v.dtype)
+    probs = cpu_math.softmax(scores).astype(v.dtype)  # MLX's CPU exp is ~5x slower
     probs = probs.reshape(r, rep, n, bs)
     probs = probs.transpose(0, 2, 1, 3) if rep > 1 else probs.reshape(r, n, 1, bs)
     return mx.gather_mm(probs, v, rhs_indices=rows).sum(axis=1)
