@@ -88,3 +88,13 @@ def test_softmax_in_place_writes_only_its_own_scores() -> None:
         np.testing.assert_array_equal(np.array(a), b)
     np.testing.assert_array_equal(np.array(first), kept)
     np.testing.assert_array_equal(np.array(second), kept)
+
+
+def test_scores_large_enough_to_split_over_threads() -> None:
+    """Past PARALLEL_MIN the exponentials run on several threads, by rows: same result."""
+    b, hq, hk, n_q, n_k = 1, 4, 2, 300, 1024
+    assert b * hq * n_q * n_k >= cpu_attention.PARALLEL_MIN
+    q, k, v = qkv(b, hq, hk, n_q, n_k, 32, seed=9)
+    got = cpu_attention.prefill_attention(q, k, v, 0.2, "causal")
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal")
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-4)

@@ -76,6 +76,17 @@ def test_swiglu_matches_mlx_lm(dtype, tol) -> None:
     np.testing.assert_allclose(mine, theirs, rtol=2 * tol, atol=2 * tol)
 
 
+@pytest.mark.parametrize("rows", [3, cpu_math.NUMPY_MIN // 64 + 5])  # compiled, then numpy
+def test_swiglu_both_ways_against_float64(rows) -> None:
+    rng = np.random.default_rng(2)
+    g, u = (rng.standard_normal((1, rows, 64)).astype(np.float32) * 5 for _ in "gu")
+    got = cpu_math.swiglu(mx.array(g), mx.array(u))
+    assert got.shape == g.shape and got.dtype == mx.float32
+    d = g.astype(np.float64)
+    want = d / (1 + np.exp(-d)) * u
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-6, atol=1e-6)
+
+
 def test_install_routes_a_models_swiglu() -> None:
     """The model's module calls the fast SwiGLU afterwards, and its logits barely move."""
     model = tiny_model("llama")

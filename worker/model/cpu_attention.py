@@ -17,10 +17,41 @@ calls on the CPU (``block_attention.paged_sdpa``); decode and the GPU keep their
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+
+# Score elements from which the exponentials are split over threads: numpy releases the GIL and
+# MLX's threads wait meanwhile (512 x 4,096 scores x 12 heads: 28.6 ms on one core, 17.7 on two).
+PARALLEL_MIN = 1 << 20
+_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+_pool: ThreadPoolExecutor | None = None
+
+
+def _exp_rows(s: np.ndarray) -> np.ndarray:
+    """``s`` ``[rows, N]`` minus each row's max, exponentiated in place; the rows' sums."""
+    global _pool
+    sums = np.empty(len(s), dtype=np.float32)
+
+    def part(lo: int, hi: int) -> None:
+        rows = s[lo:hi]
+        rows -= rows.max(axis=-1, keepdims=True)
+        np.exp(rows, out=rows)
+        rows.sum(axis=-1, out=sums[lo:hi])
+
+    parts = min(_THREADS, len(s)) if s.size >= PARALLEL_MIN else 1
+    if parts < 2:
+        part(0, len(s))
+        return sums
+    if _pool is None:
+        _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="softmax")
+    bounds = [len(s) * i // parts for i in range(parts + 1)]
+    for f in [_pool.submit(part, bounds[i], bounds[i + 1]) for i in range(parts)]:
+        f.result()
+    return sums
 
 
 def servable(queries: mx.array, keys: mx.array, mask: Any) -> bool:
@@ -71,11 +102,9 @@ def prefill_attention(
             np.copyto(s, np.float32(-np.inf), where=~m)
         else:
             s += m
-    s -= s.max(axis=-1, keepdims=True)
-    np.exp(s, out=s)
     # Normalized after P V, on the [L, Dv] output rather than the [L, N] probabilities (a pass
     # over the scores fewer); in float32, so the unnormalized sums cannot overflow a half type.
-    sums = mx.array(s.sum(axis=-1).reshape(b, hk, rep * n_q, 1))
+    sums = mx.array(_exp_rows(s.reshape(-1, n_k)).reshape(b, hk, rep * n_q, 1))
     probs = scores if in_place else mx.array(s.reshape(b, hk, rep * n_q, n_k))
     del s, view
     out = (probs @ values.astype(mx.float32)) / sums  # [B, Hk, rep * L, Dv]
