@@ -12,8 +12,9 @@ at :func:`paged_sdpa`, which serves :class:`PagedLayerCache` decodes and passes 
 (dense caches, prefill, attention sinks, keys a model changed after fetching them) to the
 original unchanged (or, where the runner measured it faster, to :func:`gathered_attention`),
 except prefill chunks on the CPU, whose softmax runs in numpy
-(``worker.model.cpu_attention``: MLX's CPU ``exp`` is ~15x slower than numpy's). It is the seam
-where a Metal or CUDA block-table kernel plugs in later.
+(``worker.model.cpu_attention``: MLX's CPU ``exp`` is ~15x slower than numpy's). On an NVIDIA
+GPU (MLX's CUDA backend) decodes go to a block-table kernel instead
+(``worker.model.gpu_attention``) and everything else to the original function.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
-from worker.model import cpu_attention, cpu_math
+from worker.model import cpu_attention, cpu_math, gpu_attention
+from worker.model.forward_batch import ForwardBatch
 from worker.model.paged_cache import PagedLayerCache
 
 _ORIGINAL_SDPA = base.scaled_dot_product_attention
@@ -182,6 +184,8 @@ def paged_sdpa(
         return _ORIGINAL_SDPA(
             queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
         )
+    if gpu_attention.active():
+        return _gpu_sdpa(queries, keys, values, cache, scale, mask)
     if _reads_pool(cache, queries, keys, values, mask):
         pool_k, pool_v = cache.pool.layer_arrays(cache.layer)
         heads, batch = pool_k.shape[0], cache.batch
@@ -200,6 +204,40 @@ def paged_sdpa(
     if cpu_attention.servable(queries, keys, mask):  # a prefill chunk on the CPU
         return cpu_attention.prefill_attention(queries, keys, values, scale, mask)
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _gpu_sdpa(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: PagedLayerCache,
+    scale: float,
+    mask: Any,
+) -> mx.array:
+    """On an NVIDIA GPU: decodes (and decodes with drafts) through the block-table kernel
+    (``worker.model.gpu_attention``); every call it cannot serve, prefill included, takes
+    mlx-lm's own path over the gathered K/V, as it did before the kernel existed."""
+    if cache.block_decode and _reads_pool(cache, queries, keys, values, mask):
+        batch = cache.batch
+        known, window = _kernel_window(batch, mask, queries.shape[2])
+        pool_k, pool_v = cache.pool.layer_arrays(cache.layer)
+        if known and gpu_attention.supports(queries, pool_k, pool_v):
+            tables, ends, query_lens = batch.kernel_inputs()
+            return gpu_attention.paged_decode_attention(
+                queries, pool_k, pool_v, tables, ends, scale, window, query_lens
+            )
+    return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask)
+
+
+def _kernel_window(batch: ForwardBatch, mask: Any, n: int) -> tuple[bool, int | None]:
+    """Whether a kernel that computes masks from positions reproduces ``mask`` exactly, and
+    with which sliding window: no mask for one query, ``"causal"`` (the batch's keys are each
+    sequence's context), or an array this batch built (``ForwardBatch.mask``)."""
+    if mask is None:
+        return n == 1, None
+    if isinstance(mask, str):
+        return mask == "causal", None
+    return batch.mask_window(mask)
 
 
 def install(model: nn.Module) -> int:

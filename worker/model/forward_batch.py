@@ -58,6 +58,7 @@ class ForwardBatch:
     """Padded token ids, write slots, block tables, offsets and masks for one forward."""
 
     __slots__ = (
+        "_kernel_inputs",
         "_masks",
         "_row_masks",
         "_rows",
@@ -124,6 +125,7 @@ class ForwardBatch:
             int(self.starts[0]) if uniform else mx.array(self.starts.astype(np.int32))
         )
         self._masks: dict[tuple[int | None, bool], Any] = {}
+        self._kernel_inputs: tuple[mx.array, mx.array, mx.array] | None = None
         self._rows: dict[int, mx.array] = {}
         self._row_masks: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}
 
@@ -178,6 +180,26 @@ class ForwardBatch:
         return mx.array(
             allowed.reshape(self.size, *(1,) * (self.mask_rank - 3), *allowed.shape[1:])
         )
+
+    def mask_window(self, mask: Any) -> tuple[bool, int | None]:
+        """Whether ``mask`` is an array :meth:`mask` built for this batch, and for which
+        window: attention that computes the mask from positions (``worker.model.gpu_attention``)
+        serves only masks it can rebuild."""
+        for (window, _), built in self._masks.items():
+            if built is mask and isinstance(built, mx.array):
+                return True, window
+        return False, None
+
+    def kernel_inputs(self) -> tuple[mx.array, mx.array, mx.array]:
+        """Block tables ``[B, key_blocks]``, ``ends`` and ``query_lens`` ``[B]`` (int32) for
+        attention kernels that read the pool by block table; built once per forward."""
+        if self._kernel_inputs is None:
+            self._kernel_inputs = (
+                self.tables.reshape(self.size, self.key_blocks),
+                mx.array(self.ends.astype(np.int32)),
+                mx.array(self.query_lens.astype(np.int32)),
+            )
+        return self._kernel_inputs
 
     def block_rows(self, n_kv_heads: int, blocks_per_head: int) -> mx.array:
         """Row ids ``[B * heads, key_blocks]`` into a pool viewed as ``[heads * blocks_per_head,

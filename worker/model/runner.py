@@ -23,7 +23,7 @@ import numpy as np
 
 from worker.errors import BatchError, PoolConfigError
 from worker.model import block_attention as block_attention_hook
-from worker.model import cpu_math
+from worker.model import cpu_math, gpu_attention
 from worker.model.forward_batch import ForwardBatch, SeqInput
 from worker.model.kv_pool import DEFAULT_BLOCK_SIZE, KVPool
 from worker.model.paged_cache import PagedLayerCache
@@ -33,10 +33,12 @@ from worker.model.spec import ModelSpec, probe
 class ModelRunner:
     """An mlx-lm model and its KV pool, one forward at a time.
 
-    ``block_attention`` (default: on the CPU device) serves decode attention straight from the
-    pool blocks (``worker.model.block_attention``), split over ``attention_streams`` MLX CPU streams
-    (default: one per available core, at most 8); off, every forward gathers K/V and runs SDPA
-    (the reference path). Both match mlx-lm's dense ``KVCache`` path.
+    ``block_attention`` (default: on the CPU device, and on an NVIDIA GPU unless
+    ``KVSERVE_CUDA_ATTENTION=0``) serves decode attention straight from the pool blocks
+    (``worker.model.block_attention``), on the CPU split over ``attention_streams`` MLX CPU
+    streams (default: one per available core, at most 8), on the GPU with a block-table kernel
+    (``worker.model.gpu_attention``); off, every forward gathers K/V and runs SDPA (the
+    reference path). All match mlx-lm's dense ``KVCache`` path.
 
     MLX streams belong to the thread that creates them: build the runner on the thread that
     will call :meth:`forward`.
@@ -59,7 +61,7 @@ class ModelRunner:
                 f"pool has {pool.num_layers} layers, model {len(self.spec.layers)}"
             )
         if block_attention is None:
-            block_attention = mx.default_device() == mx.cpu
+            block_attention = mx.default_device() == mx.cpu or gpu_attention.active()
         self.block_attention = block_attention
         self.block_decode = block_attention
         """Whether decodes read blocks where they lie (else gather, then SDPA); see
@@ -69,7 +71,8 @@ class ModelRunner:
             cpu_math.install(model)  # MLX's CPU exp is ~5x slower than its multiplies
         if block_attention:
             block_attention_hook.install(model)
-            self._streams = _streams(attention_streams or min(8, _cores()))
+            if not gpu_attention.active():  # the CPU path splits attention over streams
+                self._streams = _streams(attention_streams or min(8, _cores()))
 
     @classmethod
     def create(
@@ -158,7 +161,8 @@ class ModelRunner:
         start by measurement (``kvserve_model.blas``); so is this, at a decode shape of
         ``batch`` sequences of ``context`` tokens with the model's heads (fewer where the pool
         is smaller), and gathers only where that is more than 10% faster. Off the CPU path
-        (``block_attention`` off) decodes always gather.
+        (``block_attention`` off) decodes always gather; on an NVIDIA GPU they take the
+        block-table kernel (``worker.model.gpu_attention``), unmeasured.
 
         Measured at the CPU's default batch, where decode throughput is decided (2-core AMD
         EPYC, AOCL-BLIS-mt, 110M llama, context 1,024, whole decode steps, glibc keeping freed
@@ -166,6 +170,8 @@ class ModelRunner:
         blocks; batch 8 193 against 261."""
         if not self.block_attention:
             return DecodeChoice("gather", 0.0, 0.0)
+        if gpu_attention.active():
+            return DecodeChoice("block-table kernel (CUDA)", 0.0, 0.0)
         k, v = self.pool.layer_arrays(0)
         heads, per_head, bs, dim = k.shape
         n = max(1, min(context // bs, (per_head - 1) // batch))

@@ -1,0 +1,382 @@
+"""The GPU block-table decode attention (``worker.model.gpu_attention``) and its wiring.
+
+Everything here but the tests marked ``cuda`` runs on the CPU: the kernel sources rendered from
+one template for CUDA and Metal, the launch arithmetic, the float64 reference the GPU check holds
+the kernel to (itself checked against SDPA), the batch metadata the kernel reads, which calls
+``paged_sdpa`` hands to the kernel and which it keeps on mlx-lm's path, and the model-family
+parity scenarios of ``test_paged_parity`` with the kernel's role played by the float64 reference
+(so the windows, lengths and tables the wiring passes are the right ones). The tests marked
+``cuda`` run the kernel itself; they are skipped without an NVIDIA GPU (MLX's CUDA backend)
+and were run on an H100 (``docs/gpu-attention.md``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import tests.worker.test_paged_parity as parity
+from tests.worker.helpers import TOL, tiny_model
+from worker.model import block_attention, gpu_attention
+from worker.model.forward_batch import ForwardBatch, SeqInput
+from worker.model.kv_pool import KVPool
+from worker.model.paged_cache import PagedLayerCache
+from worker.model.runner import ModelRunner
+from worker.model.spec import probe
+
+cuda = pytest.mark.skipif(
+    not gpu_attention.cuda_available(), reason="needs an NVIDIA GPU (MLX's CUDA backend)"
+)
+KINDS = ("single", "partial", "reduce")
+
+
+# --- the kernel sources -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_and_metal_sources_come_from_one_template(kind):
+    cuda_header, cuda_body = gpu_attention.render("cuda", kind)
+    metal_header, metal_body = gpu_attention.render("metal", kind)
+    for body in (cuda_body, metal_body):
+        assert "$" not in body
+    # The bodies differ only in the backend's names for indices: swap them and they agree.
+    translated = cuda_body
+    names = gpu_attention._BACKENDS
+    for key in sorted(names["cuda"], key=lambda k: -len(names["cuda"][k])):
+        if names["cuda"][key]:
+            translated = translated.replace(names["cuda"][key], names["metal"][key])
+    assert translated.replace("\n", "") == metal_body.replace("\n", "")
+    assert "blockIdx" in cuda_body and "threadgroup_position_in_grid" not in cuda_body
+    assert "threadgroup_position_in_grid" in metal_body and "blockIdx" not in metal_body
+    assert "__shfl_xor_sync" in cuda_header and "simd_shuffle_xor" in metal_header
+    assert "__syncthreads" in cuda_header and "threadgroup_barrier" in metal_header
+
+
+def test_every_input_and_output_is_used():
+    for kind in KINDS:
+        _, body = gpu_attention.render("cuda", kind)
+        for name in gpu_attention._INPUTS[kind] + gpu_attention._OUTPUTS[kind]:
+            assert re.search(rf"\b{name}\b", body), (kind, name)
+
+
+def test_the_metal_twin_builds_without_a_gpu():
+    """Only built (MLX checks nothing until it runs): it is untested on hardware."""
+    for kind in KINDS:
+        assert callable(gpu_attention._kernel("metal", kind))
+
+
+# --- launch arithmetic ------------------------------------------------------------------------
+
+
+def test_rows_per_tile():
+    assert gpu_attention.rows_per_tile(1, 1) == 1
+    assert gpu_attention.rows_per_tile(4, 1) == 4
+    assert gpu_attention.rows_per_tile(8, 1) == 8
+    assert gpu_attention.rows_per_tile(2, 3) == 8  # 6 rows round up
+    assert gpu_attention.rows_per_tile(4, 5) == 8  # 20 rows: three tiles of 8
+    assert gpu_attention.rows_per_tile(16, 1) == 8
+
+
+def test_splits_fill_the_gpu_at_small_batch_and_vanish_at_large():
+    choose = gpu_attention.choose_splits
+    # batch 1, 8 KV heads, 16k tokens in blocks of 32: as many splits as allowed
+    assert choose(8, 512) == gpu_attention.MAX_SPLITS
+    # batch 8 x 8 heads at 4k: enough for ~TARGET_CTAS thread blocks
+    s = choose(64, 128)
+    assert 64 * s >= gpu_attention.TARGET_CTAS and 64 * (s - 1) < gpu_attention.TARGET_CTAS
+    assert choose(128 * 8, 128) == 1  # batch 128: the batch alone fills the GPU
+    assert choose(8, 3) == 1  # fewer blocks than warps: one split
+    assert choose(8, 40) == 10  # at least one block per warp in a split
+    for ctas in (1, 7, 64, 1000):
+        for blocks in (1, 5, 100, 1024):
+            assert 1 <= choose(ctas, blocks) <= max(1, blocks)
+
+
+def test_visible_blocks_under_a_window():
+    vb = gpu_attention.visible_blocks
+    assert vb(100, 32, 1, None) == 100
+    assert vb(100, 32, 1, 1) == 1  # the query's own key
+    assert vb(100, 32, 1, 64) == 3  # 64 keys from the middle of a block touch three
+    assert vb(3, 32, 1, 4096) == 3
+    # Brute force: the most blocks any W + nq - 1 consecutive positions touch.
+    for bs in (4, 8, 32):
+        for w in (1, 3, 8, 33, 70):
+            for nq in (1, 5):
+                span = w + nq - 1
+                worst = max(((p + span - 1) // bs) - p // bs + 1 for p in range(3 * bs))
+                assert vb(10**6, bs, nq, w) == worst
+
+
+def test_supports():
+    q = mx.zeros((2, 8, 1, 128), mx.float16)
+    k = mx.zeros((2, 10, 32, 128), mx.float16)
+    assert gpu_attention.supports(q, k, k)
+    assert not gpu_attention.supports(mx.zeros((2, 8, 1, 96), mx.float16), k[..., :96], k[..., :96])
+    assert not gpu_attention.supports(q, k, mx.zeros((2, 10, 32, 64), mx.float16))  # Dv != D
+    assert not gpu_attention.supports(mx.zeros((2, 7, 1, 128), mx.float16), k, k)  # 7 % 2
+    assert not gpu_attention.supports(mx.zeros((2, 8, 18, 128), mx.float16), k, k)  # prefill
+    assert not gpu_attention.supports(q, k.astype(mx.int32), k.astype(mx.int32))
+
+
+@pytest.mark.skipif(gpu_attention.cuda_available(), reason="a CPU-only MLX")
+def test_inactive_without_cuda(monkeypatch):
+    monkeypatch.delenv(gpu_attention.ENV_SWITCH, raising=False)
+    assert not gpu_attention.active()
+    assert (
+        not ModelRunner.create(tiny_model("llama"), num_blocks=8)
+        .choose_decode_attention(batch=2, context=16, repeats=1)
+        .path.startswith("block-table kernel")
+    )
+
+
+# --- the float64 reference, against SDPA on gathered K/V --------------------------------------
+
+
+def _random_case(rng, lengths, nq, bs=8, h=2, rep=3, d=16, q_lens=None):
+    """Sequences of ``lengths`` tokens (after the forward) each computing ``nq`` queries (or
+    ``q_lens``), with shuffled block tables over a random pool: (batch, pool_k, pool_v, q)."""
+    q_lens = q_lens or [nq] * len(lengths)
+    need = [-(-n // bs) for n in lengths]
+    num_blocks = sum(need) + 3
+    order = rng.permutation(num_blocks).tolist()
+    seqs, at = [], 0
+    for n, k, ql in zip(lengths, need, q_lens, strict=True):
+        seqs.append(SeqInput([0] * ql, order[at : at + k], n - ql))
+        at += k
+    batch = ForwardBatch(seqs, bs, num_blocks)
+    shape = (h, num_blocks + 1, bs, d)
+    pool_k = mx.array(rng.standard_normal(shape).astype(np.float32))
+    pool_v = mx.array(rng.standard_normal(shape).astype(np.float32))
+    q = mx.array(
+        rng.standard_normal((len(lengths), h * rep, batch.query_len, d)).astype(np.float32)
+    )
+    return batch, pool_k, pool_v, q
+
+
+def _gathered_sdpa(batch, pool_k, pool_v, q, scale, window):
+    h = pool_k.shape[0]
+    heads = mx.arange(h)[None, :, None]
+    k = pool_k[heads, batch.tables].reshape(batch.size, h, batch.key_len, -1)
+    v = pool_v[heads, batch.tables].reshape(batch.size, h, batch.key_len, -1)
+    mask = batch.mask(window)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "nq", "q_lens", "window"),
+    [
+        ([1, 9, 30], 1, None, None),
+        ([17, 40], 1, None, 5),
+        ([12, 12], 4, None, None),  # "causal"
+        ([12, 25, 7], 4, [4, 2, 1], None),  # padded query rows
+        ([33, 20], 3, [3, 2], 6),
+    ],
+)
+def test_reference_matches_sdpa_on_gathered_blocks(lengths, nq, q_lens, window):
+    rng = np.random.default_rng(len(lengths) * 10 + nq)
+    batch, pool_k, pool_v, q = _random_case(rng, lengths, nq, q_lens=q_lens)
+    tables, ends, query_lens = batch.kernel_inputs()
+    scale = 0.3
+    want = _gathered_sdpa(batch, pool_k, pool_v, q, scale, window)
+    got = gpu_attention.reference_attention(
+        np.array(q), np.array(pool_k), np.array(pool_v), np.array(tables), np.array(ends),
+        scale, window, np.array(query_lens),
+    )  # fmt: skip
+    assert np.abs(got - np.array(want)).max() < 1e-5
+
+
+def test_reference_detects_a_wrong_block():
+    """Negative control: a table entry pointing elsewhere moves the output far past 1e-5."""
+    rng = np.random.default_rng(3)
+    batch, pool_k, pool_v, q = _random_case(rng, [40], 1)
+    tables, ends, _ = batch.kernel_inputs()
+    good = np.array(tables)
+    bad = good.copy()
+    bad[0, 2] = good[0, 2] + 1 if good[0, 2] + 1 < pool_k.shape[1] - 1 else good[0, 2] - 1
+    args = (np.array(q), np.array(pool_k), np.array(pool_v))
+    a = gpu_attention.reference_attention(*args, good, np.array(ends), 0.5)
+    b = gpu_attention.reference_attention(*args, bad, np.array(ends), 0.5)
+    assert np.abs(a - b).max() > 1e-2
+
+
+# --- batch metadata ---------------------------------------------------------------------------
+
+
+def test_kernel_inputs_and_mask_windows():
+    seqs = [SeqInput([1, 2], [3, 0], 5), SeqInput([4], [1], 0)]
+    batch = ForwardBatch(seqs, 4, 8)
+    tables, ends, query_lens = batch.kernel_inputs()
+    assert batch.kernel_inputs()[0] is tables  # built once a forward
+    assert tables.dtype == ends.dtype == query_lens.dtype == mx.int32
+    assert np.array(tables).tolist() == [[3, 0], [1, 8]]
+    assert np.array(ends).tolist() == [7, 1] and np.array(query_lens).tolist() == [2, 1]
+    plain, windowed = batch.mask(), batch.mask(3)
+    assert batch.mask_window(plain) == (True, None)
+    assert batch.mask_window(windowed) == (True, 3)
+    assert batch.mask_window(mx.array(np.array(windowed))) == (False, None)  # equal, not ours
+    assert batch.mask_window("causal") == (False, None)
+
+
+# --- which calls paged_sdpa hands to the kernel -----------------------------------------------
+
+
+class _Spy:
+    """Stands in for the kernel (float64 reference) and for mlx-lm's SDPA, counting calls."""
+
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, active: bool = True, count_original: bool = True
+    ) -> None:
+        self.kernel: list[tuple[tuple[int, ...], int | None]] = []
+        self.original = 0
+        original = block_attention._ORIGINAL_SDPA
+
+        def kernel(queries, pool_k, pool_v, tables, context_lens, scale, window=None, q_lens=None):
+            self.kernel.append((tuple(queries.shape), window))
+            out = gpu_attention.reference_attention(
+                np.array(queries.astype(mx.float32)),
+                np.array(pool_k.astype(mx.float32)),
+                np.array(pool_v.astype(mx.float32)),
+                np.array(tables),
+                np.array(context_lens),
+                scale,
+                window,
+                None if q_lens is None else np.array(q_lens),
+            )
+            return mx.array(out.astype(np.float32)).astype(queries.dtype)
+
+        def sdpa(*args, **kwargs):
+            self.original += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(gpu_attention, "active", lambda: active)
+        monkeypatch.setattr(gpu_attention, "paged_decode_attention", kernel)
+        if count_original:  # (install() patches only modules holding the real original)
+            monkeypatch.setattr(block_attention, "_ORIGINAL_SDPA", sdpa)
+
+
+def _layer(num_blocks=16, bs=4, h=2, d=16, block_decode=True):
+    """A decode batch of two sequences (contexts 7 and 2) on one layer's cache view, with
+    their K/V written: (cache, queries, keys, values)."""
+    rng = np.random.default_rng(0)
+    seqs = [SeqInput([1], [3, 0], 6), SeqInput([4], [1], 1)]
+    batch = ForwardBatch(seqs, bs, num_blocks)
+    model = tiny_model("llama")
+    spec = probe(model)
+    pool = KVPool(spec.layers[:1], num_blocks, bs)
+    assert pool.layer_arrays(0)[0].shape[-1] == d and pool.layer_arrays(0)[0].shape[0] == h
+    cache = PagedLayerCache(batch, pool, 0, True, (), block_decode)
+    new = [mx.array(rng.standard_normal((2, h, 1, d)).astype(np.float32)) for _ in range(2)]
+    keys, values = cache.update_and_fetch(*new)
+    q = mx.array(rng.standard_normal((2, 2 * h, 1, d)).astype(np.float32))
+    return cache, q, keys, values
+
+
+def test_paged_sdpa_serves_decodes_with_the_kernel(monkeypatch):
+    cache, q, keys, values = _layer()
+    spy = _Spy(monkeypatch)
+    batch = cache.batch
+    for mask, window in ((batch.mask(), None), (batch.mask(5), 5), (None, None)):
+        got = block_attention.paged_sdpa(q, keys, values, cache, 0.25, mask)
+        want = mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=0.25, mask=batch.mask(window)
+        )
+        assert float(mx.abs(got - want).max()) < 1e-5
+    assert [w for _, w in spy.kernel] == [None, 5, None] and spy.original == 0
+
+
+def test_paged_sdpa_keeps_what_the_kernel_cannot_express_on_mlx_lm_s_path(monkeypatch):
+    cache, q, keys, values = _layer()
+    off, q2, k2, v2 = _layer(block_decode=False)
+    spy = _Spy(monkeypatch)
+    batch = cache.batch
+    foreign = mx.array(np.array(batch.mask()))  # same values, not built by the batch
+    block_attention.paged_sdpa(q, keys, values, cache, 0.25, foreign)
+    block_attention.paged_sdpa(q, keys * 1, values, cache, 0.25, batch.mask())  # changed keys
+    sinks = mx.zeros((q.shape[1],))
+    block_attention.paged_sdpa(q, keys, values, cache, 0.25, batch.mask(), sinks=sinks)
+    block_attention.paged_sdpa(q2, k2, v2, off, 0.25, off.batch.mask())
+    assert spy.kernel == [] and spy.original == 4
+
+
+def test_paged_sdpa_never_calls_the_kernel_on_the_cpu(monkeypatch):
+    cache, q, keys, values = _layer()
+    spy = _Spy(monkeypatch, active=False)
+    block_attention.paged_sdpa(q, keys, values, cache, 0.25, cache.batch.mask())
+    assert spy.kernel == [] and spy.original == 0  # the CPU's own block-table path
+
+
+# --- model-family parity with the kernel's role played by the reference -----------------------
+
+FAMILIES = ("llama", "qwen3", "mistral", "gemma3")
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
+
+
+def test_runner_on_the_kernel_path_matches_dense_mlx_lm(family, monkeypatch):
+    """Prefill chunks on mlx-lm's path, decodes (and gemma3's windowed layers) through the
+    kernel's interface: greedy tokens and fp32 logits as the dense path."""
+    spy = _Spy(monkeypatch, count_original=False)
+    model = tiny_model(family)
+    runner = ModelRunner.create(model, block_size=parity.BS, num_blocks=64)
+    assert runner.block_attention and runner._streams == ()
+    assert runner.choose_decode_attention().path.startswith("block-table kernel")
+    assert parity._batched_prefill_and_decode(model, runner) <= TOL
+    assert parity._shared_unaligned_prefix(model, runner) <= TOL
+    windows = {w for _, w in spy.kernel}
+    assert spy.kernel and windows == ({None, 16} if family == "gemma3" else {None})
+
+
+def test_speculative_verify_forwards_on_the_kernel_path(family, monkeypatch):
+    spy = _Spy(monkeypatch, count_original=False)
+    parity.test_speculative_verify_forwards_with_rollback(tiny_model(family))
+    assert max(shape[2] for shape, _ in spy.kernel) == 17  # up to 16 drafts a sequence
+
+
+# --- the kernel itself (NVIDIA GPU only) ------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize(
+    ("lengths", "nq", "q_lens", "window", "d", "rep"),
+    [
+        ([1, 9, 30, 64], 1, None, None, 64, 4),
+        ([300, 17], 1, None, 20, 128, 8),
+        ([45, 45], 5, None, None, 128, 1),
+        ([45, 20, 33], 5, [5, 2, 1], 9, 256, 2),
+        ([1000], 1, None, None, 128, 4),  # several splits
+    ],
+)
+def test_kernel_matches_the_reference(dtype, lengths, nq, q_lens, window, d, rep):
+    rng = np.random.default_rng(sum(lengths) + nq)
+    batch, pool_k, pool_v, q = _random_case(
+        rng, lengths, nq, bs=8, h=2, rep=rep, d=d, q_lens=q_lens
+    )
+    pool_k, pool_v, q = pool_k.astype(dtype), pool_v.astype(dtype), q.astype(dtype)
+    tables, ends, query_lens = batch.kernel_inputs()
+    scale = d**-0.5
+    got = gpu_attention.paged_decode_attention(
+        q, pool_k, pool_v, tables, ends, scale, window, query_lens
+    )
+    f32 = [np.array(a.astype(mx.float32)) for a in (q, pool_k, pool_v)]
+    want = gpu_attention.reference_attention(
+        *f32, np.array(tables), np.array(ends), scale, window, np.array(query_lens)
+    )
+    tol = {mx.float32: 1e-4, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}[dtype]
+    assert np.abs(np.array(got.astype(mx.float32)) - want).max() <= tol * max(1, np.abs(want).max())
+
+
+@cuda
+def test_runner_with_the_kernel_matches_dense_mlx_lm(family):
+    from worker.model.self_check import tolerance_for
+
+    model = tiny_model(family)
+    runner = ModelRunner.create(model, block_size=parity.BS, num_blocks=64)
+    assert runner.block_attention and gpu_attention.active()
+    assert parity._batched_prefill_and_decode(model, runner) <= tolerance_for(mx.float32)

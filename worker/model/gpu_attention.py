@@ -1,0 +1,613 @@
+"""Decode attention over the paged KV pool on a GPU, reading blocks where they lie.
+
+On a GPU the reference path gathers every sequence's context out of the pool into a dense copy
+and runs SDPA on it; at decode that copy costs several times the attention itself (H100, batch 8,
+context 4,096: 8.3x dense SDPA). :func:`paged_decode_attention` reads the K/V blocks through the
+block table instead, with one custom kernel and a small reduction (0.98x dense SDPA there;
+measurements and the correctness checks: ``docs/gpu-attention.md``).
+
+The algorithm (split-K, "flash decoding"):
+
+- A thread block handles one (sequence, KV head, split, row tile). A split is a contiguous run
+  of the sequence's visible blocks; the number of splits is chosen from the batch and the
+  context (:func:`choose_splits`) so that a few long sequences still fill the GPU.
+- The ``rep = Hq / H`` query heads sharing a KV head, times the ``Nq`` queries of a sequence,
+  are its *rows*; a tile holds up to 8 of them (``RT``), so each K/V vector read serves every
+  row of the tile (grouped-query attention reads K/V once for a decode).
+- Each warp takes whole blocks of the split in turn; a group of ``L = D / 8`` lanes takes one
+  key, each lane 8 of its dims (one 16-byte load in half precision), so a warp reads
+  ``32 / L`` keys at once. A group loads the raw K and V vectors of a chunk of ``KC`` keys
+  (4, or 2 for 8-row tiles) before using any, so that several loads are in flight per lane;
+  scores are reduced over the group with shuffles, and each group keeps a running max, sum
+  and output per row (online softmax in fp32, base 2: ``q`` is pre-multiplied by
+  ``scale * log2(e)``), rescaled once per chunk, without branches (masked keys get a finite
+  "empty" score, ``-1e30``, whose weight is 0). Groups, then warps (through shared memory),
+  are merged at the end. (The first version loaded and used one key at a time and branched
+  per key: 174 us at batch 8 x 4k on an H100, against 128 us for this one.)
+- With one split the kernel writes the normalized output in the model's dtype; with several it
+  writes fp32 partial outputs and their (max, sum), and a second kernel merges the splits.
+
+Masking is computed, not read: query ``i`` of a sequence whose pool holds ``ends[b]`` tokens
+after this forward and which computes ``q_lens[b]`` queries sits at position
+``ends[b] - q_lens[b] + min(i, q_lens[b] - 1)`` (padded rows repeat the last real one, as
+``ForwardBatch.mask`` does) and sees key ``p`` iff ``p <= pos`` and, with a sliding window
+``W``, ``p > pos - W``. Blocks outside every row's view are not read.
+
+The kernel bodies are one template (``_MAIN_BODY``, ``_REDUCE_BODY``) rendered for CUDA (``mx.fast.cuda_kernel``,
+the default where MLX runs on an NVIDIA GPU) or for Metal (``mx.fast.metal_kernel``): the
+Metal version shares the algorithm and is **untested on hardware** (it has never run; no
+Apple GPU was available), so nothing selects it by default.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from string import Template
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+# Thread blocks to aim for: about eight per SM of an H100/H200 (132 SMs; three fit at once at
+# head dim 128, GQA 4), so that long contexts at small batch still spread over the whole GPU
+# and the last wave is a small part of the run (H100, batch 32 x 4k: 2 splits, 512 thread
+# blocks, 337 us; 4 splits 288 us).
+TARGET_CTAS = 1024
+MAX_SPLITS = 64
+WARPS = 4  # warps per thread block
+MAX_ROWS_PER_TILE = 8  # query rows (query heads of a KV head x queries) a thread block serves
+MAX_QUERIES = 17  # a decode and up to 16 speculative drafts; longer calls are prefill
+HEAD_DIMS = (16, 32, 64, 128, 256)  # D / 8 lanes a key: a power of two up to a warp
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+LOG2E = 1.4426950408889634
+# Threadgroup memory a Metal kernel may use; CUDA's static shared memory limit is 48 KB.
+_SMEM_LIMIT = {"cuda": 48 * 1024, "metal": 32 * 1024}
+
+# Environment switch: KVSERVE_CUDA_ATTENTION=0 keeps a CUDA worker on gather-then-SDPA.
+ENV_SWITCH = "KVSERVE_CUDA_ATTENTION"
+
+
+@functools.cache
+def cuda_available() -> bool:
+    """Whether this MLX build runs on an NVIDIA GPU (the CUDA backend)."""
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available())
+
+
+def active() -> bool:
+    """Whether the paged path's decode attention runs this kernel now: MLX's CUDA backend, the
+    default device a GPU, and not switched off (``KVSERVE_CUDA_ATTENTION=0``). Always False
+    on a CPU-only MLX (never imports anything CUDA)."""
+    return (
+        cuda_available()
+        and mx.default_device() == mx.gpu
+        and os.environ.get(ENV_SWITCH, "1") != "0"
+    )
+
+
+def supports(queries: mx.array, pool_k: mx.array, pool_v: mx.array) -> bool:
+    """Whether :func:`paged_decode_attention` serves these shapes and dtypes."""
+    if queries.ndim != 4 or pool_k.ndim != 4 or pool_v.ndim != 4:
+        return False
+    _, hq, nq, d = queries.shape
+    h, _, _, dk = pool_k.shape
+    return (
+        1 <= nq <= MAX_QUERIES
+        and d == dk == pool_v.shape[-1]
+        and d in HEAD_DIMS
+        and pool_v.shape[:3] == pool_k.shape[:3]
+        and h >= 1
+        and hq % h == 0
+        and pool_k.dtype == pool_v.dtype
+        and pool_k.dtype in DTYPES
+        and queries.dtype in DTYPES
+    )
+
+
+def rows_per_tile(rep: int, nq: int) -> int:
+    """Query rows a thread block serves: the rows of a KV head (``rep * nq``) rounded up to a
+    power of two, at most :data:`MAX_ROWS_PER_TILE` (more rows take more thread blocks)."""
+    rows = rep * nq
+    return min(MAX_ROWS_PER_TILE, 1 << (rows - 1).bit_length())
+
+
+def choose_splits(ctas: int, key_blocks: int, warps: int = WARPS) -> int:
+    """Splits of each sequence's blocks, given ``ctas`` thread blocks per split (sequences x KV
+    heads x row tiles) and ``key_blocks`` visible blocks of the longest sequence: enough splits
+    for about :data:`TARGET_CTAS` thread blocks, but at least one block per warp in a split."""
+    by_gpu = -(-TARGET_CTAS // max(1, ctas))
+    by_len = key_blocks // warps
+    return max(1, min(by_gpu, by_len, MAX_SPLITS))
+
+
+def visible_blocks(key_blocks: int, block_size: int, nq: int, window: int | None) -> int:
+    """Blocks a sequence's rows can see at most: all of them, or with a window of ``window``
+    keys, the most blocks ``window + nq - 1`` consecutive positions can touch."""
+    if window is None:
+        return key_blocks
+    return min(key_blocks, (window + nq - 3) // block_size + 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel template. $-names are filled per backend (see _BACKENDS); T, D, REP, RT, BS and NW
+# are template parameters of the kernel (compile-time constants); KV_* macros and KvPack come
+# from the backend's header.
+
+_MAIN_BODY = """
+    // Inputs: q [B, HQ, NQ, D] T; pool_k, pool_v [H, NB, BS, D] T; tables [B, MB] int32;
+    // ends [B], q_lens [B] int32; params [2] float32 = (scale * log2(e), window or 0).
+    constexpr int L = D / 8;        // lanes that share a key, 8 dims each
+    constexpr int KW = 32 / L;      // keys a warp reads at once
+    constexpr int KC = RT <= 4 ? 4 : 2;  // keys a lane group loads before using them
+    const int B = q_shape[0];
+    const int NQ = q_shape[2];
+    const int H = pool_k_shape[0];
+    const int NB = pool_k_shape[1];
+    const int MB = tables_shape[1];
+    const int HQ = H * REP;
+    const int S = $ctas_x / (B * H);
+    const int tid = $tid_x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane / L;
+    const int e0 = (lane % L) * 8;
+    const int cta = $cta_x;
+    const int tile = $cta_y;
+    const int s = cta % S;
+    const int h = (cta / S) % H;
+    const int b = cta / (S * H);
+    const int ctx = ends[b];
+    const int qlen = q_lens[b];
+    const float qscale = params[0];
+    const int W = int(params[1]);
+    const int rows = REP * NQ;
+
+    // Rows of this tile: row j is query i of query head h * REP + r, at position qpos[j].
+    float qf[RT][8];
+    float acc[RT][8];
+    float m[RT];
+    float l[RT];
+    int qpos[RT];
+    bool row_ok[RT];
+    int lo = ctx;
+    int hi = 0;
+    for (int j = 0; j < RT; ++j) {
+        const int row = tile * RT + j;
+        row_ok[j] = row < rows;
+        const int i = row_ok[j] ? row % NQ : 0;
+        qpos[j] = ctx - qlen + KV_MIN(i, qlen - 1);
+        if (row_ok[j]) {
+            lo = KV_MIN(lo, W > 0 ? KV_MAX(0, qpos[j] - W + 1) : 0);
+            hi = KV_MAX(hi, qpos[j] + 1);
+        }
+        const size_t qoff = ((size_t)(b * HQ + h * REP) * NQ + (row_ok[j] ? row : 0)) * D + e0;
+        for (int e = 0; e < 8; ++e) {
+            qf[j][e] = static_cast<float>(q[qoff + e]) * qscale;
+            acc[j][e] = 0.0f;
+        }
+        m[j] = KV_EMPTY;
+        l[j] = 0.0f;
+    }
+
+    // This split's share of the visible blocks [lo / BS, ceil(hi / BS)).
+    const int first = lo / BS;
+    const int span = KV_MAX(0, (hi + BS - 1) / BS - first);
+    const int per = (span + S - 1) / S;
+    const int begin = first + KV_MIN(span, s * per);
+    const int end = first + KV_MIN(span, (s + 1) * per);
+
+    // Each warp takes whole blocks; each lane group a chunk of KC keys at a time: their raw
+    // K/V vectors are all loaded before any is used, then one rescale per row and chunk.
+    const bool aligned = KV_ALIGNED(pool_k) && KV_ALIGNED(pool_v);
+    for (int blk = begin + warp; blk < end; blk += NW) {
+        const int phys = tables[(size_t)b * MB + blk];
+        const size_t base = ((size_t)(h * NB + phys) * BS) * D + e0;
+        $unroll
+        for (int t0 = 0; t0 < BS; t0 += KW * KC) {
+            KvPack<T> kp[KC];
+            KvPack<T> vp[KC];
+            for (int c = 0; c < KC; ++c) {
+                const int t = t0 + c * KW + g;
+                const size_t off = base + (size_t)((BS % (KW * KC) == 0 || t < BS) ? t : 0) * D;
+                kp[c] = kv_load(pool_k + off, aligned);
+                vp[c] = kv_load(pool_v + off, aligned);
+            }
+            float sc[KC][RT];
+            for (int c = 0; c < KC; ++c) {
+                float kf[8];
+                kv_unpack(kp[c], kf);
+                for (int j = 0; j < RT; ++j) {
+                    float dot = 0.0f;
+                    for (int e = 0; e < 8; ++e) {
+                        dot += qf[j][e] * kf[e];
+                    }
+                    sc[c][j] = dot;
+                }
+            }
+            for (int o = L / 2; o > 0; o >>= 1) {
+                for (int c = 0; c < KC; ++c) {
+                    for (int j = 0; j < RT; ++j) {
+                        sc[c][j] += KV_SHFL_XOR(sc[c][j], o);
+                    }
+                }
+            }
+            for (int j = 0; j < RT; ++j) {
+                float mn = m[j];
+                for (int c = 0; c < KC; ++c) {
+                    const int t = t0 + c * KW + g;
+                    const int pos = blk * BS + t;
+                    const bool seen = row_ok[j] && (BS % (KW * KC) == 0 || t < BS)
+                        && pos <= qpos[j] && (W <= 0 || pos > qpos[j] - W);
+                    sc[c][j] = seen ? sc[c][j] : KV_EMPTY;
+                    mn = KV_MAX(mn, sc[c][j]);
+                }
+                const float corr = KV_EXP2(m[j] - mn);
+                m[j] = mn;
+                l[j] *= corr;
+                for (int e = 0; e < 8; ++e) {
+                    acc[j][e] *= corr;
+                }
+            }
+            for (int c = 0; c < KC; ++c) {
+                float vf[8];
+                kv_unpack(vp[c], vf);
+                for (int j = 0; j < RT; ++j) {
+                    const float p = sc[c][j] == KV_EMPTY ? 0.0f : KV_EXP2(sc[c][j] - m[j]);
+                    l[j] += p;
+                    for (int e = 0; e < 8; ++e) {
+                        acc[j][e] += p * vf[e];
+                    }
+                }
+            }
+        }
+    }
+
+    // Merge the KW key groups of each warp (lanes g * L + x, same x).
+    for (int o = L; o < 32; o <<= 1) {
+        for (int j = 0; j < RT; ++j) {
+            const float mo = KV_SHFL_XOR(m[j], o);
+            const float lo2 = KV_SHFL_XOR(l[j], o);
+            const float mn = KV_MAX(m[j], mo);
+            const float a = KV_EXP2(m[j] - mn);
+            const float c = KV_EXP2(mo - mn);
+            l[j] = l[j] * a + lo2 * c;
+            m[j] = mn;
+            for (int e = 0; e < 8; ++e) {
+                acc[j][e] = acc[j][e] * a + KV_SHFL_XOR(acc[j][e], o) * c;
+            }
+        }
+    }
+
+    // Merge the warps through shared memory.
+    KV_SHARED float sm_acc[NW * RT * D];
+    KV_SHARED float sm_m[NW * RT];
+    KV_SHARED float sm_l[NW * RT];
+    if (lane < L) {
+        for (int j = 0; j < RT; ++j) {
+            for (int e = 0; e < 8; ++e) {
+                sm_acc[(warp * RT + j) * D + e0 + e] = acc[j][e];
+            }
+            if (lane == 0) {
+                sm_m[warp * RT + j] = m[j];
+                sm_l[warp * RT + j] = l[j];
+            }
+        }
+    }
+    KV_BARRIER;
+    for (int idx = tid; idx < RT * D; idx += NW * 32) {
+        const int j = idx / D;
+        const int d = idx % D;
+        const int row = tile * RT + j;
+        if (row >= rows) {
+            continue;
+        }
+        float mx_ = KV_EMPTY;
+        for (int w = 0; w < NW; ++w) {
+            mx_ = KV_MAX(mx_, sm_m[w * RT + j]);
+        }
+        float sum = 0.0f;
+        float val = 0.0f;
+        for (int w = 0; w < NW; ++w) {
+            const float mw = sm_m[w * RT + j];
+            const float f = KV_EXP2(mw - mx_);
+            sum += sm_l[w * RT + j] * f;
+            val += sm_acc[(w * RT + j) * D + d] * f;
+        }
+        const size_t out_row = (size_t)(b * HQ + h * REP) * NQ + row;
+$write
+    }
+"""
+
+_WRITE_SINGLE = """\
+        out[out_row * D + d] = static_cast<T>(sum > 0.0f ? val / sum : 0.0f);"""
+
+_WRITE_PARTIAL = """\
+        o_part[(out_row * S + s) * D + d] = val;
+        if (d == 0) {
+            ml_part[(out_row * S + s) * 2] = mx_;
+            ml_part[(out_row * S + s) * 2 + 1] = sum;
+        }"""
+
+_REDUCE_BODY = """
+    // o_part [R, S, D], ml_part [R, S, 2] float32 -> out [R, D] T; one thread a (row, dim).
+    const int S = o_part_shape[1];
+    const size_t row = $cta_x;
+    const int d = $tid_x;
+    float mx_ = KV_EMPTY;
+    for (int s = 0; s < S; ++s) {
+        mx_ = KV_MAX(mx_, ml_part[(row * S + s) * 2]);
+    }
+    float sum = 0.0f;
+    float val = 0.0f;
+    for (int s = 0; s < S; ++s) {
+        const float ms = ml_part[(row * S + s) * 2];
+        const float f = KV_EXP2(ms - mx_);
+        sum += ml_part[(row * S + s) * 2 + 1] * f;
+        val += o_part[(row * S + s) * D + d] * f;
+    }
+    out[row * D + d] = static_cast<T>(sum > 0.0f ? val / sum : 0.0f);
+"""
+
+_CUDA_HEADER = """
+#define KV_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define KV_MAX(a, b) ((a) > (b) ? (a) : (b))
+// "No key yet": finite, so that exp2(KV_EMPTY - KV_EMPTY) is 1, not NaN, and exp2 of
+// KV_EMPTY minus any real score is 0.
+#define KV_EMPTY (-1.0e30f)
+#define KV_SHFL_XOR(x, o) __shfl_xor_sync(0xffffffffu, (x), (o))
+#define KV_EXP2(x) exp2f(x)
+#define KV_SHARED __shared__
+#define KV_BARRIER __syncthreads()
+#define KV_ALIGNED(p) ((reinterpret_cast<size_t>(p) & 15) == 0)
+
+// 8 consecutive elements of a K or V row, raw: 16 bytes in half precision, 32 in fp32.
+template <typename T>
+struct KvPack {
+    uint4 w[sizeof(T) / 2];
+};
+
+template <typename T>
+__device__ __forceinline__ KvPack<T> kv_load(const T* p, bool aligned) {
+    KvPack<T> r;
+    if (aligned) {
+#pragma unroll
+        for (int i = 0; i < int(sizeof(T) / 2); ++i) r.w[i] = reinterpret_cast<const uint4*>(p)[i];
+    } else {
+        T* e = reinterpret_cast<T*>(&r);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) e[i] = p[i];
+    }
+    return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void kv_unpack(const KvPack<T>& r, float* out) {
+    const T* e = reinterpret_cast<const T*>(&r);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(e[i]);
+}
+"""
+
+_METAL_HEADER = """
+#define KV_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define KV_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define KV_EMPTY (-1.0e30f)
+#define KV_SHFL_XOR(x, o) simd_shuffle_xor((x), (ushort)(o))
+#define KV_EXP2(x) metal::exp2(x)
+#define KV_SHARED threadgroup
+#define KV_BARRIER threadgroup_barrier(mem_flags::mem_threadgroup)
+#define KV_ALIGNED(p) true
+
+template <typename T>
+struct KvPack {
+    T e[8];
+};
+
+template <typename T>
+inline KvPack<T> kv_load(const device T* p, bool) {
+    KvPack<T> r;
+    for (int i = 0; i < 8; ++i) r.e[i] = p[i];
+    return r;
+}
+
+template <typename T>
+inline void kv_unpack(thread const KvPack<T>& r, thread float* out) {
+    for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(r.e[i]);
+}
+"""
+
+_BACKENDS: dict[str, dict[str, str]] = {
+    "cuda": {
+        "tid_x": "threadIdx.x",
+        "cta_x": "blockIdx.x",
+        "cta_y": "blockIdx.y",
+        "ctas_x": "gridDim.x",
+        "unroll": "#pragma unroll",
+    },
+    "metal": {
+        "tid_x": "thread_position_in_threadgroup.x",
+        "cta_x": "threadgroup_position_in_grid.x",
+        "cta_y": "threadgroup_position_in_grid.y",
+        "ctas_x": "threadgroups_per_grid.x",
+        "unroll": "",
+    },
+}
+
+
+def render(backend: str, kind: str) -> tuple[str, str]:
+    """(header, body) of one kernel for ``backend`` ("cuda" or "metal"): ``kind`` "single"
+    (one split, normalized output), "partial" (split outputs) or "reduce" (merge of splits)."""
+    names = _BACKENDS[backend]
+    if kind == "reduce":
+        body = _REDUCE_BODY
+    else:
+        write = _WRITE_SINGLE if kind == "single" else _WRITE_PARTIAL
+        body = _MAIN_BODY.replace("$write", write)
+    header = _CUDA_HEADER if backend == "cuda" else _METAL_HEADER
+    return header, Template(body).substitute(names)
+
+
+_INPUTS = {
+    "single": ["q", "pool_k", "pool_v", "tables", "ends", "q_lens", "params"],
+    "partial": ["q", "pool_k", "pool_v", "tables", "ends", "q_lens", "params"],
+    "reduce": ["o_part", "ml_part"],
+}
+_OUTPUTS = {"single": ["out"], "partial": ["o_part", "ml_part"], "reduce": ["out"]}
+
+
+@functools.cache
+def _kernel(backend: str, kind: str) -> Callable[..., list[mx.array]]:
+    header, body = render(backend, kind)
+    make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
+    return make(  # type: ignore[return-value]
+        name=f"kvserve_paged_attention_{kind}",
+        input_names=_INPUTS[kind],
+        output_names=_OUTPUTS[kind],
+        source=body,
+        header=header,
+    )
+
+
+# Small per-call arrays, made once: (scale, window) parameters and default query lengths.
+_CACHE_SIZE = 256
+_small: OrderedDict[tuple[Any, ...], mx.array] = OrderedDict()
+
+
+def _cached(key: tuple[Any, ...], make: Callable[[], mx.array]) -> mx.array:
+    arr = _small.get(key)
+    if arr is None:
+        arr = _small[key] = make()
+        if len(_small) > _CACHE_SIZE:
+            _small.popitem(last=False)
+    else:
+        _small.move_to_end(key)
+    return arr
+
+
+def paged_decode_attention(
+    queries: mx.array,
+    pool_k: mx.array,
+    pool_v: mx.array,
+    tables: mx.array,
+    context_lens: mx.array,
+    scale: float,
+    window: int | None = None,
+    query_lens: mx.array | None = None,
+    *,
+    splits: int | None = None,
+    backend: str = "cuda",
+) -> mx.array:
+    """Attention of ``queries`` ``[B, Hq, Nq, D]`` over the pool blocks of each sequence.
+
+    ``pool_k``/``pool_v``: one layer's pool ``[H, num_blocks, block_size, D]`` (query head
+    ``h * rep + r`` reads KV head ``h``); ``tables`` ``[B, max_blocks]`` int32 block ids;
+    ``context_lens`` ``[B]`` int32: tokens in the pool for each sequence, this forward's
+    included (keys at positions >= it are never read). Query ``i`` sits at position
+    ``len - Nq + i`` (causal); with ``query_lens`` ``[B]`` int32, sequence ``b`` has
+    ``query_lens[b]`` real queries and rows past them repeat the last one's position.
+    ``window``: key ``p`` is visible to a query at ``q`` iff ``q - window < p <= q``. Returns
+    ``[B, Hq, Nq, D]`` in the queries' dtype; accumulates in fp32. Block ids are not checked:
+    they must index ``pool_k``. ``splits`` overrides :func:`choose_splits` (benchmarks).
+    ``backend="metal"`` builds the Metal twin: untested on hardware.
+    """
+    b, hq, nq, d = queries.shape
+    h, _, bs, _ = pool_k.shape
+    rep = hq // h
+    dtype = pool_k.dtype
+    rt = rows_per_tile(rep, nq)
+    tiles = -(-(rep * nq) // rt)
+    nw = WARPS
+    while nw > 1 and (nw * rt * d + 2 * nw * rt) * 4 > _SMEM_LIMIT[backend]:
+        nw //= 2
+    if window is not None and window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
+    if splits is None:
+        key_blocks = visible_blocks(tables.shape[1], bs, nq, window)
+        splits = choose_splits(b * h * tiles, key_blocks, nw)
+    if query_lens is None:
+        query_lens = _cached(("q_lens", b, nq), lambda: mx.full((b,), nq, dtype=mx.int32))
+    params = _cached(
+        ("params", scale, window),
+        lambda: mx.array([scale * LOG2E, float(window or 0)], dtype=mx.float32),
+    )
+    q = queries.astype(dtype)
+    template: list[tuple[str, Any]] = [
+        ("T", dtype),
+        ("D", d),
+        ("REP", rep),
+        ("RT", rt),
+        ("BS", bs),
+        ("NW", nw),
+    ]
+    inputs = [q, pool_k, pool_v, tables, context_lens, query_lens, params]
+    grid = (32 * nw * b * h * splits, tiles, 1)
+    threads = (32 * nw, 1, 1)
+    if splits == 1:
+        (out,) = _kernel(backend, "single")(
+            inputs=inputs,
+            template=template,
+            grid=grid,
+            threadgroup=threads,
+            output_shapes=[(b, hq, nq, d)],
+            output_dtypes=[dtype],
+        )
+    else:
+        rows = b * hq * nq
+        o_part, ml_part = _kernel(backend, "partial")(
+            inputs=inputs,
+            template=template,
+            grid=grid,
+            threadgroup=threads,
+            output_shapes=[(rows, splits, d), (rows, splits, 2)],
+            output_dtypes=[mx.float32, mx.float32],
+        )
+        (out,) = _kernel(backend, "reduce")(
+            inputs=[o_part, ml_part],
+            template=[("T", dtype), ("D", d)],
+            grid=(rows * d, 1, 1),
+            threadgroup=(d, 1, 1),
+            output_shapes=[(b, hq, nq, d)],
+            output_dtypes=[dtype],
+        )
+    return out if queries.dtype == dtype else out.astype(queries.dtype)
+
+
+def reference_attention(
+    queries: np.ndarray,
+    pool_k: np.ndarray,
+    pool_v: np.ndarray,
+    tables: np.ndarray,
+    context_lens: np.ndarray,
+    scale: float,
+    window: int | None = None,
+    query_lens: np.ndarray | None = None,
+) -> np.ndarray:
+    """What :func:`paged_decode_attention` computes, in float64 numpy, one sequence at a time
+    (the correctness reference of ``bench/gpu/check_attention.py`` and the tests)."""
+    b, hq, nq, _ = queries.shape
+    h, _, bs, dv = pool_v.shape
+    rep = hq // h
+    out = np.zeros((b, hq, nq, dv))
+    for i in range(b):
+        ctx = int(context_lens[i])
+        ql = nq if query_lens is None else int(query_lens[i])
+        blocks = np.asarray(tables[i][: -(-ctx // bs)], dtype=np.int64)
+        k = pool_k[:, blocks].reshape(h, -1, pool_k.shape[-1])[:, :ctx].astype(np.float64)
+        v = pool_v[:, blocks].reshape(h, -1, dv)[:, :ctx].astype(np.float64)
+        q = queries[i].astype(np.float64).reshape(h, rep * nq, -1)
+        scores = q @ k.transpose(0, 2, 1) * scale  # [h, rep * nq, ctx]
+        qpos = ctx - ql + np.minimum(np.arange(nq), ql - 1)
+        keys = np.arange(ctx)
+        seen = keys[None, :] <= qpos[:, None]
+        if window is not None:
+            seen &= keys[None, :] > qpos[:, None] - window
+        seen = np.tile(seen, (rep, 1))  # rows r * nq + j
+        scores = np.where(seen[None], scores, -np.inf)
+        scores -= scores.max(axis=-1, keepdims=True)
+        p = np.exp(scores)
+        p /= p.sum(axis=-1, keepdims=True)
+        out[i] = (p @ v).reshape(hq, nq, dv)
+    return out
