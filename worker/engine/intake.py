@@ -37,6 +37,18 @@ class RequestLimits:
     draft_model: bool = False
 
 
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids ``skip_special_tokens`` leaves out of the text: the tokenizer's named special
+    tokens (``all_special_ids``: BOS, EOS, pad, unk, additional ones) and every added token it
+    flags special. Hugging Face's own ``decode(skip_special_tokens=True)`` skips the latter
+    too, but ``all_special_ids`` lists only the named ones: a chat template's ``<|im_start|>``
+    or a model's reserved tokens would otherwise reach the text."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(int(i) for i, tok in added.items() if getattr(tok, "special", False))
+    return frozenset(ids)
+
+
 class Intake:
     def __init__(
         self, limits: RequestLimits, tokenizer: Any, max_namespace_chars: Callable[[], int]
@@ -47,7 +59,7 @@ class Intake:
         self.tokenizer = tokenizer
         self._max_namespace_chars = max_namespace_chars
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
-        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ())) | self.eos_ids
+        self.special_ids = special_token_ids(tokenizer) | self.eos_ids
 
     def check_room(self, held: int) -> None:
         """Raises Overloaded when the worker already holds ``max_pending_requests`` requests.
