@@ -182,8 +182,13 @@ FROM_GRPC: dict[grpc.StatusCode, type[GatewayError]] = {
 
 def from_rpc_error(err: grpc.aio.AioRpcError, what: str) -> GatewayError:
     """The gateway error for a failed upstream call; ``what`` names the callee for messages."""
-    code = err.code()
-    details = err.details() or code.name
+    return from_status(err.code(), err.details() or "", what)
+
+
+def from_status(code: grpc.StatusCode, details: str, what: str) -> GatewayError:
+    """The gateway error for an upstream status (a failed call, or one request's error inside
+    a worker's ``GenerateMany`` call)."""
+    details = details or code.name
     cls = FROM_GRPC.get(code, UpstreamError)
     if cls in (InvalidRequest, NotFound, Unauthorized):
         return cls(details)

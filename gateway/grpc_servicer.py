@@ -59,6 +59,15 @@ class GatewayWorkerServicer(pb_grpc.WorkerServicer):
             namespace=request.namespace,
         )
 
+    async def GenerateMany(self, request_iterator, context):
+        """Workers' call for a gateway (many requests over one stream); the gateway serves
+        Generate. UNIMPLEMENTED, which tells a client to fall back to Generate."""
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "GenerateMany is served by workers; call Generate on the gateway",
+        )
+        yield  # an async generator, as the streaming handler must be
+
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:

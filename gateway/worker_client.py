@@ -7,15 +7,17 @@ worker address for the gateway's lifetime and closes those of workers that went 
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import logging
-from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from gateway import convert
-from gateway.errors import from_rpc_error
+from gateway.errors import WorkerUnavailable, from_rpc_error, from_status
 from gateway.generation import Chunk, GenerationRequest
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
@@ -64,14 +66,36 @@ class WorkerLoad:
 class WorkerClient:
     """One worker's ``Generate`` stream and ``GetInfo`` over a shared channel."""
 
-    def __init__(self, address: str, connect: Connect | None = None) -> None:
+    def __init__(
+        self, address: str, connect: Connect | None = None, multiplex: bool = True
+    ) -> None:
         self.address = address
         self.channel = (connect or plaintext)(address, CHANNEL_OPTIONS)
         self.stub = pb_grpc.WorkerStub(self.channel)
+        # Requests share one GenerateMany call until the worker says it has none.
+        self.multiplex = multiplex
+        self._session: _Session | None = None
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
-        """The worker's chunks for ``request``. Cancelling the consumer (or closing this
-        generator) cancels the call, and with it the request on the worker."""
+        """The worker's chunks for ``request``, over the call this client shares with the
+        other requests it sends the worker (``GenerateMany``), or its own ``Generate`` call
+        where the worker does not offer that. Cancelling the consumer (or closing this
+        generator) cancels the request on the worker."""
+        if self.multiplex:
+            if self._session is None or self._session.ended:
+                self._session = _Session(self.stub, self.address)
+            stream = self._session.start(convert.request_to_pb(request))
+            try:
+                async for chunk in stream:
+                    yield chunk
+                return
+            except _Unimplemented:
+                log.info("worker %s has no GenerateMany: one call per request", self.address)
+                self.multiplex = False
+        async for chunk in self._generate_alone(request):
+            yield chunk
+
+    async def _generate_alone(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
         call = self.stub.Generate(convert.request_to_pb(request))
         try:
             async for msg in call:
@@ -110,7 +134,92 @@ class WorkerClient:
         )
 
     async def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
         await self.channel.close()
+
+
+class _Unimplemented(Exception):
+    """The worker has no GenerateMany (one that predates it, or a gateway's Worker service)."""
+
+
+class _Session:
+    """One ``GenerateMany`` call, shared by the requests this gateway sends one worker.
+
+    Requests are numbered in the call; a reader task hands each update to its request's
+    queue. A request's own failure arrives as a ``StreamError`` and ends that request only;
+    the call's failure (the worker gone, the connection lost) ends every request on it with
+    the call's status, and the next request opens a new call."""
+
+    def __init__(self, stub: pb_grpc.WorkerStub, address: str) -> None:
+        self.address = address
+        self._outbox: asyncio.Queue[pb.GenerateManyRequest | None] = asyncio.Queue()
+        self._call = stub.GenerateMany(self._requests())
+        self._queues: dict[int, asyncio.Queue[pb.StreamUpdate | BaseException]] = {}
+        self._next = 0
+        self.ended = False
+        self._error: BaseException = WorkerUnavailable(f"worker {address}: call ended")
+        self._reader = asyncio.create_task(self._read())
+
+    async def _requests(self) -> AsyncIterator[pb.GenerateManyRequest]:
+        while (msg := await self._outbox.get()) is not None:
+            yield msg
+
+    async def _read(self) -> None:
+        err: BaseException
+        try:
+            async for msg in self._call:
+                for update in msg.updates:
+                    queue = self._queues.get(update.stream)
+                    if queue is not None:
+                        queue.put_nowait(update)
+            err = WorkerUnavailable(f"worker {self.address}: its GenerateMany call ended")
+        except grpc.aio.AioRpcError as e:
+            err = (
+                _Unimplemented()
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED
+                else from_rpc_error(e, f"worker {self.address}")
+            )
+        except asyncio.CancelledError:
+            err = WorkerUnavailable(f"worker {self.address}: the gateway closed the call")
+        self.ended = True
+        self._error = err
+        for queue in self._queues.values():
+            queue.put_nowait(copy.copy(err))
+
+    async def start(self, request: pb.GenerateRequest) -> AsyncIterator[Chunk]:
+        """The request's chunks; raises its error, the call's, or _Unimplemented."""
+        if self.ended:
+            raise copy.copy(self._error)
+        stream = self._next = self._next + 1
+        queue: asyncio.Queue[pb.StreamUpdate | BaseException] = asyncio.Queue()
+        self._queues[stream] = queue
+        self._outbox.put_nowait(pb.GenerateManyRequest(stream=stream, start=request))
+        done = False
+        try:
+            while not done:
+                update = await queue.get()
+                if isinstance(update, BaseException):
+                    done = True  # nothing to cancel: the call is over
+                    raise update
+                if update.WhichOneof("kind") == "error":
+                    done = True
+                    code = _STATUS_CODES.get(update.error.code, grpc.StatusCode.UNKNOWN)
+                    raise from_status(code, update.error.message, f"worker {self.address}")
+                chunk = convert.chunk_from_pb(update.response)
+                done = chunk.finish_reason is not None
+                yield chunk
+        finally:
+            del self._queues[stream]
+            if not done and not self.ended:
+                self._outbox.put_nowait(pb.GenerateManyRequest(stream=stream, cancel=True))
+
+    def close(self) -> None:
+        self._outbox.put_nowait(None)
+        self._reader.cancel()
+
+
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class WorkerClients:

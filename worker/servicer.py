@@ -11,6 +11,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -110,30 +111,38 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return self.engine.intake.tokenize(request.prompt_text)
         raise InvalidRequest("the request has no prompt (prompt_token_ids or prompt_text)")
 
+    def _sequence(self, request: pb.GenerateRequest) -> Sequence:
+        """The request checked against the worker's limits; raises Overloaded or InvalidRequest
+        before it holds anything. The caller submits it with no ``await`` in between, or
+        another request could take the room ``check_room`` saw."""
+        intake = self.engine.intake
+        intake.check_room(self.engine.held_requests)  # before tokenizing: refuse at once
+        return intake.sequence(
+            request.request_id or uuid.uuid4().hex,
+            self._prompt(request),
+            SamplingParams.from_wire(request.sampling),
+            request.namespace,
+        )
+
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        request_id = request.request_id or uuid.uuid4().hex
         try:
-            intake = self.engine.intake
-            intake.check_room(self.engine.held_requests)  # before tokenizing: refuse at once
-            seq = intake.sequence(
-                request_id,
-                self._prompt(request),
-                SamplingParams.from_wire(request.sampling),
-                request.namespace,
-            )
+            seq = self._sequence(request)
         except (Overloaded, InvalidRequest) as err:
             await context.abort(status_of(err), str(err))
             return
+        queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        seq.out = queue
+        request_id = seq.request_id
         self.engine.submit(seq)  # no await since check_room: the room is still there
         done = False
         held: StreamEvent | None = None
         interval = 1  # the first token goes out alone, at once: time to first token
         try:
             while not done:
-                event = held or await seq.out.get()
-                event, held = await coalesce(event, seq.out, interval)
+                event = held or await queue.get()
+                event, held = await coalesce(event, queue, interval)
                 interval = self.stream_interval
                 if event.error is not None:
                     await context.abort(status_of(event.error), str(event.error))
@@ -143,6 +152,27 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if not done:
                 log.info("request %s cancelled by the client", request_id)
                 self.engine.abort(seq)
+
+    async def GenerateMany(
+        self, request_iterator: AsyncIterator[pb.GenerateManyRequest], context: Any
+    ) -> AsyncIterator[pb.GenerateManyResponse]:
+        """Many requests over one call (the gateway's way to this worker): every event the
+        session's requests have when the call can write goes out as one message, so a step's
+        tokens for N requests cost one gRPC message instead of N. Ends when the client has
+        closed its side and every request it started has ended; the call's end (the client
+        gone) aborts what is still running."""
+        session = _Session(self)
+        reader = asyncio.create_task(session.read(request_iterator))
+        try:
+            while not session.over:
+                msg = session.drain(await session.events.get())
+                if msg.updates:
+                    yield msg
+                if session.violation:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, session.violation)
+        finally:
+            reader.cancel()
+            session.abort_all()
 
     def _response(self, seq: Sequence, event: StreamEvent) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(
@@ -196,3 +226,127 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             accepted_draft_tokens=e.stats.accepted_draft_tokens,
             draft_model=e.limits.draft_model,
         )
+
+
+class _SessionSink:
+    """A request's event sink inside a GenerateMany call: the call's one queue, tagged with
+    the client's stream number."""
+
+    __slots__ = ("_events", "_stream")
+
+    def __init__(
+        self, events: asyncio.Queue[tuple[int, StreamEvent | WorkerError | None]], stream: int
+    ) -> None:
+        self._events = events
+        self._stream = stream
+
+    def put_nowait(self, item: StreamEvent, /) -> None:
+        self._events.put_nowait((self._stream, item))
+
+
+class _Session:
+    """One GenerateMany call's requests: the client's stream numbers to sequences, the events
+    they produced, and the tokens held back for ``--stream-interval``."""
+
+    def __init__(self, servicer: WorkerServicer) -> None:
+        self.servicer = servicer
+        # (stream, event); a WorkerError: the request was refused; None: the client is done.
+        self.events: asyncio.Queue[tuple[int, StreamEvent | WorkerError | None]] = asyncio.Queue()
+        self.live: dict[int, Sequence] = {}
+        self.sent: set[int] = set()  # streams whose first message went out
+        self.held: dict[int, StreamEvent] = {}  # tokens waiting for --stream-interval
+        self.reading = True
+        # A message no client may send (the call ends INVALID_ARGUMENT, its requests aborted).
+        self.violation = ""
+
+    @property
+    def over(self) -> bool:
+        return not self.reading and not self.live
+
+    async def read(self, requests: AsyncIterator[pb.GenerateManyRequest]) -> None:
+        engine = self.servicer.engine
+        try:
+            async for msg in requests:
+                stream = msg.stream
+                if msg.WhichOneof("action") == "cancel":
+                    seq = self.live.pop(stream, None)
+                    self.held.pop(stream, None)
+                    self.sent.discard(stream)
+                    if seq is not None:
+                        log.info("request %s cancelled by the client", seq.request_id)
+                        engine.abort(seq)
+                    continue
+                if msg.WhichOneof("action") != "start":
+                    self.violation = f"stream {stream}: a message with neither start nor cancel"
+                    return
+                if stream in self.live:
+                    self.violation = f"stream {stream} is already in use by a live request"
+                    return
+                try:
+                    seq = self.servicer._sequence(msg.start)
+                except (Overloaded, InvalidRequest) as err:
+                    self.events.put_nowait((stream, err))
+                    continue
+                seq.out = _SessionSink(self.events, stream)
+                self.live[stream] = seq
+                engine.submit(seq)  # no await since check_room
+        finally:
+            self.events.put_nowait((0, None))
+
+    def drain(self, first: tuple[int, StreamEvent | WorkerError | None]) -> pb.GenerateManyResponse:
+        """``first`` and every event queued behind it, as one message: each request's events
+        merged into one response (tokens held back for ``--stream-interval`` included), an
+        error after the tokens before it."""
+        items = [first]
+        while not self.events.empty():
+            items.append(self.events.get_nowait())
+        merged: dict[int, tuple[Sequence, StreamEvent]] = {}
+        errors: dict[int, WorkerError] = {}
+        for stream, event in items:
+            if event is None:
+                self.reading = False
+                continue
+            if isinstance(event, WorkerError):
+                errors[stream] = event  # refused at admission: it was never live
+                continue
+            seq = self.live.get(stream)
+            if seq is None:
+                continue  # cancelled by the client: nothing more is sent for it
+            if event.error is not None:
+                errors[stream] = event.error
+                del self.live[stream]
+                if stream not in merged and stream in self.held:
+                    merged[stream] = (seq, self.held.pop(stream))
+                continue
+            before = merged[stream][1] if stream in merged else self.held.pop(stream, None)
+            merged[stream] = (seq, event if before is None else _joined(before, event))
+            if event.finish is not None:
+                del self.live[stream]
+        out = pb.GenerateManyResponse()
+        interval = self.servicer.stream_interval
+        for stream, (seq, event) in merged.items():
+            ends = event.finish is not None or stream in errors
+            if not ends and stream in self.sent and len(event.token_ids) < interval:
+                self.held[stream] = event
+                continue
+            self.sent.add(stream)
+            out.updates.add(stream=stream, response=self.servicer._response(seq, event))
+        for stream, err in errors.items():
+            code = status_of(err).value[0]
+            out.updates.add(stream=stream, error=pb.StreamError(code=code, message=str(err)))
+        for stream in [*errors, *(s for s, (_, e) in merged.items() if e.finish is not None)]:
+            self.sent.discard(stream)
+            self.held.pop(stream, None)
+        return out
+
+    def abort_all(self) -> None:
+        for seq in self.live.values():
+            log.info("request %s cancelled: its GenerateMany call ended", seq.request_id)
+            self.servicer.engine.abort(seq)
+        self.live.clear()
+
+
+def _joined(a: StreamEvent, b: StreamEvent) -> StreamEvent:
+    return StreamEvent(
+        [*a.token_ids, *b.token_ids], a.text + b.text, [*a.logprobs, *b.logprobs], b.finish
+    )

@@ -38,6 +38,9 @@ class Behaviour:
     # As a real worker's --max-pending-requests: a Generate beyond this many in flight is
     # refused RESOURCE_EXHAUSTED before it leases anything (0: no limit).
     max_pending: int = 0
+    # Serve GenerateMany (the gateway's shared call); False: answer it UNIMPLEMENTED, as a
+    # worker that predates it does, so the gateway falls back to one Generate per request.
+    multiplex: bool = True
 
 
 @dataclass
@@ -135,6 +138,50 @@ class FakeWorker(pb_grpc.WorkerServicer):
         finally:
             self.pending -= 1
 
+    async def GenerateMany(self, request_iterator, context):
+        """The shared call over the same behaviour as Generate: each started request runs
+        Generate as a task, its messages and its abort become this call's updates, a cancel
+        cancels its task."""
+        if not self.behaviour.multiplex:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        out: asyncio.Queue = asyncio.Queue()
+        tasks: dict[int, asyncio.Task] = {}
+
+        async def run(stream: int, request: pb.GenerateRequest) -> None:
+            try:
+                async for msg in self.Generate(request, _ItemContext()):
+                    out.put_nowait(pb.StreamUpdate(stream=stream, response=msg))
+            except _Abort as a:
+                error = pb.StreamError(code=a.code.value[0], message=a.details)
+                out.put_nowait(pb.StreamUpdate(stream=stream, error=error))
+            finally:
+                tasks.pop(stream, None)
+                out.put_nowait(None)
+
+        async def read() -> None:
+            async for msg in request_iterator:
+                if msg.WhichOneof("action") == "start":
+                    tasks[msg.stream] = asyncio.create_task(run(msg.stream, msg.start))
+                elif (task := tasks.pop(msg.stream, None)) is not None:
+                    task.cancel()
+            out.put_nowait("eof")
+
+        reader = asyncio.create_task(read())
+        reading = True
+        try:
+            while reading or tasks or not out.empty():
+                items = [await out.get()]
+                while not out.empty():
+                    items.append(out.get_nowait())
+                reading = reading and "eof" not in items
+                updates = [i for i in items if isinstance(i, pb.StreamUpdate)]
+                if updates:
+                    yield pb.GenerateManyResponse(updates=updates)
+        finally:
+            reader.cancel()
+            for task in list(tasks.values()):
+                task.cancel()
+
     async def _generate(self, request, context):
         b = self.behaviour
         prompt = list(request.prompt_token_ids.ids)
@@ -202,3 +249,16 @@ class FakeWorker(pb_grpc.WorkerServicer):
             runner=self.runner,
             max_pending_requests=self.behaviour.max_pending,
         )
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _ItemContext:
+    """The one ServicerContext method Generate uses, for a request inside GenerateMany."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Abort(code, details)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from worker.engine.lease import Lease
 from worker.engine.sampling_params import Sampled, SamplingParams
@@ -38,6 +38,13 @@ class StreamEvent:
     logprobs: list[Sampled]
     finish: Finish | None = None
     error: WorkerError | None = None
+
+
+class EventSink(Protocol):
+    """Where the engine puts a sequence's events (on the event loop's thread): its own queue
+    (``Generate``) or a queue shared by a ``GenerateMany`` call's requests."""
+
+    def put_nowait(self, item: StreamEvent, /) -> None: ...
 
 
 class TextStream:
@@ -117,7 +124,7 @@ class Sequence:
     text: TextStream
     eos_ids: frozenset[int]
     block_size: int
-    out: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
+    out: EventSink = field(default_factory=lambda: asyncio.Queue[StreamEvent]())
     output: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     lease: Lease | None = None

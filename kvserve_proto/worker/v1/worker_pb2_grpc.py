@@ -39,6 +39,11 @@ class WorkerStub:
                 request_serializer=kvserve__proto_dot_worker_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=kvserve__proto_dot_worker_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/worker.v1.Worker/GenerateMany',
+                request_serializer=kvserve__proto_dot_worker_dot_v1_dot_worker__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=kvserve__proto_dot_worker_dot_v1_dot_worker__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/worker.v1.Worker/GetInfo',
                 request_serializer=kvserve__proto_dot_worker_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
@@ -52,6 +57,19 @@ class WorkerServicer:
     def Generate(self, request, context):
         """One message per engine step that produced tokens for this request; the last one
         carries finish_reason and usage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many requests over one stream: what the gateway uses. The client starts and cancels
+        requests; each response message carries every update the worker has for the session's
+        requests at that moment (one engine step's tokens for all of them, typically), so a
+        step costs one message, not one per request. A request's failure is a StreamUpdate with
+        an error, and ends that request only; the call itself fails only for the whole session
+        (which aborts all its requests). Answered UNIMPLEMENTED by the gateway's own Worker
+        service and by workers that predate it: clients fall back to Generate.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -71,6 +89,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvserve__proto_dot_worker_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=kvserve__proto_dot_worker_dot_v1_dot_worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=kvserve__proto_dot_worker_dot_v1_dot_worker__pb2.GenerateManyRequest.FromString,
+                    response_serializer=kvserve__proto_dot_worker_dot_v1_dot_worker__pb2.GenerateManyResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -105,6 +128,33 @@ class Worker:
             '/worker.v1.Worker/Generate',
             kvserve__proto_dot_worker_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
             kvserve__proto_dot_worker_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/worker.v1.Worker/GenerateMany',
+            kvserve__proto_dot_worker_dot_v1_dot_worker__pb2.GenerateManyRequest.SerializeToString,
+            kvserve__proto_dot_worker_dot_v1_dot_worker__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
