@@ -154,6 +154,7 @@ class _Session:
     def __init__(self, stub: pb_grpc.WorkerStub, address: str) -> None:
         self.address = address
         self._outbox: asyncio.Queue[pb.GenerateManyRequest | None] = asyncio.Queue()
+        self._ready = asyncio.Event()  # the worker answered the call: requests may go
         self._call = stub.GenerateMany(self._requests())
         self._queues: dict[int, asyncio.Queue[pb.StreamUpdate | BaseException]] = {}
         self._next = 0
@@ -162,12 +163,19 @@ class _Session:
         self._reader = asyncio.create_task(self._read())
 
     async def _requests(self) -> AsyncIterator[pb.GenerateManyRequest]:
+        await self._ready.wait()
         while (msg := await self._outbox.get()) is not None:
             yield msg
 
     async def _read(self) -> None:
         err: BaseException
         try:
+            # Nothing is written before the worker has answered the call: a worker without
+            # GenerateMany ends it at once (UNIMPLEMENTED), and a write racing that end would
+            # turn the status into another one, losing the fallback.
+            await self._call.initial_metadata()
+            if not self._call.done():
+                self._ready.set()
             async for msg in self._call:
                 for update in msg.updates:
                     queue = self._queues.get(update.stream)

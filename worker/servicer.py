@@ -161,6 +161,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         tokens for N requests cost one gRPC message instead of N. Ends when the client has
         closed its side and every request it started has ended; the call's end (the client
         gone) aborts what is still running."""
+        await context.send_initial_metadata(())  # the client writes once the call is up
         session = _Session(self)
         reader = asyncio.create_task(session.read(request_iterator))
         try:

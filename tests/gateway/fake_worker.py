@@ -48,6 +48,7 @@ class Record:
     requests: list[pb.GenerateRequest] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    many_calls: int = 0  # GenerateMany calls served (the gateway shares one per worker)
 
 
 class FakeWorker(pb_grpc.WorkerServicer):
@@ -144,6 +145,8 @@ class FakeWorker(pb_grpc.WorkerServicer):
         cancels its task."""
         if not self.behaviour.multiplex:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        self.record.many_calls += 1
+        await context.send_initial_metadata(())  # as the worker: the client writes after it
         out: asyncio.Queue = asyncio.Queue()
         tasks: dict[int, asyncio.Task] = {}
 

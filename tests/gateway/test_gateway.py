@@ -221,6 +221,31 @@ async def test_worker_errors_map_to_http(stack: Stack):
     assert resp.json()["error"]["message"] == "the prompt does not fit this pool"
 
 
+async def test_requests_share_one_call_per_worker(stack: Stack):
+    """The gateway's requests to a worker go over one GenerateMany call, concurrent ones too."""
+    bodies = [{"prompt": f"p{i}", "max_tokens": 4} for i in range(6)]
+    resps = await asyncio.gather(*(stack.http.post("/v1/completions", json=b) for b in bodies))
+    assert [r.json()["choices"][0]["text"] for r in resps] == [OUTPUT[:4]] * 6
+    served = [w for w in stack.workers if w.record.requests]
+    assert served and all(w.record.many_calls == 1 for w in served)
+
+
+async def test_a_worker_without_generate_many_is_served_one_call_a_request(stack: Stack):
+    """A worker that answers GenerateMany UNIMPLEMENTED (older than it) gets Generate calls;
+    its errors still map as before."""
+    for w in stack.workers:
+        w.behaviour.multiplex = False
+    bodies = [{"prompt": f"q{i}", "max_tokens": 3} for i in range(3)]
+    resps = await asyncio.gather(*(stack.http.post("/v1/completions", json=b) for b in bodies))
+    assert [r.json()["choices"][0]["text"] for r in resps] == [OUTPUT[:3]] * 3
+    assert all(w.record.many_calls == 0 for w in stack.workers)
+    for w in stack.workers:
+        w.behaviour.fail_with = grpc.StatusCode.INVALID_ARGUMENT
+        w.behaviour.fail_message = "no room for that prompt"
+    resp = await stack.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert resp.status_code == 400 and resp.json()["error"]["message"] == "no room for that prompt"
+
+
 async def test_an_internal_error_is_500_and_the_worker_stays_in_rotation(stack: Stack):
     """A worker that answers INTERNAL (a bug hit one request) is up: the request fails with an
     OpenAI-shaped 500, without fail-over, and the worker is not marked unhealthy."""
