@@ -217,3 +217,51 @@ def test_a_sequence_whose_drafts_are_rarely_kept_drafts_only_to_probe(tokenizer)
         item = Scheduled(seq, seq.num_computed, [7, 1, 2], tuple(seq.block_table), 0, (), 2)
         s.postprocess(Step([item], []), [Accepted((Sampled(1), Sampled(2), Sampled(3)), drafts=2)])
     assert seq.acceptance > 0.25
+
+
+def test_draft_model_steps_draft_the_way_that_measured_faster(tokenizer) -> None:
+    """Whether draft-model requests draft is measured per batch size: each way is tried first,
+    then the faster kept, the other probed one step in PROBE_EVERY; batch sizes apart."""
+    from worker.engine.step_budget import ForwardTime
+
+    s = Scheduler(max_batch_size=8, max_step_tokens=256, max_context=4096)
+
+    def decoding(n: int, **params) -> None:
+        seqs = []
+        for i in range(n):
+            seq = make_seq(tokenizer, 10, float(i), 8, max_tokens=100, **params)
+            seq.num_draft = 4
+            seq.num_computed = 9
+            seqs.append(seq)
+        s.running = seqs
+
+    def step(tokens_per_s: float | None = None) -> bool:
+        """One step; with a rate, its postprocess and timing as the engine feeds them."""
+        st = s.schedule()
+        assert st is not None
+        drafted = any(item.draft_slots for item in st.items)
+        assert all(bool(item.draft_slots) == drafted for item in st.items)
+        if tokens_per_s is not None:
+            s.postprocess(st, [Sampled(5)] * len(st.items))  # one token each
+            s.observe(ForwardTime(len(st.items) / tokens_per_s, 0.0, 0))
+            for item in st.items:  # back to a decode of the same shape
+                item.seq.output.clear()
+                item.seq.num_computed = 9
+                item.seq.status = item.seq.status.RUNNING
+            s.running = [item.seq for item in st.items]
+        return drafted
+
+    decoding(8, speculative="draft_model")
+    assert step(500.0) is True  # unmeasured: drafting first
+    assert step(900.0) is False  # then without
+    choices = [step(500.0 if d else 900.0) for d in [False] * 16]
+    assert choices.count(True) == 2  # the slower way, probed one step in PROBE_EVERY
+    decoding(1, speculative="draft_model")  # another batch size: measured afresh
+    assert step(480.0) is True and step(260.0) is False
+    assert [step() for _ in range(3)] == [True] * 3  # one stream: drafting measured faster
+    decoding(8, speculative="ngram")  # prompt lookup costs no model time: never held back
+    for seq in s.running:
+        seq.prompt[:] = [1, 2, 3] * 3 + [1]  # a repeat for it to find
+        seq.drafter = NgramDrafter()
+    st = s.schedule()
+    assert st is not None and all(item.drafts for item in st.items)

@@ -179,6 +179,7 @@ class Engine:
         sampled = self._end_failed_rows(step, results)
         before = sum(len(item.seq.output) for item in step.items)  # a sequence once a step
         finished = self.scheduler.postprocess(step, sampled)
+        self.scheduler.observe(took)  # after postprocess: it counts the step's decode tokens
         self._account(step, sampled, sum(len(item.seq.output) for item in step.items) - before)
         # Publishing comes last, once nothing of the step can raise any more: a step that
         # fails before this line has sent no commit, and _fail_step releases without its KV.

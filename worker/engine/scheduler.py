@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from worker.engine.sampling_params import Accepted, Sampled
 from worker.engine.sequence import Finish, Sequence, Status, StreamEvent
+from worker.engine.step_budget import ForwardTime
 from worker.errors import WorkerError
 
 # Speculative decoding's brake: a sequence whose share of drafts kept (an average over its
@@ -20,6 +21,13 @@ from worker.errors import WorkerError
 MIN_ACCEPTANCE = 0.25
 ACCEPTANCE_WEIGHT = 0.3
 PROBE_EVERY = 8
+# A draft model's drafts cost its own forwards, one per draft and sequence, which batching the
+# target does not share: with 8 streams a draft model half the target's size ran them at 0.57x
+# their speed without speculation, with one stream at 1.86x. So whether a step's draft-model
+# requests draft is chosen by measurement, per batch size (powers of two): whichever way made
+# more decode tokens a second lately (weight RATE_WEIGHT), an unmeasured way first, the other
+# way on one such step in PROBE_EVERY (the costs move with contexts and the machine).
+RATE_WEIGHT = 0.3
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +80,23 @@ class Scheduler:
         self.max_context = max_context
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Per batch-size bucket: recent decode tokens a second of steps whose draft-model
+        # requests drafted, and of steps where they did not (None: not measured yet).
+        self._draft_rates: dict[int, list[float | None]] = {}
+        self._draft_steps = 0
+        self._step_drafting: tuple[int, bool] | None = None  # this step's (bucket, drafted)
+        self._decode_tokens = 0  # tokens the last postprocess gave decodes
+
+    def observe(self, took: ForwardTime) -> None:
+        """The step's timings (``ModelExecutor``), after its postprocess: the decode tokens
+        a second of a step that had draft-model requests, for :meth:`_draft_model_drafts`."""
+        if self._step_drafting is None or took.decode_s <= 0:
+            return
+        bucket, drafted = self._step_drafting
+        rates = self._draft_rates[bucket]
+        rate = self._decode_tokens / took.decode_s
+        old = rates[0 if drafted else 1]
+        rates[0 if drafted else 1] = rate if old is None else old + RATE_WEIGHT * (rate - old)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -79,6 +104,20 @@ class Scheduler:
     def admitted(self, seq: Sequence) -> None:
         self.waiting.remove(seq)
         self.running.append(seq)
+
+    def _draft_model_drafts(self, decodes: int) -> bool:
+        """Whether this step's draft-model requests draft (see RATE_WEIGHT)."""
+        bucket = decodes.bit_length()  # 1, 2-3, 4-7, 8-15, ...
+        drafting, plain = self._draft_rates.setdefault(bucket, [None, None])
+        if drafting is None:
+            choice = True
+        elif plain is None:
+            choice = False
+        else:
+            self._draft_steps += 1
+            choice = (drafting >= plain) != (self._draft_steps % PROBE_EVERY == 0)
+        self._step_drafting = (bucket, choice)
+        return choice
 
     def schedule(self, prefill_tokens: int | None = None) -> Step | None:
         """The next step. `prefill_tokens` caps its padded prefill tokens below the step
@@ -107,6 +146,11 @@ class Scheduler:
 
         # Decodes first (one token each, with its drafts if it speculates), then prefill
         # chunks, oldest request first.
+        self._step_drafting = None
+        decoding = [s for s in self.running if s.to_compute == 1][: self.max_batch_size]
+        draft_model = any(s.params.speculative == "draft_model" for s in decoding) and (
+            self._draft_model_drafts(len(decoding))
+        )
         for seq in self.running:
             if len(items) == self.max_batch_size or budget == 0:
                 break
@@ -118,7 +162,7 @@ class Scheduler:
                     drafts = tuple(drafter.propose(room))
                     take(seq, 1, drafts)
                     budget -= 1 + len(drafts)
-                elif room > 0 and seq.params.speculative == "draft_model":
+                elif room > 0 and seq.params.speculative == "draft_model" and draft_model:
                     take(seq, 1, draft_slots=room)
                     budget -= 1 + room
                 else:
@@ -168,6 +212,7 @@ class Scheduler:
         token and the kept drafts; what the rejected drafts wrote past them is never published
         and the next forward overwrites it."""
         finished = []
+        self._decode_tokens = 0
         for item, s in zip(step.items, sampled, strict=True):
             seq = item.seq
             if seq.lease is None or seq.lease.lease_id != item.lease_id or seq.aborted:
@@ -201,6 +246,8 @@ class Scheduler:
                 seq.status = Status.FINISHED
                 finished.append(seq)
             out = new[:kept]
+            if len(item.token_ids) - len(item.drafts) == 1:
+                self._decode_tokens += kept
             seq.out.put_nowait(StreamEvent([t.token for t in out], text, list(out), finish))
         if finished:
             self.running = [s for s in self.running if s.status is Status.RUNNING]
