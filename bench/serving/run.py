@@ -3,6 +3,7 @@ requests, in one run (issue 13's benchmark suite).
 
     .venv/bin/python bench/serving/run.py --quick    # CPU, a 3M-parameter model: ~4 minutes
     .venv/bin/python bench/serving/run.py            # full size: a 77M model on CPU, ~1B on GPU
+    python3 bench/serving/run.py --gpu               # issue 14's GPU suite (docs/gpu-serving-benchmark.md)
 
 Three servers, each started fresh, sent one cold request (reported apart), then every workload,
 then stopped:
@@ -10,7 +11,14 @@ then stopped:
 - **kvserve**: ``python -m kvserve_launch`` (launcher, cache service, one worker, gateway) with
   no tuning flags: its defaults are what is measured;
 - **kvserve-no-cache**: the same with prefix caching off (``KVWORKER_PREFIX_CACHING=0``);
-- **mlx_lm.server**: ``python -m mlx_lm server`` with its defaults.
+- **mlx_lm.server**: ``python -m mlx_lm server`` with its defaults;
+- **mlx_lm.server-p1** (only when named in ``--servers``; the shared-prefix workloads only): the
+  same with ``--prompt-concurrency 1``, a baseline that ran out of GPU memory later than the
+  defaults on the GPU suite's long shared prefixes.
+
+A server that no longer answers a short request after a workload with failures (mlx_lm.server's
+generation thread dies on running out of GPU memory, the process stays up) is restarted for
+the workloads that follow.
 
 The model is a random Llama made locally (``bench_models.make_model``: the default model's
 byte-level tokenizer, so one character is one token; no download) whose LM head lets greedy
@@ -32,6 +40,18 @@ where a number is in parentheses; its speed comes from the 3M-parameter model):
   out, each turn resending the whole history with the assistant's replies;
 - 4k prompts: completions, 2 (1) closed-loop clients x 2 requests of 4,096 own tokens, 32 out;
 - decode-heavy: 32 completions at once, 96-token own prompts, 256 out.
+
+On a GPU (``--gpu``, or by itself when MLX's default device is a GPU and ``--quick`` is not
+given) the GPU suite runs instead, where a prefix costs enough to show what sharing buys
+(issue 14; the sizes are in ``GPU_WORKLOADS``): 64 chats at once sharing an 8,000-token
+system prompt and 8 sharing a 32,000-token one (+32 own, 64 out), 8 chats x 4 turns over a
+4,000-token system prompt, a unique-prompt control (32 closed-loop clients x 2 completions of
+2,000 own tokens, 64 out) and decode-heavy (32 at once, 96 own, 256 out). Before the servers
+it measures mlx-lm's own dense batched decode (``batch_generate``) on the decode-heavy shape,
+the reference for kvserve's decode rate at batch 32. ``--gpu-scale`` shrinks every prompt
+and client count of that suite (a dry run on a CPU), ``--deadline-min`` skips what would
+start after a deadline, and the figures are rewritten to the JSON after every workload, so a
+run cut short still leaves what it measured (``--render`` draws it).
 
 Writes the figures between the generated-section markers of ``--out`` (default
 docs/serving-benchmark.md; text outside them is kept), a PNG plot beside it (``--plot``,
@@ -73,7 +93,13 @@ from loadgen import Chat, Request, Result, Send, Summary  # noqa: E402
 
 from kvserve_model.blas import fast_blas_env, select_blas  # noqa: E402
 
-SERVERS = ("mlx_lm.server", "kvserve", "kvserve-no-cache")
+SERVERS = ("mlx_lm.server", "mlx_lm.server-p1", "kvserve", "kvserve-no-cache")
+DEFAULT_SERVERS = ("mlx_lm.server", "kvserve", "kvserve-no-cache")
+# mlx_lm.server prefilling one prompt at a time (--prompt-concurrency 1, else its defaults): on
+# an H100 its default of 8 long prompts prefilled together ran out of GPU memory on the GPU
+# suite's shared-prefix bursts, so this is the baseline that serves them. It runs only these.
+BASELINE_VARIANT = "mlx_lm.server-p1"
+VARIANT_WORKLOADS = ("shared-prefix",)
 BEGIN, END = "<!-- generated: bench/serving/run.py -->", "<!-- end generated -->"
 
 
@@ -188,6 +214,81 @@ def workloads(quick: bool) -> list[Workload]:
     ]
 
 
+@dataclass(frozen=True)
+class GpuShape:
+    """One workload of the GPU suite: ``clients`` chats (or completion clients) at once, each
+    with ``shared`` tokens of system prompt common to all (0: none), ``own`` tokens of its own
+    and ``out`` tokens out, ``turns`` turns a chat or requests a closed-loop client."""
+
+    name: str
+    pattern: str  # burst | closed-loop | multi-turn
+    clients: int
+    shared: int
+    own: int
+    out: int
+    turns: int = 1
+
+
+# Issue 14's GPU suite: where a prefix costs enough for sharing to matter, a unique-prompt
+# control and decode-heavy load. Every size of the suite is here.
+GPU_WORKLOADS = [
+    GpuShape("shared-prefix 8k x64", "burst", clients=64, shared=8000, own=32, out=64),
+    GpuShape("shared-prefix 32k x8", "burst", clients=8, shared=32000, own=32, out=64),
+    GpuShape("multi-turn 4k", "multi-turn", clients=8, shared=4000, own=32, out=64, turns=4),
+    GpuShape("unique prompts 2k", "closed-loop", clients=32, shared=0, own=2000, out=64, turns=2),
+    GpuShape("decode-heavy", "burst", clients=32, shared=0, own=96, out=256),
+]
+GPU_CONTEXT = 40960  # the GPU suite's model declares this context (32k prompts + chat + out)
+
+
+def gpu_workloads(scale: float = 1.0) -> list[Workload]:
+    """The GPU suite; ``scale`` below 1 shrinks every prompt and client count (outputs and
+    turns stay), for a dry run on a CPU."""
+    out: list[Workload] = []
+    for i, g in enumerate(GPU_WORKLOADS):
+        seed = 20000 + 1000 * i
+        clients = max(2, round(g.clients * scale)) if scale < 1 else g.clients
+        shared = round(g.shared * scale) if scale < 1 else g.shared
+        own = max(8, round(g.own * scale)) if scale < 1 and g.own > 96 else g.own
+        system = text(seed, shared)
+        if g.pattern == "multi-turn":
+            chats = [
+                Chat(
+                    system=system,
+                    user_turns=[text(seed + 10 * c + t + 1, own) for t in range(g.turns)],
+                    max_tokens=g.out,
+                )
+                for c in range(clients)
+            ]
+            shape = (
+                f"{clients} chats x {g.turns} turns, {shared:,} shared system + {own} a turn, "
+                f"{g.out} out, the whole history resent each turn"
+            )
+            out.append(Workload(g.name, shape, g.pattern, chats=chats))
+        elif g.pattern == "closed-loop":
+            clients_ = [
+                [
+                    Request(g.out, prompt=text(seed + g.turns * c + k + 1, own))
+                    for k in range(g.turns)
+                ]
+                for c in range(clients)
+            ]
+            shape = f"{clients} clients x {g.turns}, {own:,} own, {g.out} out"
+            out.append(Workload(g.name, shape, g.pattern, clients=clients_))
+        elif shared:
+            requests = [
+                Request(g.out, messages=[system_msg(system), user_msg(text(seed + c + 1, own))])
+                for c in range(clients)
+            ]
+            shape = f"{clients} at once, {shared:,} shared + {own} own, {g.out} out (chat)"
+            out.append(Workload(g.name, shape, g.pattern, requests=requests))
+        else:
+            requests = [Request(g.out, prompt=text(seed + c + 1, own)) for c in range(clients)]
+            shape = f"{clients} at once, {own:,} own, {g.out} out"
+            out.append(Workload(g.name, shape, g.pattern, requests=requests))
+    return out
+
+
 def system_msg(content: str) -> dict[str, str]:
     return {"role": "system", "content": content}
 
@@ -217,9 +318,11 @@ class Server:
 def start_server(name: str, model: Path, logs: Path) -> Server:
     env = fast_blas_env()  # on CPU both servers get the same BLAS; a no-op on a GPU
     port = free_port()
-    if name == "mlx_lm.server":
+    if name.startswith("mlx_lm.server"):
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model)]
         cmd += ["--port", str(port), "--log-level", "WARNING"]
+        if name == BASELINE_VARIANT:
+            cmd += ["--prompt-concurrency", "1"]
     else:
         cmd = [sys.executable, "-m", "kvserve_launch", "--model", str(model)]
         cmd += ["--http-port", str(port), "--grpc-port", str(free_port())]
@@ -229,7 +332,7 @@ def start_server(name: str, model: Path, logs: Path) -> Server:
             env["KVWORKER_PREFIX_CACHING"] = "0"
     log = logs / f"{name}.log"
     start = time.perf_counter()
-    with log.open("wb") as f:
+    with log.open("ab") as f:  # a server restarted after a crash appends
         proc = subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -267,14 +370,23 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def run_server(
-    name: str, model: Path, ws: list[Workload], logs: Path, rates: dict[str, float]
+    name: str,
+    model: Path,
+    ws: list[Workload],
+    logs: Path,
+    rates: dict[str, float],
+    saved: Callable[[dict[str, Any]], None] = lambda out: None,
+    deadline: float = float("inf"),
 ) -> dict[str, Any]:
-    """Starts ``name``, runs the cold request and every workload, stops it."""
+    """Starts ``name``, runs the cold request and every workload, stops it. ``saved`` is
+    given the figures so far after each workload; a workload that would start after
+    ``deadline`` (``time.time()``) is skipped, and listed as such."""
     print(f"\n## {name}", flush=True)
     server = start_server(name, model, logs)
     print(f"ready in {server.ready_s:.1f} s", flush=True)
     out: dict[str, Any] = {"ready_s": server.ready_s, "workloads": {}, "raw": {}}
     out["load_before"] = os.getloadavg()[0]
+    saved(out)
     try:
         cold = Workload("cold", "", "burst", requests=[Request(8, prompt=text(1, 64))])
         summary, _ = asyncio.run(
@@ -284,6 +396,12 @@ def run_server(
         print(f"cold request: TTFT {fmt_s(summary.ttft['p50'])}, E2E {fmt_s(summary.e2e['p50'])}")
         calibrations = {w.rate_from for w in ws if w.rate_from}
         for w in ws:
+            if name == BASELINE_VARIANT and not w.name.startswith(VARIANT_WORKLOADS):
+                continue
+            if time.time() > deadline:
+                out.setdefault("skipped", []).append(w.name)
+                print(f"{w.name}: skipped (past --deadline-min)", flush=True)
+                continue
             if w.pattern == "poisson" and not w.rate:
                 w.rate = rates.get(w.rate_from, 0.0)
                 if not w.rate:
@@ -296,7 +414,17 @@ def run_server(
                 rates[w.name] = 0.9 * summary.requests_s
             out["workloads"][w.name] = summary.as_dict()
             out["workloads"][w.name]["rate"] = w.rate or None
+            if w.pattern == "burst":
+                out["workloads"][w.name]["first_vs_rest"] = first_vs_rest(results)
             print(progress(w, summary), flush=True)
+            saved(out)
+            if summary.failed and not answers(server, model):
+                # e.g. mlx_lm.server's generation thread dies on running out of GPU memory and
+                # the process answers 404 to everything after: restart it for what follows
+                print(f"{name} no longer answers after {w.name}: restarting it", flush=True)
+                out.setdefault("restarted_after", []).append(w.name)
+                stop(server.proc)
+                server = start_server(name, model, logs)
             if server.proc.poll() is not None:
                 raise RuntimeError(f"{name} died during {w.name}:\n{tail(server.log)}")
     except Exception as e:  # recorded and reported: the other servers still run
@@ -304,7 +432,42 @@ def run_server(
         print(f"{name}: {out['error']}", flush=True)
     finally:
         stop(server.proc)
+        saved(out)
     return out
+
+
+def answers(server: Server, model: Path) -> bool:
+    """Whether ``server`` still serves a short request."""
+    probe = Workload("probe", "", "burst", requests=[Request(4, prompt=text(2, 16))])
+    try:
+        summary, _ = asyncio.run(
+            loadgen.measure(probe.runner(), server.base, str(model), timeout_s=120)
+        )
+    except Exception:
+        return False
+    return summary.failed == 0 and server.proc.poll() is None
+
+
+def first_vs_rest(results: list[Result], batch: int = 32) -> dict[str, Any]:
+    """In a burst, the first request to get a token against the others: the lowest TTFT, and
+    the others' TTFT p50/p95/max, all of them and those ranked 2 to ``batch`` by TTFT (the
+    ones a batch of that size could have started with the first). Issue 14: requests deferred
+    on a prefix another request is computing should start the moment its blocks are
+    committed."""
+    ttfts = sorted(r.ttft for r in results if r.ok and r.ttft is not None)
+    if not ttfts:
+        return {}
+    rest, batch_rest = ttfts[1:], ttfts[1:batch]
+    return {
+        "first": ttfts[0],
+        "rest": {**loadgen.spread(rest), "max": rest[-1] if rest else None, "n": len(rest)},
+        "batch_rest": {
+            "p50": loadgen.percentile(batch_rest, 50),
+            "max": batch_rest[-1] if batch_rest else None,
+            "n": len(batch_rest),
+        },
+        "batch": batch,
+    }
 
 
 def raw(r: Result) -> dict[str, Any]:
@@ -375,19 +538,44 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    chosen = select_blas().chosen
+    gpu = mx.default_device().type == mx.gpu
+    chosen = None if gpu else select_blas().chosen  # the servers get no BLAS on a GPU
     return {
+        "gpu": gpu_name() if gpu else "",
         "cpu": cpu,
         "cores": os.cpu_count(),
         "memory_gib": round(mem_gib, 1),
         "device": mx.default_device().type.name,
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
-        "blas": chosen.name if chosen else "MLX's reference BLAS",
+        "blas": "n/a (GPU)" if gpu else chosen.name if chosen else "MLX's reference BLAS",
         "python": platform.python_version(),
         "load_before": os.getloadavg()[0],
         "tree": source_tree(),
     }
+
+
+def gpu_name() -> str:
+    """The GPU's name and memory, from nvidia-smi where there is one, else MLX's device info."""
+    try:
+        line = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.splitlines()
+        if line:
+            name, memory, driver = (x.strip() for x in line[0].split(","))
+            return f"{name} ({memory}, driver {driver})"
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    import mlx.core as mx
+
+    try:
+        info = mx.device_info()
+        return str(info.get("device_name") or info.get("architecture") or "GPU")
+    except Exception:  # an MLX without device_info
+        return "GPU"
 
 
 def n(v: float | None, digits: int = 2) -> str:
@@ -449,11 +637,17 @@ def markdown(data: dict[str, Any]) -> str:
     runs, ws = data["servers"], data["workloads"]
     names = [s for s in SERVERS if s in runs]
     m = data["machine"]
+    where = (
+        f"an {m['gpu']} with {m['cores']} cores of an {m['cpu']} ({m['memory_gib']} GiB), "
+        f"MLX on its {m['device']}, MLX {m['mlx']}, mlx-lm {m['mlx_lm']}"
+        if m.get("gpu")
+        else f"{m['cores']} cores of an {m['cpu']} ({m['memory_gib']} GiB, {m['device']}), "
+        f"MLX {m['mlx']}, mlx-lm {m['mlx_lm']}, BLAS {m['blas']} for every server"
+    )
     lines = [
         BEGIN,
         "",
-        f"Measured {data['date']} on {m['cores']} cores of an {m['cpu']} ({m['memory_gib']} GiB, "
-        f"{m['device']}), MLX {m['mlx']}, mlx-lm {m['mlx_lm']}, BLAS {m['blas']} for every server, "
+        f"Measured {data['date']} on {where}, "
         f"Python {m['python']}; source {m.get('tree', 'unknown')}; load average {m['load_before']:.2f} at the start. Model: "
         f"{data['model']}. {data['wall_min']:.1f} minutes in all. Command:",
         "",
@@ -515,7 +709,7 @@ def markdown(data: dict[str, Any]) -> str:
             if w["name"] in data.get("derived_rates", ()):
                 extra += f" (0.9 x {data['rate_server']}'s requests/s on unique prompts)"
         lines.append(f"- **{w['name']}** ({w['pattern']}): {w['shape']}{extra}")
-    for other in ("mlx_lm.server", "kvserve-no-cache"):
+    for other in ("mlx_lm.server", BASELINE_VARIANT, "kvserve-no-cache"):
         if "kvserve" not in names or other not in names:
             continue
         lines += [
@@ -535,14 +729,24 @@ def markdown(data: dict[str, Any]) -> str:
                 continue
             cells = [ratio(row(r)(a), row(r)(b)) for r in RATIO_ROWS]
             lines.append(f"| {w['name']} | " + " | ".join(cells) + " |")
-    if "multi-turn" in {w["name"] for w in ws}:
-        lines += ["", "Multi-turn, TTFT p50 s by turn:", ""]
-        lines += ["| server | turn 0 | turn 1 | turn 2 | turn 3 |", "|---|---|---|---|---|"]
+    for w in ws:
+        if w["pattern"] != "multi-turn":
+            continue
+        tags = sorted(
+            {
+                t
+                for name in names
+                for t in runs[name]["workloads"].get(w["name"], {}).get("ttft_p50_by_tag", {})
+            },
+            key=lambda t: int(t.split()[-1]) if t.split()[-1].isdigit() else 0,
+        )
+        lines += ["", f"{w['name'].capitalize()}, TTFT p50 s by turn:", ""]
+        lines += ["| server | " + " | ".join(tags) + " |", "|---|" + "---|" * len(tags)]
         for name in names:
-            by = runs[name]["workloads"].get("multi-turn", {}).get("ttft_p50_by_tag", {})
-            lines.append(
-                f"| {name} | " + " | ".join(n(by.get(f"turn {t}")) for t in range(4)) + " |"
-            )
+            by = runs[name]["workloads"].get(w["name"], {}).get("ttft_p50_by_tag", {})
+            lines.append(f"| {name} | " + " | ".join(n(by.get(t)) for t in tags) + " |")
+    if data.get("suite") == "gpu":
+        lines += gpu_sections(data, names)
     lines += ["", "Peak RSS MiB of each process of a server (its highest over the workloads):", ""]
     for name in names:
         peaks: dict[str, float] = {}
@@ -561,7 +765,7 @@ def markdown(data: dict[str, Any]) -> str:
             f"| {name} | {n(runs[name]['ready_s'], 1)} | {n(c.get('ttft', {}).get('p50'))} | "
             f"{n(c.get('e2e', {}).get('p50'))} | {n(runs[name].get('load_before'))} |"
         )
-    if "kvserve" in names and "mlx_lm.server" in names:
+    if "kvserve" in names and "mlx_lm.server" in names and data.get("suite") != "gpu":
         lines += ["", "Issue 13's targets against mlx_lm.server, in this run:", ""]
         lines += ["| workload | target | kvserve | |", "|---|---|---|---|"]
         for wname, what, rname, better, factor in TARGETS:
@@ -588,8 +792,119 @@ def markdown(data: dict[str, Any]) -> str:
     ]
     if aborted:
         lines += ["", "Servers whose run stopped early:", "", *aborted]
+    skipped = [
+        f"- {name}: " + ", ".join(runs[name]["skipped"])
+        for name in names
+        if runs[name].get("skipped")
+    ]
+    if skipped:
+        lines += ["", "Workloads not run (past `--deadline-min`):", "", *skipped]
     lines += ["", f"![serving benchmark]({data['plot']})", "", END]
     return "\n".join(lines) + "\n"
+
+
+# Issue 14's end-to-end targets against mlx_lm.server on a GPU: (workload, target, row,
+# better "higher" or "lower", factor). Every workload's out tok/s at least 1.0x is checked too.
+GPU_TARGETS = [
+    ("shared-prefix 8k x64", "TTFT p50 at least 10x lower", "TTFT p50 s", "lower", 10.0),
+    ("shared-prefix 8k x64", "output tok/s at least 3x", "out tok/s", "higher", 3.0),
+    ("shared-prefix 32k x8", "TTFT p50 at least 10x lower", "TTFT p50 s", "lower", 10.0),
+    ("shared-prefix 32k x8", "output tok/s at least 3x", "out tok/s", "higher", 3.0),
+]
+
+
+def gain_cell(a: float | None, b: float | None, better: str, factor: float) -> list[str]:
+    """[kvserve's gain over the baseline, met/missed] for one target row."""
+    if not a or not b:
+        return ["", "not measured"]
+    gain = a / b if better == "higher" else b / a
+    got = f"{gain:.2f}x"
+    if better == "lower":
+        got = f"{gain:.2f}x lower" if gain >= 1 else f"{1 / gain:.2f}x higher"
+    return [got, "met" if gain >= factor else "missed"]
+
+
+def decode_rate(s: dict[str, Any] | None) -> float | None:
+    """A burst's decode tokens/s per the whole batch: requests / TPOT p50 (every request of
+    the burst decoding together, as in decode-heavy at batch 32)."""
+    tpot = ((s or {}).get("tpot") or {}).get("p50")
+    return s["requests"] / tpot if s and tpot else None
+
+
+def gpu_sections(data: dict[str, Any], names: list[str]) -> list[str]:
+    """The GPU suite's own tables: the first request of each burst against the others,
+    decode against mlx-lm's dense batched decode, and issue 14's targets."""
+    runs, ws = data["servers"], data["workloads"]
+    lines = [
+        "",
+        "Shared-prefix bursts, the first request to get a token against the others (TTFT s; "
+        "ranks 2-32: the others a batch of 32 could have started with the first):",
+        "",
+        "| workload | server | first | others p50 | others p95 | others max | ranks 2-32 p50 "
+        "| ranks 2-32 max |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for w in ws:
+        if not w["name"].startswith("shared-prefix"):
+            continue
+        for name in names:
+            f = runs[name]["workloads"].get(w["name"], {}).get("first_vs_rest")
+            if not f:
+                continue
+            r, b = f["rest"], f["batch_rest"]
+            cells = [f["first"], r["p50"], r["p95"], r["max"], b["p50"], b["max"]]
+            lines.append(f"| {w['name']} | {name} | " + " | ".join(n(c) for c in cells) + " |")
+    dense = data.get("dense_decode") or {}
+    decode = {name: runs[name]["workloads"].get("decode-heavy") for name in names}
+    if dense.get("generation_tps") or any(decode.values()):
+        lines += [
+            "",
+            "Decode at batch 32 (decode-heavy: 32 at once, 256 out): the servers' rate is 32 / "
+            "TPOT p50 (tokens/s of the batch while it decodes), mlx-lm's dense path is "
+            "`batch_generate` in one process on the same prompts (generated tokens over the "
+            "time not spent on prompts; best of "
+            f"{len(dense.get('runs', []))}: "
+            + ", ".join(f"{r['generation_tps']:,.0f}" for r in dense.get("runs", []))
+            + " tok/s):",
+            "",
+            "| path | decode tok/s at batch 32 | / dense mlx-lm |",
+            "|---|---|---|",
+        ]
+        ref = dense.get("generation_tps")
+        if ref:
+            lines.append(f"| mlx-lm dense (`batch_generate`) | {n(ref, 0)} | 1.00 |")
+        for name in names:
+            rate = decode_rate(decode[name])
+            if rate:
+                lines.append(f"| {name} | {n(rate, 0)} | {ratio(rate, ref)} |")
+    baselines = [b for b in ("mlx_lm.server", BASELINE_VARIANT) if b in names]
+    if "kvserve" not in names or not baselines:
+        return lines
+    lines += ["", "Issue 14's end-to-end targets, in this run:", ""]
+    lines += ["| workload | target | against | kvserve | |", "|---|---|---|---|---|"]
+    wnames = {w["name"] for w in ws}
+    rows = [t for t in GPU_TARGETS if t[0] in wnames]
+    rows += [(w["name"], "no workload below 1.0x", "out tok/s", "higher", 1.0) for w in ws]
+    for wname, what, rname, better, factor in rows:
+        for base in baselines:
+            a = runs["kvserve"]["workloads"].get(wname)
+            b = runs[base]["workloads"].get(wname)
+            if b is None:
+                continue
+            if b["requests"] and b["failed"] == b["requests"]:
+                cells = ["-", f"not measurable: {base} failed all {b['requests']} requests"]
+            else:
+                cells = gain_cell(row(rname)(a) if a else None, row(rname)(b), better, factor)
+            label = what if rname != "out tok/s" or factor != 1.0 else f"{what} (output tok/s)"
+            lines.append(f"| {wname} | {label} | {base} | " + " | ".join(cells) + " |")
+    if dense.get("generation_tps"):
+        rate = decode_rate(decode.get("kvserve"))
+        cells = gain_cell(rate, dense["generation_tps"], "higher", 0.9)
+        lines.append(
+            "| decode-heavy | decode tok/s at batch 32 within 10% of dense mlx-lm "
+            "| `batch_generate` | " + " | ".join(cells) + " |"
+        )
+    return lines
 
 
 def resummarize(data: dict[str, Any], raws: dict[str, Any]) -> None:
@@ -659,8 +974,9 @@ def plot(data: dict[str, Any], path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes.flat[0].legend(fontsize=8)
     m = data["machine"]
+    where = m.get("gpu") or f"{m['cores']} cores {m['cpu']}"
     fig.suptitle(
-        f"kvserve vs mlx_lm.server, {data['model']}; {m['cores']} cores {m['cpu']}, {data['date']}",
+        f"kvserve vs mlx_lm.server, {data['model']}; {where}, {data['date']}",
         fontsize=10,
     )
     fig.tight_layout()
@@ -676,10 +992,40 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="a small model and workloads (minutes)")
+    p.add_argument(
+        "--suite",
+        choices=("auto", "cpu", "gpu"),
+        default="auto",
+        help="auto: the GPU suite where MLX's default device is a GPU (unless --quick)",
+    )
+    p.add_argument("--gpu", dest="suite", action="store_const", const="gpu", help="--suite gpu")
+    p.add_argument(
+        "--gpu-scale",
+        type=float,
+        default=1.0,
+        help="below 1: every prompt and client count of the GPU suite scaled (a CPU dry run)",
+    )
+    p.add_argument(
+        "--deadline-min",
+        type=float,
+        default=0.0,
+        help="start no server or workload this many minutes after the start (0: no deadline)",
+    )
+    p.add_argument(
+        "--skip-dense-decode",
+        action="store_true",
+        help="GPU suite: do not measure mlx-lm's dense batched decode first",
+    )
+    p.add_argument("--logs", type=Path, default=None, help="keep each server's log here")
+    p.add_argument("--dense-decode", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, default=0)
     p.add_argument("--hidden", type=int, default=0)
     p.add_argument("--dtype", default="")
-    p.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, run in order")
+    p.add_argument(
+        "--servers",
+        default=",".join(DEFAULT_SERVERS),
+        help=f"comma-separated, run in order, of {', '.join(SERVERS)}",
+    )
     p.add_argument("--workloads", default="", help="comma-separated names (default: all)")
     p.add_argument(
         "--poisson-rate",
@@ -718,15 +1064,23 @@ def main() -> None:
         plot(data, out_png)
         print(f"wrote {args.out}, {out_png}")
         return
+    if args.dense_decode:
+        model_dir, prompts_file, out_tokens = args.dense_decode
+        print(json.dumps(dense_decode(Path(model_dir), Path(prompts_file), int(out_tokens))))
+        return
     import mlx.core as mx
 
     gpu = mx.default_device().type == mx.gpu
+    suite = args.suite if args.suite != "auto" else "gpu" if gpu and not args.quick else "cpu"
     layers = args.layers or (4 if args.quick else 22 if gpu else 12)
     hidden = args.hidden or (256 if args.quick else 2048 if gpu else 768)
     dtype = args.dtype or ("float16" if gpu else "float32")
-    ws = workloads(args.quick)
+    ws = gpu_workloads(args.gpu_scale) if suite == "gpu" else workloads(args.quick)
     if args.workloads:
         wanted = args.workloads.split(",")
+        unknown_ws = set(wanted) - {w.name for w in ws}
+        if unknown_ws:
+            p.error(f"unknown workloads {sorted(unknown_ws)}; known: {[w.name for w in ws]}")
         ws = [
             w
             for w in ws
@@ -742,21 +1096,18 @@ def main() -> None:
         p.error(f"unknown servers {sorted(unknown)}; known: {', '.join(SERVERS)}")
     info = machine()
     started = time.perf_counter()
+    deadline = time.time() + args.deadline_min * 60 if args.deadline_min else float("inf")
     runs: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        model, params = make_model(Path(tmp) / "bench-llama", layers, hidden, dtype)
-        for name in servers:
-            try:
-                runs[name] = run_server(name, model, ws, Path(tmp), rates)
-            except RuntimeError as e:  # did not start
-                print(f"{name}: {e}", flush=True)
-                runs[name] = {"ready_s": None, "workloads": {}, "raw": {}, "error": str(e)}
-    data = {
+    python = (
+        ".venv/bin/python" if Path(sys.executable).parent.parent == ROOT / ".venv" else "python3"
+    )
+    data: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
-        "command": " ".join(shlex.quote(a) for a in [".venv/bin/python", *sys.argv]),
+        "command": " ".join(shlex.quote(a) for a in [python, *sys.argv]),
+        "suite": suite,
         "machine": info,
-        "model": f"random llama, {layers} layers, hidden {hidden}, {params / 1e6:.1f}M params, {dtype}",
-        "wall_min": (time.perf_counter() - started) / 60,
+        "model": "",
+        "wall_min": 0.0,
         "plot": os.path.relpath(out_png, args.out.parent),
         "workloads": [{"name": w.name, "shape": w.shape, "pattern": w.pattern} for w in ws],
         "rates": rates,
@@ -764,13 +1115,111 @@ def main() -> None:
         "rate_server": servers[0],
         "servers": runs,
     }
-    raws = {name: run.pop("raw") for name, run in runs.items()}
-    if args.raw:
-        args.raw.write_text(json.dumps(raws) + "\n")
-    (args.json or args.out.with_suffix(".json")).write_text(json.dumps(data, indent=1) + "\n")
+    out_json = args.json or args.out.with_suffix(".json")
+
+    def save() -> None:
+        """The figures so far, to the JSON (and ``--raw``): a run cut short keeps them."""
+        data["wall_min"] = (time.perf_counter() - started) / 60
+        figures = {name: {k: v for k, v in run.items() if k != "raw"} for name, run in runs.items()}
+        out_json.write_text(json.dumps({**data, "servers": figures}, indent=1) + "\n")
+        if args.raw:
+            args.raw.write_text(json.dumps({n: r.get("raw", {}) for n, r in runs.items()}) + "\n")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, params = make_model(Path(tmp) / "bench-llama", layers, hidden, dtype)
+        if suite == "gpu":  # the 32k prompts need a longer declared context than make_model's
+            config = json.loads((model / "config.json").read_text())
+            config["max_position_embeddings"] = max(
+                GPU_CONTEXT, config.get("max_position_embeddings", 0)
+            )
+            (model / "config.json").write_text(json.dumps(config))
+        if hasattr(mx, "clear_cache"):
+            mx.clear_cache()  # the weights made here: give the memory back before the servers
+        data["model"] = (
+            f"random llama, {layers} layers, hidden {hidden}, {params / 1e6:.1f}M params, {dtype}"
+        )
+        decode = next((w for w in ws if w.name == "decode-heavy"), None)
+        if suite == "gpu" and decode is not None and not args.skip_dense_decode:
+            data["dense_decode"] = dense_decode_reference(model, decode, Path(tmp))
+            save()
+        for name in servers:
+            if time.time() > deadline:
+                print(f"{name}: skipped (past --deadline-min)", flush=True)
+                runs[name] = {"ready_s": None, "workloads": {}, "skipped": [w.name for w in ws]}
+                continue
+
+            def saved(out: dict[str, Any], name: str = name) -> None:
+                runs[name] = out
+                save()
+
+            try:
+                logs = args.logs or Path(tmp)
+                logs.mkdir(parents=True, exist_ok=True)
+                runs[name] = run_server(name, model, ws, logs, rates, saved, deadline)
+            except RuntimeError as e:  # did not start
+                print(f"{name}: {e}", flush=True)
+                runs[name] = {"ready_s": None, "workloads": {}, "raw": {}, "error": str(e)}
+            save()
+    save()
+    for run in runs.values():
+        run.pop("raw", None)
     write_markdown(args.out, markdown(data))
-    plot(data, out_png)
-    print(f"\nwrote {args.out}, {out_png}")
+    try:
+        plot(data, out_png)
+    except Exception as e:  # the figures are written; a plot is optional
+        print(f"no plot: {type(e).__name__}: {e}")
+    print(f"\nwrote {args.out}, {out_png}, {out_json}")
+
+
+def dense_decode_reference(model: Path, w: Workload, tmp: Path) -> dict[str, Any]:
+    """mlx-lm's own batched decode (``batch_generate``, dense ``BatchKVCache``) on the
+    prompts of the burst ``w``, in a child process (its GPU memory goes back when it ends)."""
+    prompts = tmp / "dense-decode-prompts.json"
+    prompts.write_text(json.dumps([r.prompt for r in w.requests]))
+    out_tokens = w.requests[0].max_tokens
+    cmd = [sys.executable, __file__, "--dense-decode", str(model), str(prompts), str(out_tokens)]
+    print(f"\n## dense mlx-lm decode ({len(w.requests)} x {out_tokens} out)", flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        print(proc.stdout[-2000:], proc.stderr[-2000:], flush=True)
+        return {"error": proc.stderr[-500:]}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def dense_decode(model_dir: Path, prompts_file: Path, out_tokens: int) -> dict[str, Any]:
+    """Decode tokens/s of mlx-lm's ``batch_generate`` (decode batch 32 by default, the same
+    dense batched path as mlx_lm.server) on these prompts: generated tokens over the time
+    not spent on prompts; a short first call compiles, then two timed calls."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import batch_generate
+
+    model, tokenizer = load(str(model_dir))
+    prompts = [tokenizer.encode(p) for p in json.loads(prompts_file.read_text())]
+    batch_generate(model, tokenizer, prompts, max_tokens=8)
+    runs = []
+    for _ in range(2):
+        stats = batch_generate(model, tokenizer, prompts, max_tokens=out_tokens).stats
+        runs.append(
+            {
+                "generation_tps": stats.generation_tps,
+                "generation_tokens": stats.generation_tokens,
+                "generation_time": stats.generation_time,
+                "prompt_tokens": stats.prompt_tokens,
+                "prompt_time": stats.prompt_time,
+                "peak_memory_gb": stats.peak_memory,
+            }
+        )
+    return {
+        "batch": len(prompts),
+        "prompt_tokens_each": len(prompts[0]),
+        "out_tokens": out_tokens,
+        "device": str(mx.default_device()),
+        "runs": runs,
+        "generation_tps": max(r["generation_tps"] for r in runs),
+    }
 
 
 if __name__ == "__main__":
