@@ -128,6 +128,7 @@ def test_fp32_run_as_tf32_gets_the_tolerance_of_its_mantissa(monkeypatch):
 
     from worker.model import self_check
 
+    monkeypatch.delenv("MLX_ENABLE_TF32", raising=False)  # MLX's default (tests/conftest sets 0)
     assert not self_check.tf32_matmuls()  # CPU: real fp32
     assert self_check.tolerance_for(mx.float32, 8.0) == self_check.FP32_TOLERANCE
     monkeypatch.setattr(self_check.mx, "default_device", lambda: mx.gpu)
