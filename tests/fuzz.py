@@ -332,3 +332,35 @@ def fuzz_worker_bytes(target: WorkerTarget, n: int) -> None:
 
     run()
     target.settle()
+
+
+def many_requests() -> st.SearchStrategy[list[Message]]:
+    """One GenerateMany call's messages: starts from the descriptors, cancels, stream numbers
+    that collide or were never started, and an empty action now and then."""
+    generate = messages(worker_pb.GenerateRequest, GENERATE_HINTS)
+    stream = st.integers(0, 4) | st.integers(0, 2**64 - 1)
+    start = st.builds(
+        lambda n, r: worker_pb.GenerateManyRequest(stream=n, start=r), stream, generate
+    )
+    cancel = st.builds(lambda n: worker_pb.GenerateManyRequest(stream=n, cancel=True), stream)
+    empty = st.builds(lambda n: worker_pb.GenerateManyRequest(stream=n), stream)
+    one = st.one_of(start, start, start, cancel, empty)
+    return st.lists(one, min_size=1, max_size=6)
+
+
+def fuzz_worker_sessions(target: WorkerSessionTarget, n: int) -> None:
+    """``n`` GenerateMany calls of a few messages each, then settle."""
+
+    @budget(n)
+    @given(many_requests())
+    def run(msgs: list[Message]) -> None:
+        target.call_many(msgs)
+
+    run()
+    target.settle()
+
+
+class WorkerSessionTarget(WorkerTarget, Protocol):
+    def call_many(self, msgs: Sequence[Message]) -> None:
+        """Sends ``msgs`` on one GenerateMany call; asserts the call's status and every
+        request's error are ones the edge may answer."""

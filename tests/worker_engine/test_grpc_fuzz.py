@@ -23,7 +23,14 @@ from kvcache_service.config import ServiceConfig
 from kvcache_service.server import running as running_cache
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kv
 from kvserve_proto.worker.v1 import worker_pb2 as pb
-from tests.fuzz import LoopThread, fuzz_worker_bytes, fuzz_worker_messages, invoke, rpcs
+from tests.fuzz import (
+    LoopThread,
+    fuzz_worker_bytes,
+    fuzz_worker_messages,
+    fuzz_worker_sessions,
+    invoke,
+    rpcs,
+)
 from worker.config import WorkerConfig
 from worker.model.loader import load_model
 from worker.server import running as running_worker
@@ -52,12 +59,41 @@ class Target:
     greedy: list[int]
     seen: dict[str, set[grpc.StatusCode]] = field(default_factory=dict)
     calls: int = 0
+    many_tokens: int = 0  # tokens GenerateMany calls streamed back
 
     def call(self, name: str, request: Any) -> None:
         code, _, details = invoke(self.worker, RPCS[name], request, timeout=60, max_responses=3)
         self.calls += 1
         self.seen.setdefault(name, set()).add(code)
         assert code in EXPECTED, (name, code, details, request)
+
+    def call_many(self, msgs: Any) -> None:
+        """One GenerateMany call: every message sent, then a few responses read and the call
+        cancelled (a gateway that goes away), or read to its end."""
+        call = self.worker.stream_stream(
+            RPCS["GenerateMany"].path,
+            request_serializer=pb.GenerateManyRequest.SerializeToString,
+            response_deserializer=pb.GenerateManyResponse.FromString,
+        )(iter(msgs), timeout=60)
+        self.calls += 1
+        codes = set()
+        try:
+            for i, response in enumerate(call):
+                self.many_tokens += sum(len(u.response.token_ids) for u in response.updates)
+                codes |= {
+                    grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == u.error.code))
+                    for u in response.updates
+                    if u.WhichOneof("kind") == "error"
+                }
+                if i == 3:
+                    call.cancel()
+                    break
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            code = e.code()
+        self.seen.setdefault("GenerateMany", set()).add(code)
+        assert code in EXPECTED | {grpc.StatusCode.CANCELLED}, (code, msgs)
+        assert codes <= EXPECTED, (codes, msgs)  # never INTERNAL or UNKNOWN for a request
 
     def admin(self, method: str, request: Any, response: Any) -> Any:
         call = self.cache.unary_unary(f"/kvcache.v1.KVCacheAdmin/{method}")
@@ -137,6 +173,13 @@ def test_namespaces_the_cache_service_would_refuse(target: Target, namespace: st
     code, _, details = invoke(target.worker, RPCS["Generate"], request)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "namespace" in details, details
     target.settle()
+
+
+def test_generate_many_sessions(target: Target) -> None:
+    fuzz_worker_sessions(target, 200)
+    assert grpc.StatusCode.OK in target.seen["GenerateMany"]
+    assert grpc.StatusCode.INVALID_ARGUMENT in target.seen["GenerateMany"]  # collisions
+    assert target.many_tokens > 0  # some requests got past the edge and ran the model
 
 
 def test_raw_bytes(target: Target) -> None:
