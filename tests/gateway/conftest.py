@@ -97,3 +97,10 @@ async def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> Non
             return
         await asyncio.sleep(0.02)
     raise AssertionError("condition not met in time")
+
+
+async def released(stack: Stack) -> None:
+    """Until no lease is live at the cache service. A worker releases (and so indexes) a
+    request's blocks after its last token, which can reach the client first: a test whose
+    next request must find them cached waits for this."""
+    await wait_for(lambda: all(not p.leases.live for p in stack.cache.authority.pools.values()))

@@ -10,6 +10,7 @@ request correctly and the cache service holds no block for a finished request.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,12 +88,20 @@ class Target:
             "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 8}
         )
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == OUTPUT[:8], r.text
-        stats = kv.StatsResponse.FromString(
-            self.cache.unary_unary("/kvcache.v1.KVCacheAdmin/GetStats")(
-                kv.StatsRequest().SerializeToString(), metadata=ADMIN, timeout=10
+        # A worker releases a request's lease after its last token, which may reach the
+        # client first: idle within a few seconds, not at once.
+        deadline = time.monotonic() + 10
+        while True:
+            stats = kv.StatsResponse.FromString(
+                self.cache.unary_unary("/kvcache.v1.KVCacheAdmin/GetStats")(
+                    kv.StatsRequest().SerializeToString(), metadata=ADMIN, timeout=10
+                )
             )
-        )
-        assert all((p.referenced_blocks, p.live_leases) == (0, 0) for p in stats.pools), stats
+            idle = all((p.referenced_blocks, p.live_leases) == (0, 0) for p in stats.pools)
+            if idle or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert idle, stats
         check = kv.CheckIntegrityResponse.FromString(
             self.cache.unary_unary("/kvcache.v1.KVCacheAdmin/CheckIntegrity")(
                 b"", metadata=ADMIN, timeout=10

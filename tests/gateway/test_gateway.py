@@ -14,7 +14,7 @@ from openai import AsyncOpenAI
 from gateway.router import RoutingPolicy
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
-from tests.gateway.conftest import AUTH, Stack, wait_for
+from tests.gateway.conftest import AUTH, Stack, released, wait_for
 from tests.gateway.fake_worker import MODEL, OUTPUT
 
 SYSTEM_A = "You are the assistant of team A. " * 6
@@ -120,6 +120,7 @@ async def test_logprobs_and_echo(stack: Stack):
 
 async def test_repeated_system_prompt_is_cached(stack: Stack):
     first = (await stack.http.post("/v1/chat/completions", json=chat(SYSTEM_A, "one"))).json()
+    await released(stack)
     second = (await stack.http.post("/v1/chat/completions", json=chat(SYSTEM_A, "two"))).json()
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -133,9 +134,11 @@ async def test_shared_prefixes_go_to_the_worker_that_holds_them(stack: Stack):
         return resp.headers["x-kvserve-worker"]
 
     a = await worker_of(chat(SYSTEM_A, "first"))
+    await released(stack)
     await stack.poll()  # the pool that served A has fewer free blocks now
     b = await worker_of(chat(SYSTEM_B, "first"))
     assert a != b  # a new prefix goes to the emptier pool, not to the chat template's crumbs
+    await released(stack)
     for i in range(3):
         assert await worker_of(chat(SYSTEM_A, f"again {i}")) == a
         assert await worker_of(chat(SYSTEM_B, f"again {i}")) == b
@@ -319,6 +322,7 @@ async def test_non_streaming_disconnect_cancels_the_worker_request(stack: Stack)
 
 async def test_metrics(stack: Stack):
     await stack.http.post("/v1/chat/completions", json=chat(SYSTEM_A, "one"))
+    await released(stack)
     await stack.http.post("/v1/chat/completions", json=chat(SYSTEM_A, "two", stream=True))
     await stack.poll()
     text = (await stack.http.get("/metrics")).text
