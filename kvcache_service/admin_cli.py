@@ -1,4 +1,5 @@
-"""Admin CLI: `python -m kvcache_service.admin_cli stats|tree|lookup|evict|flush|pin|unpin|check`.
+"""Admin CLI: `kvserve-admin stats|tree|lookup|evict|flush|pin|unpin|check` (the console
+script; also `python -m kvcache_service.admin_cli`).
 
 Talks to a running cache service with the admin bearer token (--token or
 KVCACHE_ADMIN_TOKEN) and prints readable tables (or --json). A TLS service: --tls-ca (and
@@ -14,6 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -31,6 +33,58 @@ def parse_tokens(text: str) -> list[int]:
         return [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"token ids must be integers: {text!r}") from None
+
+
+def parse_messages(text: str) -> list[dict[str, str]]:
+    """Chat messages from JSON: a list of objects with a string ``role`` and ``content``."""
+    try:
+        messages = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--messages is not JSON: {e}") from None
+    if not isinstance(messages, list) or not messages:
+        raise argparse.ArgumentTypeError("--messages: a non-empty JSON list of messages")
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+            raise argparse.ArgumentTypeError(f"--messages: each needs a string role: {m!r}")
+        if not isinstance(m.get("content", ""), str):
+            raise argparse.ArgumentTypeError(f"--messages: content must be a string: {m!r}")
+    return [{"role": m["role"], "content": m.get("content", "")} for m in messages]
+
+
+class Text:
+    """The pools' model's tokenizer, loaded on first use (``transformers`` takes a second or
+    two to import): the gateway's rules, so a prefix given here is the one its requests send.
+    Text is tokenized as a completion prompt is; messages are rendered with the chat template
+    without a generation prompt, then tokenized without adding special tokens."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._tok: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tok is None:
+            from kvserve_model.resolve import resolve_model
+            from kvserve_model.tokenizer import load_tokenizer
+
+            self._tok = load_tokenizer(resolve_model(self.model or None))
+        return self._tok
+
+    def ids(self, text: str | None, messages: list[dict[str, str]] | None) -> list[int]:
+        tok = self.tokenizer
+        if text is not None:
+            ids = tok.encode(text)
+        else:
+            if not tok.has_chat_template:
+                raise ValueError("the model has no chat template: give --text or token ids")
+            rendered = tok.render_chat(messages, add_generation_prompt=False)
+            ids = tok.encode(rendered, add_special_tokens=False)
+        if not ids:
+            raise ValueError("the prefix is empty")
+        return list(ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids)))
 
 
 def safe(text: str) -> str:
@@ -74,7 +128,7 @@ def show_stats(resp: pb.StatsResponse) -> str:
     return table(headers, rows) if rows else "no pools registered"
 
 
-def show_tree(resp: pb.InspectTreeResponse) -> str:
+def show_tree(resp: pb.InspectTreeResponse, text: Text | None = None) -> str:
     if not resp.nodes:
         return "(empty index)"
     by_parent: dict[tuple[str, int], list[pb.TreeNode]] = {}
@@ -85,13 +139,16 @@ def show_tree(resp: pb.InspectTreeResponse) -> str:
 
     def walk(ns: str, parent: int, indent: str) -> None:
         for node in sorted(by_parent.get((ns, parent), []), key=lambda n: n.node_id):
-            preview = " ".join(map(str, node.token_preview[:8]))
+            if text is None:
+                preview = " ".join(map(str, node.token_preview[:8])) + " ..."
+            else:
+                preview = repr(text.decode(node.token_preview)[:60])[1:-1] + " ..."
             refs = ",".join(map(str, node.refcounts))
             pin = " pinned" if node.pinned else ""
             age = f"{now - node.last_used_at:.0f}s ago" if node.last_used_at else "never"
             lines.append(
                 f"{indent}[{node.node_id}] {node.num_tokens} tokens, blocks "
-                f"{list(node.blocks)}, refs {refs}, used {age}{pin}: {preview} ..."
+                f"{list(node.blocks)}, refs {refs}, used {age}{pin}: {preview}"
             )
             walk(ns, node.node_id, indent + "  ")
 
@@ -106,10 +163,17 @@ def show_tree(resp: pb.InspectTreeResponse) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvcache_service.admin_cli", description=__doc__)
+    p = argparse.ArgumentParser(prog="kvserve-admin", description=__doc__)
     p.add_argument("--address", default=os.environ.get("KVCACHE_ADDRESS", "127.0.0.1:50051"))
     p.add_argument("--token", default=os.environ.get("KVCACHE_ADMIN_TOKEN", ""))
     p.add_argument("--json", action="store_true", help="print the raw response as JSON")
+    p.add_argument(
+        "--model",
+        default=os.environ.get("KVSERVE_MODEL", ""),
+        help="the pools' model (a directory, a Hugging Face id in the local cache, or the "
+        "embedded default model when unset; KVSERVE_MODEL): its tokenizer turns --text and "
+        "--messages into token ids and token ids back into text",
+    )
     tls = p.add_argument_group("TLS (kvserve_launch.tls; unset: plaintext)")
     for flag, help in (
         ("tls_ca", "PEM CA bundle: reach the service over TLS, its certificate verified"),
@@ -132,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sp = with_pool("tree", "the radix index as a tree", required=True)
     sp.add_argument("--namespace", default="")
     sp.add_argument("--max-depth", type=int, default=0)
+    sp.add_argument("--ids", action="store_true", help="token ids, not their decoded text")
     for name, help in [
         ("lookup", "dry-run match of a prompt on every pool"),
         ("pin", "protect a prefix from eviction"),
@@ -139,7 +204,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]:
         sp = with_pool(name, help, required=name != "lookup")
         sp.add_argument("--namespace", default="")
-        sp.add_argument("tokens", type=parse_tokens, help="token ids, e.g. '1,2,3'")
+        given = sp.add_mutually_exclusive_group(required=True)
+        given.add_argument("tokens", nargs="?", type=parse_tokens, help="token ids: '1,2,3'")
+        given.add_argument("--text", help="the prefix as text, tokenized with --model")
+        given.add_argument(
+            "--messages",
+            type=parse_messages,
+            help='the prefix as chat messages (JSON: [{"role": ..., "content": ...}]), '
+            "rendered with --model's chat template, no generation prompt: a system prompt "
+            "pinned this way is the prefix of every chat that starts with it",
+        )
     sp = with_pool("evict", "evict N blocks, a namespace, or a prefix", required=True)
     target = sp.add_mutually_exclusive_group(required=True)
     target.add_argument("--blocks", type=int)
@@ -159,11 +233,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e.message} ({e.hint})", file=sys.stderr)
         return 1
 
+    if not a.token:
+        print(
+            "error: no admin token: pass --token or set KVCACHE_ADMIN_TOKEN "
+            "(`make run` prints it; a service started by hand has its --admin-token)",
+            file=sys.stderr,
+        )
+        return 1
+    words = Text(a.model)
+    try:
+        if getattr(a, "tokens", None) is None and a.cmd in ("lookup", "pin", "unpin"):
+            a.tokens = words.ids(a.text, a.messages)
+    except Exception as e:  # a model that cannot load, a template that fails, an empty prefix
+        print(f"error: {safe(str(e))}", file=sys.stderr)
+        return 1
     with dialer.blocking(a.address) as channel:
         stub = pb_grpc.KVCacheAdminStub(channel)
         md = [("authorization", f"Bearer {a.token}")]
         try:
-            resp, text = call(stub, a, md)
+            resp, text = call(stub, a, md, words)
         except grpc.RpcError as err:
             print(f"error: {err.code().name}: {safe(str(err.details()))}", file=sys.stderr)
             return 1
@@ -173,23 +261,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def call(stub: pb_grpc.KVCacheAdminStub, a: argparse.Namespace, md: list) -> tuple[object, str]:
+def call(
+    stub: pb_grpc.KVCacheAdminStub, a: argparse.Namespace, md: list, words: Text
+) -> tuple[object, str]:
     if a.cmd == "stats":
         r = stub.GetStats(pb.StatsRequest(pool_id=a.pool), metadata=md)
         return r, show_stats(r)
     if a.cmd == "tree":
         req = pb.InspectTreeRequest(pool_id=a.pool, namespace=a.namespace, max_depth=a.max_depth)
         r = stub.InspectTree(req, metadata=md)
-        return r, show_tree(r)
+        return r, show_tree(r, None if a.ids or a.json else words)
     if a.cmd == "lookup":
         req = pb.LookupRequest(pool_id=a.pool, namespace=a.namespace, prompt_token_ids=a.tokens)
         r = stub.Lookup(req, metadata=md)
         rows = [
-            [x.pool_id, x.cached_tokens, len(x.matched_blocks), x.pending_tokens, x.blocks_needed]
+            [
+                x.pool_id,
+                f"{x.cached_tokens} of {len(a.tokens)}",
+                f"{x.cached_tokens - x.copied_tokens} in {len(x.matched_blocks)}",
+                x.copied_tokens,
+                x.pending_tokens,
+                x.blocks_needed,
+            ]
             for x in r.pools
         ]
-        heads = ["pool", "cached tokens", "matched blocks", "pending tokens", "blocks needed"]
-        return r, table(heads, rows)
+        heads = ["pool", "cached tokens", "in shared blocks", "copied"]
+        heads += ["pending tokens", "blocks needed"]
+        out = table(heads, rows)
+        if a.text is not None or a.messages is not None:
+            best = max((x.cached_tokens for x in r.pools), default=0)
+            tail = words.decode(a.tokens[:best])[-60:]
+            out += f"\ncached up to (best pool): ...{repr(tail)[1:-1]}"
+        out += (
+            "\n(the prompt's last token is always computed; tokens past the shared blocks are "
+            "reused by copying a block that matches only in part)"
+        )
+        return r, out
     if a.cmd in ("pin", "unpin"):
         req = pb.PinRequest(
             pool_id=a.pool, prefix=pb.PrefixRef(namespace=a.namespace, token_ids=a.tokens)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from kvserve_launch.settings import Flag, Settings
+from kvserve_launch.settings import Flag, Settings, new_token
 from kvserve_launch.tls import check_server
 
 ENV_PREFIX = "KVCACHE_"
@@ -47,7 +46,7 @@ class ServiceConfig:
         """This config, with a random admin token if none was configured."""
         if self.admin_token:
             return self
-        return replace(self, admin_token=secrets.token_urlsafe(24))
+        return replace(self, admin_token=new_token(24))
 
 
 def check(c: ServiceConfig) -> str | None:

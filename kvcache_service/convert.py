@@ -3,7 +3,7 @@ clients import the generated code."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import grpc
 
@@ -289,12 +289,26 @@ def tree(
                 num_tokens=node.num_tokens,
                 blocks=node.blocks,
                 refcounts=[rc[b] for b in node.blocks],
-                token_preview=node.chunks[0][:16],
+                token_preview=_preview(node.chunks),
                 last_used_at=node.last_used,
                 pinned=any(pins[b] for b in node.blocks),
             )
         )
     return pb.InspectTreeResponse(nodes=out)
+
+
+# Tokens of a node's start that InspectTree shows: enough for a line of decoded text.
+PREVIEW_TOKENS = 64
+
+
+def _preview(chunks: Iterable[Sequence[int]]) -> list[int]:
+    """The first PREVIEW_TOKENS tokens of a node, reading (decoding) only the blocks needed."""
+    out: list[int] = []
+    for chunk in chunks:
+        out.extend(chunk[: PREVIEW_TOKENS - len(out)])
+        if len(out) >= PREVIEW_TOKENS:
+            break
+    return out
 
 
 def pool_lookup(pool_id: str, lk: Lookup) -> pb.PoolLookup:
@@ -304,4 +318,5 @@ def pool_lookup(pool_id: str, lk: Lookup) -> pb.PoolLookup:
         matched_blocks=lk.matched_blocks,
         pending_tokens=lk.pending_tokens,
         blocks_needed=lk.blocks_needed,
+        copied_tokens=lk.copied_tokens,
     )

@@ -21,9 +21,13 @@ class Lookup:
     """A dry run of an acquire: what of a prompt the pool holds, and what it would allocate."""
 
     cached_tokens: int
-    matched_blocks: tuple[BlockId, ...]
+    matched_blocks: tuple[BlockId, ...]  # shared as they are: cached_tokens // block_size
     pending_tokens: int  # past the cached ones, being filled by live leases
     blocks_needed: int
+    # Of cached_tokens, those past the shared blocks: reused by copying a block that matches
+    # only in part (a prompt whose last cached block it does not fill, or that ends inside it:
+    # the last prompt token is always computed).
+    copied_tokens: int = 0
 
 
 class PoolAdmin:
@@ -126,4 +130,6 @@ class PoolAdmin:
         base = self.index.chain_hash(match.blocks[full - 1]) if full else chain_seed(ns)
         chain = chain_hashes(base, prompt, full, self.index.chunk_bytes)
         pending, _ = self.leases.pending(chain, full, cached, n)
-        return Lookup(cached, match.blocks[:full], pending, blocks_for(n, bs) - full)
+        return Lookup(
+            cached, match.blocks[:full], pending, blocks_for(n, bs) - full, cached - full * bs
+        )

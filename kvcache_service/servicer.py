@@ -41,13 +41,20 @@ def domain_errors(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
     return wrapper
 
 
-def bearer_matches(context: grpc.aio.ServicerContext, token: str) -> bool:
-    """Whether the call carries `authorization: Bearer <token>` (compared in constant time)."""
+def bearer_problem(context: grpc.aio.ServicerContext, token: str, what: str) -> str | None:
+    """Why the call's `authorization: Bearer <token>` is not ``token`` (compared in constant
+    time), in words an operator can act on: none sent, not a bearer token, or the wrong one
+    (which token it is not, never what it should be); None when it is. ``what`` names it."""
     metadata = dict(context.invocation_metadata() or ())
-    scheme, _, given = str(metadata.get("authorization", "")).partition(" ")
+    header = str(metadata.get("authorization", "")).strip()
+    if not header:
+        return f"{what} calls need `authorization: Bearer <{what} token>`; none was sent"
+    scheme, _, given = header.partition(" ")
     # The scheme is case-insensitive (RFC 9110, 11.1): "bearer x" is as good as "Bearer x".
     same = hmac.compare_digest(given.strip().encode(), token.encode())
-    return same and scheme.lower() == "bearer"
+    if scheme.lower() != "bearer":
+        return f"{what} calls need `authorization: Bearer <{what} token>`; not a Bearer token"
+    return None if same else f"the {what} token sent is not this service's"
 
 
 def service_only(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
@@ -59,10 +66,8 @@ def service_only(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
     async def wrapper(
         self: KVCacheServicer, request: Req, context: grpc.aio.ServicerContext
     ) -> Resp:
-        if self.token and not bearer_matches(context, self.token):
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED, "data-plane calls need the service token"
-            )
+        if self.token and (problem := bearer_problem(context, self.token, "service")):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
         return await inner(self, request, context)
 
     return wrapper
@@ -155,8 +160,8 @@ def admin_only(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
 
     @functools.wraps(fn)
     async def wrapper(self: AdminServicer, request: Req, context: grpc.aio.ServicerContext) -> Resp:
-        if not bearer_matches(context, self.token):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "admin calls need a bearer token")
+        if problem := bearer_problem(context, self.token, "admin"):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
         return await inner(self, request, context)
 
     return wrapper

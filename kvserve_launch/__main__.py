@@ -5,12 +5,20 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from pathlib import Path
 from types import FrameType
 
 from kvserve_launch.config import LaunchConfig
 from kvserve_launch.diagnosis import describe_exit, hint
 from kvserve_launch.process import Child, ChildFailed
 from kvserve_launch.system import System, launch
+
+
+def admin_cli() -> str:
+    """How to run the admin CLI from any directory and shell: the ``kvserve-admin`` script
+    next to this interpreter (its environment's), else this interpreter with ``-m``."""
+    script = Path(sys.executable).parent / "kvserve-admin"
+    return str(script) if script.exists() else f"{sys.executable} -m kvcache_service.admin_cli"
 
 
 def banner(s: System) -> str:
@@ -43,7 +51,7 @@ Try:
     -d '{{"model": "{cfg.model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
 
   {curl} {http}/admin/cache/stats -H 'Authorization: Bearer {cfg.admin_token}'
-  python -m kvcache_service.admin_cli --address {s.cache_address} --token {cfg.admin_token}{admin_tls} stats
+  {admin_cli()} --address {s.cache_address} --token={cfg.admin_token}{admin_tls} stats
 
 Ctrl-C stops everything.
 """

@@ -7,11 +7,10 @@ each process listens and finds the others), plus those set here explicitly.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from kvserve_launch.settings import Flag, Settings
+from kvserve_launch.settings import Flag, Settings, new_token
 from kvserve_model.default_model import DEFAULT_MODEL_NAME
 
 ENV_PREFIX = "KVSERVE_"
@@ -65,13 +64,13 @@ class LaunchConfig:
 
     def with_admin_token(self) -> LaunchConfig:
         """This config, with a random admin token if none was configured."""
-        return self if self.admin_token else replace(self, admin_token=secrets.token_urlsafe(18))
+        return self if self.admin_token else replace(self, admin_token=new_token(18))
 
     def with_service_token(self) -> LaunchConfig:
         """This config, with a random service token for the children if none was set."""
         if self.service_token:
             return self
-        return replace(self, service_token=secrets.token_urlsafe(18))
+        return replace(self, service_token=new_token(18))
 
 
 def check(c: LaunchConfig) -> str | None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import secrets
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -169,3 +170,10 @@ class Settings(Generic[C]):
             default = variable
         kind = comma_separated if f.kind is tuple else f.kind
         p.add_argument(flag, type=kind, default=default, help=help)
+
+
+def new_token(nbytes: int = 18) -> str:
+    """A random bearer token for a service that was given none: hex, so it never starts with
+    ``-`` (a URL-safe token did one time in 64, and ``--token <it>`` then read as an option in
+    every CLI the banner told the operator to run)."""
+    return secrets.token_hex(nbytes)

@@ -44,6 +44,9 @@ MUST_NOT_IMPORT: dict[str, set[str]] = {
 # (file, package): why it may. Each exception is for imports inside functions only.
 EXCEPTIONS = {
     ("kvserve_model/blas.py", "mlx"): "measures MLX's CPU backend, asks MLX whether a GPU is there",
+    ("kvcache_service/admin_cli.py", "kvserve_model"): (
+        "the operator's CLI tokenizes text prefixes with the pools' model; the service never"
+    ),
 }
 
 
@@ -115,9 +118,8 @@ def test_static_imports_follow_the_rules(package: str) -> None:
     for path in files:
         name = str(path.relative_to(ROOT))
         for module, line, in_function in _imports(path):
-            if module in OURS and module != package and module not in MAY_IMPORT[package]:
-                broken.append(f"{name}:{line} imports {module}")
-            elif module in MUST_NOT_IMPORT[package]:
+            ours = module in OURS and module != package and module not in MAY_IMPORT[package]
+            if ours or module in MUST_NOT_IMPORT[package]:
                 if (name, module) in EXCEPTIONS and in_function:
                     continue
                 broken.append(f"{name}:{line} imports {module}")

@@ -85,6 +85,10 @@ def test_config_from_flags_and_environment(monkeypatch):
     with pytest.raises(SystemExit):
         LaunchConfig.from_args(["--workers", "0"])
     assert LaunchConfig().with_admin_token().admin_token  # generated when not given
+    # Generated tokens never start with "-": `--token <it>` must not read as an option.
+    tokens = [LaunchConfig().with_admin_token().admin_token for _ in range(300)]
+    tokens += [LaunchConfig().with_service_token().service_token for _ in range(300)]
+    assert not any(t.startswith("-") for t in tokens) and len(set(tokens)) == 600
 
 
 def python_child(code: str, ready: str = "READY", **kw) -> Child:
@@ -148,7 +152,7 @@ def test_banner_shows_where_to_send_requests():
     text = banner(system)
     assert "curl http://127.0.0.1:8000/v1/chat/completions" in text
     assert "1 worker serving kvserve-tiny-llama" in text
-    assert "--token tok stats" in text and "127.0.0.1:50050" in text
+    assert "--token=tok stats" in text and "127.0.0.1:50050" in text
 
 
 @pytest.fixture

@@ -81,8 +81,13 @@ async def test_every_data_plane_call_needs_the_service_token(
     }
     wrong = [("authorization", "Bearer nope")]
     for call in calls.values():
-        for md in (None, wrong, [("authorization", SERVICE_TOKEN)]):
-            await expect_code(grpc.StatusCode.UNAUTHENTICATED, call(md))
+        for md, says in (
+            (None, "none was sent"),
+            (wrong, "not this service's"),
+            ([("authorization", SERVICE_TOKEN)], "not a Bearer token"),
+        ):
+            details = await expect_code(grpc.StatusCode.UNAUTHENTICATED, call(md))
+            assert says in details and SERVICE_TOKEN not in details, details
     # Nothing got through: w2 was never registered, and the right token still works.
     routes = await kv.Route(pb.RouteRequest(prompt_token_ids=[1, 2, 3]), metadata=AUTH)
     assert [p.pool_id for p in routes.pools] == ["w1"]

@@ -215,10 +215,21 @@ async def test_block_size_mismatch() -> None:
 
 
 async def test_admin_needs_the_token(client: Client) -> None:
+    """Missing, not a bearer token, and wrong each say so (an operator fixes each one
+    differently); none says what the token is."""
     req = pb.StatsRequest()
-    await expect_code(grpc.StatusCode.UNAUTHENTICATED, client.admin.GetStats(req))
+    missing = await expect_code(grpc.StatusCode.UNAUTHENTICATED, client.admin.GetStats(req))
+    assert "none was sent" in missing
     bad = [("authorization", "Bearer wrong")]
-    await expect_code(grpc.StatusCode.UNAUTHENTICATED, client.admin.GetStats(req, metadata=bad))
+    wrong = await expect_code(
+        grpc.StatusCode.UNAUTHENTICATED, client.admin.GetStats(req, metadata=bad)
+    )
+    assert "not this service's" in wrong and TOKEN not in wrong
+    basic = [("authorization", f"Basic {TOKEN}")]
+    scheme = await expect_code(
+        grpc.StatusCode.UNAUTHENTICATED, client.admin.GetStats(req, metadata=basic)
+    )
+    assert "not a Bearer token" in scheme
     await expect_code(
         grpc.StatusCode.UNAUTHENTICATED, client.admin.Flush(pb.FlushRequest(), metadata=bad)
     )
@@ -323,7 +334,11 @@ async def test_admin_cli(client: Client, capsys: pytest.CaptureFixture[str]) -> 
     assert "ok: 1 pools checked" in capsys.readouterr().out
     bad = ["--address", client.svc.address, "--token", "nope", "flush"]
     assert await asyncio.to_thread(admin_cli.main, bad) == 1
-    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "UNAUTHENTICATED" in err and "not this service's" in err
+    none = ["--address", client.svc.address, "--token", "", "flush"]
+    assert await asyncio.to_thread(admin_cli.main, none) == 1
+    assert "no admin token" in capsys.readouterr().err  # said before any call
     await client.kv.ReleaseLease(
         pb.ReleaseLeaseRequest(pool=pool, lease_id=lease.lease_id, token_ids=list(range(1, 10)))
     )

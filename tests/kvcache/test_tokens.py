@@ -132,8 +132,15 @@ def test_the_admin_tree_shows_token_ids(auth: CacheAuthority) -> None:
     auth.release("w", inc, grant.lease_id, whole(prompt))  # type: ignore[arg-type]
     tree = convert.tree(auth.pools[PoolId("w")], None, None)
     (node,) = tree.nodes
-    assert list(node.token_preview) == prompt[:4]  # its first block (16 tokens at most)
+    assert list(node.token_preview) == prompt  # its blocks, up to PREVIEW_TOKENS tokens
     assert node.num_tokens == 20
+    long = list(range(41_000, 41_000 + convert.PREVIEW_TOKENS + 8))
+    grant = acquire(auth, long)
+    auth.release("w", inc, grant.lease_id, whole(long))  # type: ignore[arg-type]
+    previews = [
+        list(n.token_preview) for n in convert.tree(auth.pools[PoolId("w")], None, None).nodes
+    ]
+    assert long[: convert.PREVIEW_TOKENS] in previews
 
 
 # -- the compact wire form (revision 2) ---------------------------------------------------------

@@ -451,18 +451,20 @@ class LookupRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., namespace: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PoolLookup(_message.Message):
-    __slots__ = ("pool_id", "cached_tokens", "matched_blocks", "pending_tokens", "blocks_needed")
+    __slots__ = ("pool_id", "cached_tokens", "matched_blocks", "pending_tokens", "blocks_needed", "copied_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    COPIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     cached_tokens: int
     matched_blocks: _containers.RepeatedScalarFieldContainer[int]
     pending_tokens: int
     blocks_needed: int
-    def __init__(self, pool_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., matched_blocks: _Optional[_Iterable[int]] = ..., pending_tokens: _Optional[int] = ..., blocks_needed: _Optional[int] = ...) -> None: ...
+    copied_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., matched_blocks: _Optional[_Iterable[int]] = ..., pending_tokens: _Optional[int] = ..., blocks_needed: _Optional[int] = ..., copied_tokens: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("pools",)
