@@ -64,6 +64,9 @@ class Text:
     @property
     def tokenizer(self) -> Any:
         if self._tok is None:
+            # transformers' import-time advice (no PyTorch: none is needed for a tokenizer)
+            # is not for an operator's terminal.
+            os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
             from kvserve_model.resolve import resolve_model
             from kvserve_model.tokenizer import load_tokenizer
 
