@@ -221,7 +221,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = sp.add_mutually_exclusive_group(required=True)
     target.add_argument("--blocks", type=int)
     target.add_argument("--namespace")
-    target.add_argument("--prefix", type=parse_tokens)
+    target.add_argument("--prefix", type=parse_tokens, help="token ids: '1,2,3'")
+    target.add_argument("--prefix-text", help="the prefix as text, tokenized with --model")
+    target.add_argument(
+        "--prefix-messages", type=parse_messages, help="the prefix as chat messages (JSON)"
+    )
     sp.add_argument("--prefix-namespace", default="")
     with_pool("flush", "evict every unreferenced, unpinned block")
     sub.add_parser("check", help="verify the block accounting invariants")
@@ -247,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(a, "tokens", None) is None and a.cmd in ("lookup", "pin", "unpin"):
             a.tokens = words.ids(a.text, a.messages)
+        if a.cmd == "evict" and (a.prefix_text is not None or a.prefix_messages is not None):
+            a.prefix = words.ids(a.prefix_text, a.prefix_messages)
     except Exception as e:  # a model that cannot load, a template that fails, an empty prefix
         print(f"error: {safe(str(e))}", file=sys.stderr)
         return 1

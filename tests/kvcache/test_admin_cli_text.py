@@ -13,7 +13,7 @@ from kvcache_service import admin_cli
 from kvserve_model.resolve import resolve_model
 from kvserve_model.tokenizer import load_tokenizer
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
-from tests.kvcache.test_servicer import BS, TOKEN, Client
+from tests.kvcache.test_servicer import AUTH, BS, TOKEN, Client
 from tests.kvcache.test_servicer import client as client  # the fixture
 
 SYSTEM = [{"role": "system", "content": "You are a terse assistant who answers in French."}]
@@ -72,6 +72,22 @@ async def test_text_prefixes_and_a_tree_in_text(client, tok, capsys):
     assert "The quick" in out  # decoded
     assert await cli(client, "tree", "--pool", "w1", "--ids") == 0
     assert str(ids[1]) in capsys.readouterr().out and "The quick" not in capsys.readouterr().out
+
+
+async def test_evict_a_prefix_given_as_text(client, tok, capsys):
+    pool = await client.register()
+    text = "A system prompt that changed, so its cached blocks should go now."
+    ids = tok.encode(text)
+    await serve(client, pool, ids)
+    before = await client.admin.Lookup(pb.LookupRequest(prompt_token_ids=ids), metadata=AUTH)
+    # The blocks of what extends the prefix go (from the block the prefix ends in).
+    assert await cli(client, "evict", "--pool", "w1", "--prefix-text", text[:20]) == 0
+    evicted = int(capsys.readouterr().out.split()[1])
+    after = await client.admin.Lookup(pb.LookupRequest(prompt_token_ids=ids), metadata=AUTH)
+    assert evicted >= 1
+    assert after.pools[0].cached_tokens < before.pools[0].cached_tokens
+    assert after.pools[0].cached_tokens < 20
+    await client.check()
 
 
 @pytest.mark.parametrize(
