@@ -19,6 +19,7 @@ import grpc
 from gateway import convert
 from gateway.errors import WorkerUnavailable, from_rpc_error, from_status
 from gateway.generation import Chunk, GenerationRequest
+from kvserve_launch.grpc_status import status_code
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 
@@ -212,7 +213,7 @@ class _Session:
                     raise update
                 if update.WhichOneof("kind") == "error":
                     done = True
-                    code = _STATUS_CODES.get(update.error.code, grpc.StatusCode.UNKNOWN)
+                    code = status_code(update.error.code) or grpc.StatusCode.UNKNOWN
                     raise from_status(code, update.error.message, f"worker {self.address}")
                 chunk = convert.chunk_from_pb(update.response)
                 done = chunk.finish_reason is not None
@@ -225,9 +226,6 @@ class _Session:
     def close(self) -> None:
         self._outbox.put_nowait(None)
         self._reader.cancel()
-
-
-_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class WorkerClients:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
@@ -78,12 +79,7 @@ async def coalesce(
         nxt = queue.get_nowait() if not queue.empty() else await queue.get()
         if nxt.error is not None:
             return event, nxt
-        event = StreamEvent(
-            [*event.token_ids, *nxt.token_ids],
-            event.text + nxt.text,
-            [*event.logprobs, *nxt.logprobs],
-            nxt.finish,
-        )
+        event = _joined(event, nxt)
     return event, None
 
 
@@ -175,23 +171,24 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             reader.cancel()
             session.abort_all()
 
-    def _response(self, seq: Sequence, event: StreamEvent) -> pb.GenerateResponse:
-        resp = pb.GenerateResponse(
-            request_id=seq.request_id,
-            token_ids=event.token_ids,
-            text=event.text,
-            worker_id=self.worker_id,
-            logprobs=[self._logprob(s) for s in event.logprobs if seq.params.logprobs],
-        )
+    def _response(
+        self, seq: Sequence, event: StreamEvent, resp: pb.GenerateResponse | None = None
+    ) -> pb.GenerateResponse:
+        """``event`` as a GenerateResponse, filled into ``resp`` when given (a GenerateMany
+        update's own field: no copy of the message per token)."""
+        resp = pb.GenerateResponse() if resp is None else resp
+        resp.request_id = seq.request_id
+        resp.token_ids.extend(event.token_ids)
+        resp.text = event.text
+        resp.worker_id = self.worker_id
+        if seq.params.logprobs:
+            resp.logprobs.extend(self._logprob(s) for s in event.logprobs)
         if event.finish is not None:
             resp.finish_reason = FINISH_REASON[event.finish]
-            resp.usage.CopyFrom(
-                pb.Usage(
-                    prompt_tokens=len(seq.prompt),
-                    cached_tokens=seq.cached_tokens or 0,
-                    completion_tokens=len(seq.output),
-                )
-            )
+            usage = resp.usage
+            usage.prompt_tokens = len(seq.prompt)
+            usage.cached_tokens = seq.cached_tokens or 0
+            usage.completion_tokens = len(seq.output)
         return resp
 
     def _logprob(self, s) -> pb.TokenLogprob:
@@ -267,7 +264,7 @@ class _Session:
     async def read(self, requests: AsyncIterator[pb.GenerateManyRequest]) -> None:
         engine = self.servicer.engine
         try:
-            async for msg in requests:
+            async for msg in _parsed(requests, self):
                 stream = msg.stream
                 if msg.WhichOneof("action") == "cancel":
                     seq = self.live.pop(stream, None)
@@ -331,7 +328,7 @@ class _Session:
                 self.held[stream] = event
                 continue
             self.sent.add(stream)
-            out.updates.add(stream=stream, response=self.servicer._response(seq, event))
+            self.servicer._response(seq, event, out.updates.add(stream=stream).response)
         for stream, err in errors.items():
             code = status_of(err).value[0]
             out.updates.add(stream=stream, error=pb.StreamError(code=code, message=str(err)))
@@ -347,7 +344,21 @@ class _Session:
         self.live.clear()
 
 
+async def _parsed(
+    requests: AsyncIterator[pb.GenerateManyRequest], session: _Session
+) -> AsyncIterator[pb.GenerateManyRequest]:
+    """The call's messages until one does not parse (grpc.aio raises the protobuf error while
+    iterating a request stream): that ends the call INVALID_ARGUMENT, as ``kvserve_launch.
+    malformed`` answers a unary request's unparsable bytes, not UNKNOWN."""
+    try:
+        async for msg in requests:
+            yield msg
+    except DecodeError as e:
+        session.violation = f"a message that does not parse as GenerateManyRequest: {e}"
+
+
 def _joined(a: StreamEvent, b: StreamEvent) -> StreamEvent:
+    """``a`` then ``b`` as one event (``b``'s end, if any)."""
     return StreamEvent(
         [*a.token_ids, *b.token_ids], a.text + b.text, [*a.logprobs, *b.logprobs], b.finish
     )

@@ -154,3 +154,18 @@ async def test_stream_interval_holds_tokens_back(system: System, reference, inte
     assert all(n >= interval for n in updates[1:-1]), updates
     client.outbox.put_nowait(None)
     await system.wait_idle()
+
+
+async def test_bytes_that_do_not_parse_end_the_call_invalid_argument(system: System) -> None:
+    await system.add_worker()
+    good = pb.GenerateManyRequest(stream=1, start=request(prompt(6, 20), max_tokens=2000))
+    async with grpc.aio.insecure_channel(system.workers[-1].address) as channel:
+        call = channel.stream_stream("/worker.v1.Worker/GenerateMany")(
+            iter([good.SerializeToString(), b"\xff\xff\xff"])
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in call:
+                pass
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not parse" in (e.value.details() or "")
+    await system.wait_idle()  # the request it had started was aborted

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from kvserve_launch.grpc_status import status_code
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from worker.engine.lease import (
@@ -48,9 +49,6 @@ _ERROR_OF: dict[grpc.StatusCode, type[LeaseError]] = {
     grpc.StatusCode.NOT_FOUND: LeaseLost,
     grpc.StatusCode.INVALID_ARGUMENT: Rejected,
 }
-
-
-_CODE_OF = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def _translate(err: grpc.aio.AioRpcError, incarnation: int) -> LeaseError:
@@ -239,7 +237,7 @@ def _update(w: Written) -> pb.SequenceUpdate:
 
 def _item_error(err: pb.ItemError, incarnation: int) -> LeaseError:
     """One item's error of a batched call (its code as a number), typed as a call's would be."""
-    code = _CODE_OF.get(err.code)
+    code = status_code(err.code)
     if code is None:
         return CacheUnavailable(f"unknown status {err.code}: {err.message}")
     return _lease_error(code, err.message, incarnation)
