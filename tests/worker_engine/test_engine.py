@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import grpc
 import pytest
 
 from kvcache_service.leases import AcquireRequest, Reuse
 from kvcache_service.tokens import pack
+from kvserve_proto.kvcache.v1 import kvcache_pb2 as kpb
 from kvserve_proto.worker.v1 import worker_pb2 as pb
-from tests.worker_engine.conftest import BS, System, generate, request, started_system
+from tests.worker_engine.conftest import AUTH, BS, System, generate, request, started_system
+from worker.engine import loop
 from worker.servicer import WorkerServicer
 
 VOCAB = 256  # the byte range of the embedded model's vocabulary
@@ -271,3 +274,53 @@ async def test_stream_interval_sends_fewer_larger_messages(system: System, refer
     assert all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 23 and len(sizes) <= 7
     assert last.finish_reason == pb.FINISH_REASON_LENGTH and len(last.logprobs) == sizes[-1]
     await system.wait_idle()
+
+
+def slowed_releases(system: System, delay_s: float) -> None:
+    """The first worker's ReleaseLeases answered ``delay_s`` late (a busy cache service)."""
+    client = system.workers[0].engine.leases.client
+    real = client.release
+
+    async def release(items):
+        await asyncio.sleep(delay_s)
+        return await real(items)
+
+    client.release = release  # type: ignore[method-assign]
+
+
+async def lookup(system: System, tokens: list[int]) -> int:
+    resp = await system.admin.Lookup(
+        kpb.LookupRequest(pool_id="w0", prompt_token_ids=tokens), metadata=AUTH
+    )
+    return resp.pools[0].cached_tokens
+
+
+async def test_a_finished_request_is_cached_when_its_stream_ends(system: System) -> None:
+    """Read-your-writes: the last message goes out once the cache service has indexed the
+    request's KV, so a client's next turn sent the moment this one ends reuses all of it,
+    even when the release is answered late."""
+    stub = await system.add_worker()
+    slowed_releases(system, 0.3)
+    turn1 = prompt(60, 50)
+    out = await generate(stub, request(turn1, max_tokens=20))
+    history = turn1 + out["tokens"]
+    assert await lookup(system, history) == len(history) - 1  # all but the last sampled token
+    await system.wait_idle()
+
+
+async def test_a_release_that_hangs_delays_the_last_message_boundedly(
+    system: System, reference, monkeypatch
+) -> None:
+    """A cache service that does not answer the release holds no client for longer than
+    FINAL_HOLD_MAX_S: the last message comes, complete, and the request ends."""
+    monkeypatch.setattr(loop, "FINAL_HOLD_MAX_S", 0.2)
+    stub = await system.add_worker()
+    slowed_releases(system, 3.0)
+    p = prompt(61, 40)
+    started = time.monotonic()
+    out = await generate(stub, request(p, max_tokens=8))
+    took = time.monotonic() - started
+    assert out["tokens"] == reference(p, 8)[0]
+    assert out["last"].finish_reason == pb.FINISH_REASON_LENGTH
+    assert took < 2.0  # the 0.2 s bound, not the 3 s release
+    await system.wait_idle()  # the late release still lands

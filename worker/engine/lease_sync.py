@@ -127,6 +127,7 @@ class LeaseSync:
         self._extension: asyncio.Task | None = None
         # Releases not sent yet, and the task sending them (one at a time: they batch up).
         self._releases: list[tuple[int, Written | None]] = []
+        self._after_release: dict[int, Callable[[], None]] = {}  # by lease id
         self._releasing: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
@@ -219,16 +220,21 @@ class LeaseSync:
         if items:
             self._spawn(self._commit(items))
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence, then: Callable[[], None] | None = None) -> None:
         """Releases ``seq``'s lease, if it holds one, with the tokens whose K/V it wrote (the
-        service commits their full blocks to the index)."""
+        service commits their full blocks to the index). ``then`` runs once the service has
+        answered the release (or it failed), at once where there is no lease."""
         lease = seq.lease
         if lease is None:
+            if then is not None:
+                then()
             return
         written = None
         if self.policy.publish_blocks:
             written = _written(seq)
         seq.lease = None
+        if then is not None:
+            self._after_release[lease.lease_id] = then
         self._release(lease.lease_id, written)
 
     # -- lease traffic ------------------------------------------------------------------------
@@ -281,11 +287,18 @@ class LeaseSync:
         while self._releases:
             items = self._releases[:RELEASE_BATCH]
             del self._releases[:RELEASE_BATCH]
+            results: list[LeaseError | None] | None = None
             try:
                 results = await self.client.release(items)
             except LeaseError as err:
                 log.debug("release of %d leases failed: %s", len(items), err)
-            else:
+            finally:
+                # Answered, refused or failed: waiting longer would not index these tokens.
+                for lease_id, _ in items:
+                    after = self._after_release.pop(lease_id, None)
+                    if after is not None:
+                        after()
+            if results is not None:
                 for (lease_id, written), failed in zip(items, results, strict=True):
                     if isinstance(failed, Rejected) and written is not None:
                         # Its lease is still live: give its blocks back without the tokens.

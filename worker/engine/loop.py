@@ -14,6 +14,7 @@ GIL (then no Python thread runs at all), so every step is also kept short: the s
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,9 @@ from worker.engine.scheduler import Scheduler, Step
 from worker.engine.sequence import Sequence, Status
 from worker.engine.step_budget import StepBudget
 from worker.errors import Cancelled, ShuttingDown, StepFailed, WorkerError
+
+# The longest a finished request's last event waits for its release to be answered.
+FINAL_HOLD_MAX_S = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,10 @@ class Engine:
         self.scheduler = Scheduler(
             limits.max_batch_size, limits.max_step_tokens, limits.max_context
         )
+        # Read-your-writes for prefix caching: a request's last event goes out once the
+        # service has indexed its KV, so a follow-up sent the moment it ends is a cache hit.
+        self.scheduler.hold_finish = limits.publish_blocks
+        self._held: set[Sequence] = set()  # finished, their last event held
         self.budget = StepBudget(limits.max_step_tokens, min_tokens=self.block_size)
         self.stats = EngineStats()
         self._work = asyncio.Event()
@@ -132,6 +140,8 @@ class Engine:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         await self.leases.stop()  # after the endings above: their releases go out first
+        for seq in list(self._held):
+            self._send_final(seq)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -186,7 +196,20 @@ class Engine:
         self.leases.publish(step)
         for seq in finished:
             self.stats.requests_finished += 1
-            self.leases.release(seq)
+            if seq.held_final is None:
+                self.leases.release(seq)
+                continue
+            self._held.add(seq)
+            asyncio.get_running_loop().call_later(FINAL_HOLD_MAX_S, self._send_final, seq)
+            self.leases.release(seq, then=functools.partial(self._send_final, seq))
+
+    def _send_final(self, seq: Sequence) -> None:
+        """Sends ``seq``'s held last event: once its release is answered, or after
+        FINAL_HOLD_MAX_S (a slow cache service delays no client for longer)."""
+        event, seq.held_final = seq.held_final, None
+        self._held.discard(seq)
+        if event is not None:
+            seq.out.put_nowait(event)
 
     def _end_failed_rows(
         self, step: Step, sampled: list[Sampled | Accepted | RowFailed | None]

@@ -86,6 +86,9 @@ class Scheduler:
         self._draft_steps = 0
         self._step_drafting: tuple[int, bool] | None = None  # this step's (bucket, drafted)
         self._decode_tokens = 0  # tokens the last postprocess gave decodes
+        # Hold each request's finishing event on the sequence (Sequence.held_final) for the
+        # engine to send after the release; False: postprocess sends it at once.
+        self.hold_finish = False
 
     def observe(self, took: ForwardTime) -> None:
         """The step's timings (``ModelExecutor``), after its postprocess: the decode tokens
@@ -248,7 +251,11 @@ class Scheduler:
             out = new[:kept]
             if len(item.token_ids) - len(item.drafts) == 1:
                 self._decode_tokens += kept
-            seq.out.put_nowait(StreamEvent([t.token for t in out], text, list(out), finish))
+            event = StreamEvent([t.token for t in out], text, list(out), finish)
+            if finish is not None and self.hold_finish:
+                seq.held_final = event  # the engine sends it once the release is answered
+            else:
+                seq.out.put_nowait(event)
         if finished:
             self.running = [s for s in self.running if s.status is Status.RUNNING]
         return finished

@@ -147,6 +147,10 @@ class Sequence:
     draft_tokens: int = 0
     accepted_drafts: int = 0
     acceptance: float = 1.0  # recent share of drafts kept (worker.engine.scheduler)
+    # The finishing event, held back until the release that indexes the request's KV has
+    # been answered (Scheduler.hold_finish): a client that sends its next turn the moment
+    # this one ends finds it cached.
+    held_final: StreamEvent | None = None
 
     @property
     def tokens(self) -> list[int]:
