@@ -23,6 +23,15 @@ is free to scribble on. Only K/V contents change; which blocks are free is the c
 to say, and it has not been told about the pool yet. Sequences of one forward get distinct
 blocks, as leases would.
 
+Where decode attention runs the block-table kernel (``worker.model.gpu_attention``, an NVIDIA
+GPU), the kernel is compiled once per variant -- rows per thread block (from the query heads
+per KV head times the queries of a call: 1 for a decode, up to 17 for a speculative verify or
+a short prefill chunk) and one-pass or split-then-merge (long contexts, few sequences) -- about
+2 s each with NVRTC (H100, MLX 0.32.4). A long-prefix burst met the split kernels first in the
+decode right after its first request's prefill, and the requests waiting on that prefix
+waited those seconds too. So the warm-up also runs forwards of 1, 2, 3 and 5 queries over one
+block and over many (:data:`KERNEL_QUERIES`): every variant a request can reach.
+
 Not covered: mlx-lm's compiled samplers bake ``temperature``, ``top_p`` and ``min_p`` into the
 kernel as constants, so each new value compiles one more small kernel on first use (CPU: about
 0.5 s, once per machine); and on a GPU, prefill shapes other than the ones run here still build
@@ -39,12 +48,18 @@ from typing import Any
 from worker.engine.executor import ModelExecutor, SampleRow
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import TextStream
+from worker.model import gpu_attention
 from worker.model.forward_batch import SeqInput
 from worker.model.sampling import RowSampler
 
 log = logging.getLogger(__name__)
 
 MAX_DECODE_SIZES = 8
+# Queries per call that select every rows-per-tile variant of the GPU kernel for any number of
+# query heads per KV head (rows are rounded up to a power of two, at most 8:
+# ``gpu_attention.rows_per_tile``); each runs over a short and a long context (one pass, split).
+KERNEL_QUERIES = (1, 2, 3, 5)
+KERNEL_LONG_BLOCKS = 16  # a context this long splits (``gpu_attention.choose_splits``)
 WARMUP_TEXT = "Warm-up: the quick brown fox jumps over the lazy dog. 0123456789"
 
 
@@ -55,6 +70,7 @@ class WarmupForward:
     inputs: tuple[SeqInput, ...]
     copies: tuple[tuple[int, int], ...]
     samplers: tuple[SamplingParams, ...]  # one per input: every row samples
+    kernel: bool = False  # there for a GPU kernel variant
 
     @property
     def is_decode(self) -> bool:
@@ -67,12 +83,15 @@ class WarmupReport:
     prefill_tokens: int
     decode_sizes: tuple[int, ...]
     forwards: int
+    kernel_forwards: int = 0  # of them, for the GPU kernel's variants
 
     def describe(self) -> str:
         sizes = ",".join(map(str, self.decode_sizes)) or "none"
         return (
             f"warm-up: {self.forwards} steps (prefill chunk of {self.prefill_tokens} tokens, "
-            f"decode batches {sizes}, sampling, detokenizer) in {self.seconds:.2f} s"
+            f"decode batches {sizes}, "
+            + (f"{self.kernel_forwards} for kernel variants, " if self.kernel_forwards else "")
+            + f"sampling, detokenizer) in {self.seconds:.2f} s"
         )
 
 
@@ -110,9 +129,11 @@ def plan(
     max_step_tokens: int,
     max_context: int,
     vocab_size: int,
+    kernel_variants: bool = False,
 ) -> list[WarmupForward]:
     """The warm-up steps for these limits; every block table stays inside the pool, and no two
-    sequences of one step write the same block."""
+    sequences of one step write the same block. ``kernel_variants``: also the GPU attention
+    kernel's variants (``KERNEL_QUERIES`` over a short and a long context)."""
     bs = block_size
     sampling = samplers(vocab_size)
 
@@ -155,6 +176,15 @@ def plan(
             table = list(range(i * per_seq, i * per_seq + blocks(start + 1)))
             seqs.append(SeqInput(tokens(1, 4 + i), table, start))
         steps.append(WarmupForward(tuple(seqs), (), rows(size)))
+    if kernel_variants:
+        long = min(KERNEL_LONG_BLOCKS, num_blocks, (max_context - 1) // bs)
+        for n in KERNEL_QUERIES:
+            for span in sorted({1, long}):
+                end = span * bs
+                if n > max_step_tokens or end < n + 1 or span < 1:
+                    continue
+                seq = SeqInput(tokens(n, 5 + n), list(range(span)), end - n)
+                steps.append(WarmupForward((seq,), (), rows(1), kernel=True))
     return steps
 
 
@@ -165,11 +195,14 @@ async def warm_up(
     max_batch_size: int,
     max_step_tokens: int,
     max_context: int,
+    kernel_variants: bool | None = None,
 ) -> WarmupReport:
     """Run :func:`plan` for ``executor``'s pool through the executor's step path, then the
     tokenizer and a streaming detokenizer. Raises whatever a forward raises: a worker whose
     model cannot run its own shapes should not say it is ready."""
     runner = executor.runner
+    if kernel_variants is None:  # the paged runner's decodes on the GPU kernel
+        kernel_variants = gpu_attention.active() and bool(getattr(runner, "block_decode", False))
     t0 = time.perf_counter()
     steps = plan(
         block_size=runner.block_size,
@@ -178,6 +211,7 @@ async def warm_up(
         max_step_tokens=max_step_tokens,
         max_context=max_context,
         vocab_size=runner.spec.vocab_size,
+        kernel_variants=kernel_variants,
     )
     for step in steps:
         samples = [
@@ -198,6 +232,7 @@ async def warm_up(
         prefill_tokens=len(steps[0].inputs[0].token_ids),
         decode_sizes=tuple(len(s.inputs) for s in steps if s.is_decode),
         forwards=len(steps),
+        kernel_forwards=sum(s.kernel for s in steps),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from worker.model import gpu_attention
 from worker.model.forward_batch import ForwardBatch
 from worker.warmup import decode_sizes, plan
 
@@ -29,8 +30,11 @@ LIMITS = [
 ]
 
 
+@pytest.mark.parametrize("kernel_variants", [False, True])
 @pytest.mark.parametrize(("bs", "blocks", "batch", "step", "context"), LIMITS)
-def test_every_step_fits_the_pool_and_the_limits(bs, blocks, batch, step, context) -> None:
+def test_every_step_fits_the_pool_and_the_limits(
+    bs, blocks, batch, step, context, kernel_variants
+) -> None:
     steps = plan(
         block_size=bs,
         num_blocks=blocks,
@@ -38,6 +42,7 @@ def test_every_step_fits_the_pool_and_the_limits(bs, blocks, batch, step, contex
         max_step_tokens=step,
         max_context=context,
         vocab_size=100,
+        kernel_variants=kernel_variants,
     )
     assert not steps[0].is_decode or step == 1
     assert any(s.is_decode for s in steps)
@@ -73,3 +78,45 @@ def test_the_default_plan_covers_prefill_decode_and_sampling() -> None:
     assert any(p.temperature == 1.0 and p.seed is None and not p.top_k for p in params)
     assert any(p.seed is not None and p.logprobs for p in params)
     assert any(p.top_k and p.repetition_penalty != 1.0 for p in params)
+
+
+def kernel_variant(step, heads: int, rep: int, bs: int) -> tuple[int, bool]:
+    """The GPU kernel variant a forward of ``step`` launches: rows per tile, split or not."""
+    nq = max(len(i.token_ids) for i in step.inputs)
+    rt = gpu_attention.rows_per_tile(rep, nq)
+    tiles = -(-(rep * nq) // rt)
+    key_blocks = max(-(-i.end // bs) for i in step.inputs)
+    splits = gpu_attention.choose_splits(len(step.inputs) * heads * tiles, key_blocks)
+    return rt, splits > 1
+
+
+@pytest.mark.parametrize("heads", [1, 8, 32])
+@pytest.mark.parametrize("rep", [1, 2, 3, 4, 8])
+def test_the_gpu_plan_compiles_every_kernel_variant_a_request_can_reach(heads, rep) -> None:
+    """Every (rows per tile, one pass or split) that a decode, a verify of up to 16 drafts or
+    a short prefill chunk can launch is launched by the warm-up, not by a user's request."""
+    bs = 32
+    steps = plan(
+        block_size=bs,
+        num_blocks=90000,
+        max_batch_size=32,
+        max_step_tokens=2048,
+        max_context=131072,
+        vocab_size=100,
+        kernel_variants=True,
+    )
+    covered = {
+        kernel_variant(s, heads, rep, bs)
+        for s in steps
+        if max(len(i.token_ids) for i in s.inputs) <= gpu_attention.MAX_QUERIES
+    }
+    reachable = {
+        (gpu_attention.rows_per_tile(rep, nq), split)
+        for nq in range(1, gpu_attention.MAX_QUERIES + 1)
+        for split in (False, True)
+    }
+    assert reachable <= covered
+    assert not any(s.kernel for s in plan(
+        block_size=bs, num_blocks=90000, max_batch_size=32, max_step_tokens=2048,
+        max_context=131072, vocab_size=100,
+    ))  # fmt: skip
