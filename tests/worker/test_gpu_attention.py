@@ -13,10 +13,12 @@ and were run on an H100 (``docs/gpu-attention.md``).
 from __future__ import annotations
 
 import re
+import sys
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 import tests.worker.test_paged_parity as parity
 from tests.worker.helpers import TOL, tiny_model
@@ -330,6 +332,50 @@ def test_runner_on_the_kernel_path_matches_dense_mlx_lm(family, monkeypatch):
     assert parity._shared_unaligned_prefix(model, runner) <= TOL
     windows = {w for _, w in spy.kernel}
     assert spy.kernel and windows == ({None, 16} if family == "gemma3" else {None})
+
+
+def test_kernel_forwards_build_no_gather(monkeypatch):
+    """A decode the kernel serves hands mlx-lm the new K/V as stand-ins for the context (no
+    gather built per layer: host time on a GPU) and marks every layer served."""
+    _Spy(monkeypatch, count_original=False)
+    gathers = []
+    real = KVPool.gather
+    monkeypatch.setattr(KVPool, "gather", lambda *a: gathers.append(1) or real(*a))
+    model = tiny_model("llama")
+    runner = ModelRunner.create(model, block_size=parity.BS, num_blocks=64)
+    assert parity._batched_prefill_and_decode(model, runner) <= TOL
+    prefills = len(model.layers)  # the first forward: one gather per layer
+    assert len(gathers) == prefills and runner._stand_ins
+
+
+def test_a_model_that_changes_the_fetched_keys_gets_them_gathered(monkeypatch, caplog):
+    """Attention that does not hand the fetched K/V to attention unchanged (here: scaled by
+    one, new arrays) would attend over the stand-ins: the runner notices before evaluating,
+    builds the forward again with the gathered context, and gathers from then on."""
+    _Spy(monkeypatch, count_original=False)
+    model = tiny_model("llama")
+    runner = ModelRunner.create(model, block_size=parity.BS, num_blocks=64)
+    module = sys.modules[type(model.layers[0].self_attn).__module__]
+    hooked = module.scaled_dot_product_attention
+    assert hooked is block_attention.paged_sdpa
+
+    def changes_keys(queries, keys, values, cache, scale, mask, sinks=None):
+        return hooked(queries, keys * 1, values * 1, cache=cache, scale=scale, mask=mask)
+
+    prompt = list(range(3, 3 + 2 * parity.BS - 1))
+    runner.forward([SeqInput(prompt, [0, 1], 0)])
+    monkeypatch.setattr(module, "scaled_dot_product_attention", changes_keys)
+    # One sequence whose context fills its blocks: its decode has no mask array (no padded
+    # keys to hide), so attention over the stand-ins would fail silently, not loudly.
+    got = runner.forward([SeqInput([7], [0, 1], len(prompt))])
+    cache = make_prompt_cache(model)
+    model(mx.array([prompt]), cache=cache)
+    want = model(mx.array([[7]]), cache=cache)[:, -1, :]
+    assert float(mx.abs(got - want).max()) <= TOL
+    assert parity._batched_prefill_and_decode(model, runner) <= TOL
+    assert parity._shared_unaligned_prefix(model, runner) <= TOL
+    assert not runner._stand_ins
+    assert "does not hand the fetched K/V" in caplog.text
 
 
 def test_speculative_verify_forwards_on_the_kernel_path(family, monkeypatch):

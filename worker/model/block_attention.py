@@ -223,9 +223,13 @@ def _gpu_sdpa(
         pool_k, pool_v = cache.pool.layer_arrays(cache.layer)
         if known and gpu_attention.supports(queries, pool_k, pool_v):
             tables, ends, query_lens = batch.kernel_inputs()
+            cache.served = True
             return gpu_attention.paged_decode_attention(
                 queries, pool_k, pool_v, tables, ends, scale, window, query_lens
             )
+        if cache.stand_ins:  # the fetched K/V stand in for the context: gather it now
+            keys, values = cache.gather()
+            cache.served = True
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask)
 
 

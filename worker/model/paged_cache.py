@@ -32,6 +32,8 @@ class PagedLayerCache:
         "attention_streams",
         "block_attention",
         "block_decode",
+        "served",
+        "stand_ins",
     )
 
     def __init__(
@@ -42,6 +44,7 @@ class PagedLayerCache:
         block_attention: bool = False,
         attention_streams: Sequence[mx.Stream] = (),
         block_decode: bool = True,
+        stand_ins: bool = False,
     ) -> None:
         self._batch = batch
         self._pool = pool
@@ -54,6 +57,14 @@ class PagedLayerCache:
         self.block_decode = block_decode
         """With ``block_attention``: decodes read blocks where they lie; off, they gather
         (``ModelRunner.choose_decode_attention`` measures which is faster here)."""
+        self.stand_ins = stand_ins
+        """:meth:`update_and_fetch` returns the new K/V as stand-ins for the context, not a
+        gather: for forwards whose attention reads the pool by block table (the GPU kernel),
+        where the gather would never run but building it per layer costs host time. Only
+        ``worker.model.block_attention`` may take them, and it sets :attr:`served`."""
+        self.served = False
+        """Whether attention computed this layer from the pool (``block_attention``); with
+        stand-ins, a layer not served attended over them: the forward must run again."""
 
     @property
     def offset(self) -> int | mx.array:
@@ -80,8 +91,12 @@ class PagedLayerCache:
         """
         batch = self._batch
         self._pool.write(self._layer, batch.write_blocks, batch.write_slots, keys, values)
-        self._fetched = self._pool.gather(self._layer, batch.tables)
+        self._fetched = (keys, values) if self.stand_ins else self.gather()
         return self._fetched
+
+    def gather(self) -> tuple[mx.array, mx.array]:
+        """Each sequence's whole blocks ``[B, heads, L, dim]`` (lazy)."""
+        return self._pool.gather(self._layer, self._batch.tables)
 
     def fetched(self) -> tuple[mx.array, mx.array] | None:
         """What :meth:`update_and_fetch` returned in this forward, if it was called."""

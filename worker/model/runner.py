@@ -10,6 +10,7 @@ the step. All calls come from the one thread that owns the model.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import statistics
 import threading
@@ -28,6 +29,8 @@ from worker.model.forward_batch import ForwardBatch, SeqInput
 from worker.model.kv_pool import DEFAULT_BLOCK_SIZE, KVPool
 from worker.model.paged_cache import PagedLayerCache
 from worker.model.spec import ModelSpec, probe
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -67,6 +70,9 @@ class ModelRunner:
         """Whether decodes read blocks where they lie (else gather, then SDPA); see
         :meth:`choose_decode_attention`."""
         self._streams: tuple[mx.Stream, ...] = ()
+        # Kernel-served forwards skip building the per-layer gather (PagedLayerCache.stand_ins)
+        # until a model shows it needs it.
+        self._stand_ins = True
         if mx.default_device() == mx.cpu:
             cpu_math.install(model)  # MLX's CPU exp is ~5x slower than its multiplies
         if block_attention:
@@ -221,13 +227,42 @@ class ModelRunner:
     def _run(self, seqs: Sequence[SeqInput]) -> tuple[ForwardBatch, mx.array]:
         self._check_tokens(seqs)
         batch = ForwardBatch(seqs, self.pool.block_size, self.pool.num_blocks, self.spec.mask_rank)
+        stand_ins = (
+            self._stand_ins
+            and self.block_decode
+            and batch.query_len <= block_attention_hook.FEW_QUERIES
+            and gpu_attention.active()
+        )
         caches = [
             PagedLayerCache(
-                batch, self.pool, layer, self.block_attention, self._streams, self.block_decode
+                batch,
+                self.pool,
+                layer,
+                self.block_attention,
+                self._streams,
+                self.block_decode,
+                stand_ins,
             )
             for layer in range(self.pool.num_layers)
         ]
-        return batch, self.model(batch.tokens, cache=caches)
+        if not stand_ins:
+            return batch, self.model(batch.tokens, cache=caches)
+        try:
+            logits = self.model(batch.tokens, cache=caches)
+            served = all(c.served for c in caches if c.fetched() is not None)
+        except Exception:  # shapes that do not line up with the stand-ins, raised eagerly
+            served = False
+        if not served:
+            # Some layer attended over the stand-ins itself (its attention changes the fetched
+            # K/V, or is not mlx-lm's): nothing is evaluated yet, so build the forward again,
+            # gathering, and for good. Its writes land once more on the same slots, last.
+            log.warning(
+                "this model's attention does not hand the fetched K/V to attention unchanged: "
+                "its GPU decodes build the gathered context too"
+            )
+            self._stand_ins = False
+            return self._run(seqs)
+        return batch, logits
 
     def _check_tokens(self, seqs: Sequence[SeqInput]) -> None:
         vocab = self.spec.vocab_size
