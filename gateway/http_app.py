@@ -1,4 +1,5 @@
-"""The HTTP edge: OpenAI-compatible endpoints, health, metrics, admin pass-through.
+"""The HTTP edge: OpenAI-compatible endpoints, health, metrics, admin pass-through, and the
+cache dashboard (``gateway.dashboard``).
 
 Every error leaves as an OpenAI error body (``{"error": {"message", "type", "param",
 "code"}}``) with a 4xx/5xx status, whatever raised it: a typed gateway error, a schema
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.admin_routes import admin_router
 from gateway.core import Gateway
+from gateway.dashboard import dashboard_router
 from gateway.errors import (
     GatewayError,
     Unauthorized,
@@ -63,6 +65,7 @@ def create_app(gw: Gateway) -> FastAPI:
     app.add_middleware(RequestMetrics, metrics=gw.metrics)
     _install_error_handlers(app)
     app.include_router(admin_router(gw))
+    app.include_router(dashboard_router(gw))
 
     def check_api_key(request: Request) -> None:
         if not gw.config.api_key:

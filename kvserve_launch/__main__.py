@@ -43,6 +43,7 @@ def banner(s: System) -> str:
 kvserve is up: {n} worker{"s" if n != 1 else ""} serving {cfg.model}
 
   OpenAI API    {http}/v1        (health {http}/health, metrics {http}/metrics, docs {http}/docs)
+  Dashboard     {http}/dashboard (the cache, live; asks for the admin token below)
   gRPC          {s.grpc_address}            (worker.v1.Worker/Generate, the workers' own service)
   {cache}            admin token: {cfg.admin_token}
 
