@@ -55,6 +55,11 @@ class WorkerConfig:
     # Tokens a Generate stream message carries at least (the first goes alone, at once): more
     # streams fewer, larger messages, for throughput where a message costs more than a token.
     stream_interval: int = 1
+    # Decode lookahead (worker.engine.executor): start the next greedy decode step's forward
+    # on the sampled tokens before they reach the event loop. Off by default: meant for GPUs,
+    # where a decode step is bound by host time, but not measured there yet; on a CPU the
+    # forward is the step and it measured slower.
+    decode_lookahead: bool = False
     # Run the engine's shapes once before registering, so no request pays for first-use
     # kernel compilation and allocation (worker.warmup).
     warmup: bool = True
@@ -135,6 +140,7 @@ SETTINGS = Settings(
         "num_draft_tokens": "speculative decoding: drafts per step when a request names none",
         "stream_interval": "tokens a stream message carries at least, after the first",
         "warmup": "run the engine's shapes once before saying ready",
+        "decode_lookahead": "start the next greedy decode step before streaming this one (GPUs)",
         "self_check": "refuse a model whose paged path disagrees with mlx-lm's dense path",
         "tls_cert": "PEM certificate: with --tls-key, the gRPC port serves TLS",
         "tls_key": "PEM private key of --tls-cert",

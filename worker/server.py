@@ -132,6 +132,7 @@ def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExec
             return DraftModel(draft.model, config.draft_model, runner.spec.vocab_size)
 
     executor = ModelExecutor(build, build_draft)
+    executor.lookahead = config.decode_lookahead
     return executor, chosen[0]
 
 

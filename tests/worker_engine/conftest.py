@@ -68,6 +68,8 @@ class System:
     authority: CacheAuthority  # the in-process cache service's state, for tests that watch it
     # Builds the test's own channels to the cache service and to workers serving TLS.
     dialer: Dialer = dataclasses.field(default_factory=Dialer)
+    # Workers added run the executor's decode lookahead (on by default on a GPU only).
+    lookahead: bool = False
 
     async def add_worker(self, **overrides) -> pb_grpc.WorkerStub:
         config = dataclasses.replace(
@@ -82,6 +84,7 @@ class System:
             **overrides,
         )
         w = await self.stack.enter_async_context(worker_running(config, self.model))
+        w.engine.executor.lookahead = self.lookahead or w.engine.executor.lookahead
         plaintext = not config.tls_cert
         channel = await self.stack.enter_async_context(
             grpc.aio.insecure_channel(w.address) if plaintext else self.dialer.aio(w.address)

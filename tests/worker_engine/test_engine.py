@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -19,6 +20,16 @@ from worker.engine import loop
 from worker.servicer import WorkerServicer
 
 VOCAB = 256  # the byte range of the embedded model's vocabulary
+
+
+@pytest.fixture(params=[False, True], ids=["plain", "lookahead"])
+async def system(model, request) -> AsyncIterator[System]:
+    """Every test here runs twice: as is, and with the executor's decode lookahead (greedy
+    decode steps start the next one's forward before streaming: on by default on a GPU
+    only), which must change no token, no logprob and no block."""
+    async with started_system(model) as s:
+        s.lookahead = request.param
+        yield s
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -324,3 +335,34 @@ async def test_a_release_that_hangs_delays_the_last_message_boundedly(
     assert out["last"].finish_reason == pb.FINISH_REASON_LENGTH
     assert took < 2.0  # the 0.2 s bound, not the 3 s release
     await system.wait_idle()  # the late release still lands
+
+
+async def test_the_lookahead_is_used_and_changes_nothing(model, reference) -> None:
+    """With the decode lookahead: greedy streams that end at different steps (by max_tokens,
+    foreseen; by a stop token, not), alongside a sampled one (no lookahead while it runs),
+    give mlx-lm's tokens, the lookahead's forwards are taken where the step repeats, and the
+    pool's accounting holds."""
+    async with started_system(model) as system:
+        system.lookahead = True
+        stub = await system.add_worker()
+        executor = system.workers[0].engine.executor
+        prompts = [prompt(80 + i, 20 + 7 * i) for i in range(4)]
+        lengths = [12, 40, 25, 33]
+        full = reference(prompts[3], 33)[0]
+        stop = full[9]
+        reqs = [request(p, max_tokens=n) for p, n in zip(prompts[:3], lengths, strict=False)]
+        reqs.append(request(prompts[3], max_tokens=33, stop_token_ids=[stop]))
+        outs = await asyncio.gather(*(generate(stub, r) for r in reqs))
+        for p, n, out in zip(prompts[:3], lengths, outs, strict=False):
+            assert out["tokens"] == reference(p, n)[0]
+        assert outs[3]["tokens"] == full[: full.index(stop) + 1]
+        assert executor.lookahead_hits > 10 and executor.lookahead_misses >= 1
+        hits = executor.lookahead_hits
+        sampled = request(prompt(90, 30), max_tokens=20, temperature=1.0, seed=3)
+        greedy = prompt(91, 30)
+        out, _ = await asyncio.gather(
+            generate(stub, request(greedy, max_tokens=20)), generate(stub, sampled)
+        )
+        assert out["tokens"] == reference(greedy, 20)[0]
+        assert executor.lookahead_hits - hits < 20  # only once the sampled one has ended
+        await system.wait_idle()

@@ -16,14 +16,16 @@ sampler, and answers by item again.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
+import numpy as np
 
 from worker.engine.sampling_params import Accepted, RowFailed, Sampled
 from worker.engine.scheduler import Step
@@ -32,6 +34,8 @@ from worker.model.draft import DraftModel
 from worker.model.forward_batch import SeqInput
 from worker.model.sampling import RowSampler, sample_rows, verify_rows
 from worker.model.spec import ModelSpec
+
+log = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
@@ -87,6 +91,35 @@ class _Job:
     samples: list[SampleRow]
     live: frozenset[int] | None = None  # seq keys still running; None: keep every sequence
     speculations: tuple[Speculation, ...] = ()
+    # The engine expects the next step to decode the same sequences: the executor may start
+    # that forward now (``ModelExecutor.lookahead``).
+    same_next: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Ahead:
+    """A decode forward started before its step was asked for (the lookahead): the sequences
+    it decodes and the tokens it decodes them on, and its logits, computing."""
+
+    inputs: tuple[SeqInput, ...]  # token_ids are placeholders; ``tokens`` holds the real ones
+    tokens: tuple[int, ...]
+    logits: mx.array
+
+    def matches(self, inputs: Sequence[SeqInput], block_size: int) -> bool:
+        """Whether ``inputs`` are exactly the decodes it computed: the same sequences in the
+        same order, each at the same position, on the sampled token, over the same blocks."""
+        if len(inputs) != len(self.inputs):
+            return False
+        for got, want, token in zip(inputs, self.inputs, self.tokens, strict=True):
+            reads = -(-(want.start + 1) // block_size)
+            if (
+                got.seq_key != want.seq_key
+                or got.start != want.start
+                or list(got.token_ids) != [token]
+                or list(got.block_table[:reads]) != list(want.block_table[:reads])
+            ):
+                return False
+        return True
 
 
 @cache
@@ -108,6 +141,17 @@ class ModelExecutor:
         self.draft: DraftModel | None = None
         if build_draft is not None:
             self.draft = self._thread.submit(build_draft, self.runner).result()
+        self.lookahead = False
+        """Decode lookahead: after a greedy decode-only step that the engine expects to repeat
+        with the same sequences, start the next step's forward on the just-sampled tokens
+        (lazy) before handing them back, so the device computes it while the event loop
+        streams and schedules; the next step takes its logits if it is that step, and
+        discards them otherwise (see :meth:`_lookahead`). Host time per step is what it
+        hides: on a GPU, where a small model's decode step is bound by building and launching
+        its graph (``worker.server`` turns it on there)."""
+        self._ahead: _Ahead | None = None
+        self.lookahead_hits = 0
+        self.lookahead_misses = 0
 
     async def run(
         self, step: Step, live: frozenset[int] | None = None
@@ -127,7 +171,7 @@ class ModelExecutor:
                 tokens = item.seq.tokens if item.draft_slots else []
                 speculations.append(Speculation(i, item.drafts, item.draft_slots, tokens))
         inputs = [SeqInput(i.token_ids, i.block_table, i.start, i.lease_id) for i in step.items]
-        job = _Job(inputs, step.copies, samples, live, tuple(speculations))
+        job = _Job(inputs, step.copies, samples, live, tuple(speculations), step.same_next)
         sampled, took = await self._submit(job)
         out: list[Sampled | Accepted | RowFailed | None] = [None] * len(step.items)
         for row, s in zip(samples, sampled, strict=True):
@@ -169,6 +213,7 @@ class ModelExecutor:
             i for i, s in enumerate(job.inputs) if len(s.token_ids) > 1 and i not in speculative
         ]
         seconds = [0.0, 0.0]
+        ahead, self._ahead = self._ahead, None
         if job.speculations:
             start = time.perf_counter()
             out.update(self._verify(job, by_item))
@@ -177,19 +222,60 @@ class ModelExecutor:
             if not items:
                 continue
             start = time.perf_counter()
-            logits = self.runner.forward([job.inputs[i] for i in items])
+            inputs = [job.inputs[i] for i in items]
             # The forward's row k is item items[k].
             rows = [
                 (k, r.sampler, r.history, r.position)
                 for k, i in enumerate(items)
                 if (r := by_item.get(i)) is not None
             ]
+            if g == 0 and ahead is not None and ahead.matches(inputs, self.runner.block_size):
+                logits = ahead.logits
+                self.lookahead_hits += 1
+            else:
+                if g == 0 and ahead is not None:
+                    self.lookahead_misses += 1
+                lazy = g == 0 and self._may_look_ahead(job, inputs, rows)
+                paged = cast(Any, self.runner)  # forward_async: the paged runner's
+                logits = paged.forward_async(inputs) if lazy else self.runner.forward(inputs)
+            if g == 0 and self._may_look_ahead(job, inputs, rows):
+                self._lookahead(inputs, logits)
             sampled = sample_rows(logits, rows) if rows else []
             for (k, *_), s in zip(rows, sampled, strict=True):
                 out[items[k]] = s
             seconds[g] += time.perf_counter() - start
         padded = len(prefills) * max((len(job.inputs[i].token_ids) for i in prefills), default=0)
         return [out[r.item] for r in job.samples], ForwardTime(seconds[0], seconds[1], padded)
+
+    def _may_look_ahead(self, job: _Job, inputs: list[SeqInput], rows: list) -> bool:
+        """A decode-only, greedy step the engine expects to repeat, on the paged runner, where
+        every sequence's lease covers its next token."""
+        bs = self.runner.block_size
+        return (
+            self.lookahead
+            and job.same_next
+            and not job.speculations
+            and len(inputs) == len(job.inputs)
+            and len(rows) == len(inputs)
+            and self.runner.kind == "paged"
+            and all(r[1].plain_greedy for r in rows)
+            and all(s.start + 2 <= len(s.block_table) * bs for s in inputs)
+        )
+
+    def _lookahead(self, inputs: list[SeqInput], logits: mx.array) -> None:
+        """Starts the forward of the step after this one: the same sequences, one position on,
+        each on its greedy token of ``logits`` (lazy: nothing waits for them here). Its K/V
+        writes land in each sequence's own leased slot past its computed tokens; if the next
+        step is another, they are garbage no one reads, overwritten by later writes (MLX orders
+        every write to the pool after the ones before it)."""
+        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        nxt = tuple(SeqInput([0], s.block_table, s.start + 1, s.seq_key) for s in inputs)
+        try:
+            ahead = cast(Any, self.runner).forward_async(nxt, tokens)
+        except Exception:  # a forward it cannot build now: the next step builds its own
+            log.debug("lookahead forward not started", exc_info=True)
+            return
+        self._ahead = _Ahead(nxt, tuple(np.asarray(tokens).tolist()), ahead)
 
     def _verify(self, job: _Job, by_item: dict[int, SampleRow]) -> dict[int, Accepted | RowFailed]:
         """The speculative items: the draft model's drafts added, then one forward over every

@@ -59,6 +59,9 @@ class Scheduled:
 class Step:
     items: list[Scheduled]
     copies: list[tuple[int, int]]  # copy-on-write pairs to apply before the forward
+    # Expected to be followed by a step that decodes the same sequences, one token on (no
+    # admission pending, none of them at its max_tokens): see ModelExecutor.lookahead.
+    same_next: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -185,7 +188,26 @@ class Scheduler:
                     break
                 take(seq, n)
                 chunks, longest = chunks + 1, max(longest, n)
-        return Step(items, copies) if items else None
+        if not items:
+            return None
+        return Step(items, copies, self._same_next(items))
+
+    def _same_next(self, items: list[Scheduled]) -> bool:
+        """Whether the step after a decode step of ``items`` is likely the same sequences:
+        each runs every step (all running sequences are in it), none speculates, none can end
+        by max_tokens or the context after it, and nothing waits to be admitted. A stop token
+        or string still ends one unforeseen."""
+        return (
+            len(items) == len(self.running)
+            and not self.waiting
+            and all(
+                len(i.token_ids) == 1
+                and not i.speculative
+                and len(i.seq.output) + 2 < i.seq.max_tokens
+                and i.seq.num_tokens + 2 < self.max_context
+                for i in items
+            )
+        )
 
     def draft_room(self, seq: Sequence) -> int:
         """How many drafts ``seq`` may verify in its next decode: its request's number, within

@@ -140,6 +140,20 @@ class ModelRunner:
         mx.eval(last, *self.pool.arrays())
         return last
 
+    def forward_async(self, seqs: Sequence[SeqInput], tokens: mx.array | None = None) -> mx.array:
+        """Like :meth:`forward`, but the evaluation is started, not awaited: the logits come
+        back lazy, computing. ``tokens`` (``[B]``, lazy ids: one decode token a sequence)
+        replace the ``token_ids`` of ``seqs`` (then placeholders, unchecked): a forward built
+        on a step's sampled tokens before they are known (``ModelExecutor``'s lookahead)."""
+        if len(self._groups(seqs)) > 1:
+            if tokens is not None:
+                raise BatchError("a forward on lazy tokens runs as one group")
+            return self.forward(seqs)
+        batch, logits = self._run(seqs, tokens)
+        last = logits[mx.arange(batch.size), batch.last_index].astype(mx.float32)
+        mx.async_eval(last, *self.pool.arrays())
+        return last
+
     def forward_all(self, seqs: Sequence[SeqInput]) -> list[mx.array]:
         """Like :meth:`forward`, but fp32 logits ``[len(token_ids), vocab]`` at every position."""
         groups = self._groups(seqs)
@@ -224,9 +238,16 @@ class ModelRunner:
             by_start.setdefault(s.start, []).append(i)
         return list(by_start.values())
 
-    def _run(self, seqs: Sequence[SeqInput]) -> tuple[ForwardBatch, mx.array]:
-        self._check_tokens(seqs)
+    def _run(
+        self, seqs: Sequence[SeqInput], tokens: mx.array | None = None
+    ) -> tuple[ForwardBatch, mx.array]:
         batch = ForwardBatch(seqs, self.pool.block_size, self.pool.num_blocks, self.spec.mask_rank)
+        if tokens is None:
+            self._check_tokens(seqs)
+        elif batch.query_len != 1 or tokens.shape != (batch.size,):
+            raise BatchError("lazy tokens stand for one decode token a sequence")
+        else:  # sampled from this model's logits: in its vocabulary
+            batch.tokens = tokens.reshape(batch.size, 1).astype(mx.int32)
         stand_ins = (
             self._stand_ins
             and self.block_decode
@@ -261,7 +282,7 @@ class ModelRunner:
                 "its GPU decodes build the gathered context too"
             )
             self._stand_ins = False
-            return self._run(seqs)
+            return self._run(seqs, tokens)
         return batch, logits
 
     def _check_tokens(self, seqs: Sequence[SeqInput]) -> None:

@@ -1,0 +1,128 @@
+"""Decode tokens/s of the worker at batch 32, against mlx-lm's dense ``batch_generate``, in one
+process: a real cache service and worker on loopback gRPC, 32 greedy streams of 96-token
+prompts (the serving benchmark's decode-heavy shape, without the gateway and HTTP), the
+worker's decode lookahead off and on, alternated; then ``batch_generate`` on the same prompts.
+
+The decode rate is tokens over the time after every stream had its first token (prefill
+excluded, as ``batch_generate``'s ``generation_tps`` excludes it).
+
+Usage (GPU machine): ``python3 bench/gpu/engine_decode.py``; a CPU dry run:
+``--layers 2 --hidden 128 --dtype float32 --out 32``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc
+import mlx.core as mx
+import numpy as np
+from bench_models import make_model  # type: ignore[import-not-found]
+
+from kvcache_service.config import ServiceConfig
+from kvcache_service.server import running as cache_running
+from kvserve_proto.worker.v1 import worker_pb2 as pb
+from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
+from worker.config import WorkerConfig
+from worker.model.loader import load_model
+from worker.server import running as worker_running
+
+PROMPT = 96
+
+
+async def one_round(stub, prompts: list[list[int]], out: int) -> tuple[float, int]:
+    """32 streams at once; decode tokens/s after the last first token."""
+    firsts: list[float] = []
+    counts = [0] * len(prompts)
+
+    async def stream(i: int, p: list[int]) -> None:
+        req = pb.GenerateRequest(
+            prompt_token_ids=pb.TokenIds(ids=p),
+            sampling=pb.SamplingParams(max_tokens=out, ignore_eos=True),
+        )
+        async for msg in stub.Generate(req):
+            if counts[i] == 0:
+                firsts.append(time.perf_counter())
+            counts[i] += len(msg.token_ids)
+
+    await asyncio.gather(*(stream(i, p) for i, p in enumerate(prompts)))
+    end = time.perf_counter()
+    decoded = sum(counts) - len(prompts)
+    return decoded / (end - max(firsts)), sum(counts)
+
+
+async def serve_and_measure(loaded, args, prompts) -> dict[str, list[float]]:
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    config = ServiceConfig(port=0, lease_ttl_s=60)
+    async with contextlib.AsyncExitStack() as stack:
+        svc = await stack.enter_async_context(cache_running(config))
+        wc = WorkerConfig(
+            cache_service=svc.address, port=0, worker_id="w0", warmup=False, self_check=False
+        )
+        w = await stack.enter_async_context(worker_running(wc, loaded))
+        channel = await stack.enter_async_context(grpc.aio.insecure_channel(w.address))
+        stub = pb_grpc.WorkerStub(channel)
+        executor = w.engine.executor
+        await one_round(stub, prompts, 8)  # first shapes
+        for r in range(args.rounds):
+            for mode in ("off", "on"):
+                executor.lookahead = mode == "on"
+                hits = executor.lookahead_hits
+                rate, n = await one_round(stub, prompts, args.out)
+                rates[mode].append(rate)
+                print(
+                    f"round {r} lookahead {mode}: {rate:,.0f} decode tok/s "
+                    f"({n} tokens, {executor.lookahead_hits - hits} lookahead hits)",
+                    flush=True,
+                )
+    return rates
+
+
+def dense(model, tokenizer, prompts: list[list[int]], out: int) -> float:
+    from mlx_lm.generate import batch_generate
+
+    batch_generate(model, tokenizer, prompts, max_tokens=8)
+    return max(
+        batch_generate(model, tokenizer, prompts, max_tokens=out).stats.generation_tps
+        for _ in range(2)
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=22)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--out", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path, params = make_model(Path(tmp) / "model", args.layers, args.hidden, args.dtype)
+        loaded = load_model(str(path))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(32, 127, size=PROMPT).tolist() for _ in range(args.batch)]
+    print(f"device {mx.default_device()}, {params / 1e6:.0f}M {args.dtype}", flush=True)
+    rates = asyncio.run(serve_and_measure(loaded, args, prompts))
+    ref = dense(loaded.model, loaded.tokenizer, prompts, args.out)
+    off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
+    print()
+    print(f"| path | decode tok/s at batch {args.batch} | / dense mlx-lm |")
+    print("|---|---|---|")
+    print(f"| mlx-lm `batch_generate` | {ref:,.0f} | 1.00 |")
+    print(f"| worker, lookahead off | {off:,.0f} | {off / ref:.2f} |")
+    print(f"| worker, lookahead on | {on:,.0f} | {on / ref:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
