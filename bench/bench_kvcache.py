@@ -11,6 +11,7 @@ and over loopback gRPC against `python -m kvcache_service` in its own process.
 
     python bench/bench_kvcache.py            # full (about 2 minutes here)
     python bench/bench_kvcache.py --quick
+    python bench/bench_kvcache.py --watch    # with a KV-event watcher reading everything
 """
 
 from __future__ import annotations
@@ -84,10 +85,13 @@ def percentiles(xs: list[float]) -> tuple[float, float]:
     return float(np.percentile(a, 50)), float(np.percentile(a, 99))
 
 
-def bench_in_process(num_blocks: int, fill: int, n: int) -> dict[str, float]:
+def bench_in_process(num_blocks: int, fill: int, n: int, watch: bool = False) -> dict[str, float]:
     auth = CacheAuthority(AuthorityConfig(lease_ttl_s=3600))
     inc = auth.register_pool(PoolSpec("w", num_blocks, BS)).incarnation  # type: ignore[arg-type]
     work = Workload.make()
+    read = [0]  # with `watch`: the last batch the in-process watcher read
+    if watch:
+        auth.watch_events(lambda: None)
 
     def one() -> tuple[float, float, int]:
         _, prompt = work.next_prompt()
@@ -100,6 +104,9 @@ def bench_in_process(num_blocks: int, fill: int, n: int) -> dict[str, float]:
         n = len(prompt)
         update = SequenceUpdate(n + len(answer), pack(answer, "a"), n)
         auth.release("w", inc, grant.lease_id, update)  # type: ignore[arg-type]
+        if watch:  # the step's batches sealed and read, as a server's watcher would
+            for batch in auth.events.after(read[0], 1 << 30):
+                read[0] = batch.seq
         t2 = time.perf_counter()
         work.finished(prompt + answer)
         return t1 - t0, t2 - t1, grant.cached_tokens
@@ -194,8 +201,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def watch_events(address: str, seen: list[int]) -> None:
+    """Reads every KV event the service sends (WatchEvents with the admin token)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        kv = pb_grpc.KVCacheServiceStub(channel)
+        call = kv.WatchEvents(pb.WatchEventsRequest(), metadata=[("authorization", "Bearer bench")])
+        async for m in call:
+            seen[0] += 1
+            seen[1] += len(m.batch.events)
+
+
 async def bench_grpc(
-    address: str, pid: int, form: Form, num_blocks: int, fill: int, n: int, concurrency: int
+    address: str,
+    pid: int,
+    form: Form,
+    num_blocks: int,
+    fill: int,
+    n: int,
+    concurrency: int,
+    watch: bool = False,
 ) -> dict[str, float]:
     """One pool on a fresh service: fill the index, then ``n`` sequential pairs (latency of
     each call, no queueing) and ``n`` more with ``concurrency`` calls in flight (pairs/s,
@@ -227,6 +251,8 @@ async def bench_grpc(
             stats = await admin.GetStats(pb.StatsRequest(pool_id=pool_id), metadata=auth)
             return stats.pools[0].indexed_blocks
 
+        seen = [0, 0]  # messages, events
+        watcher = asyncio.create_task(watch_events(address, seen)) if watch else None
         while await indexed() < fill:
             for _ in range(max(1, 200 // form.batch)):
                 await one()
@@ -259,6 +285,9 @@ async def bench_grpc(
         )
         s["server CPU us/pair"] = cpu / pairs * 1e6
         s["pairs/s per server core"] = pairs / cpu if cpu else float("nan")
+        if watcher is not None:
+            watcher.cancel()
+            assert seen[1] > 0, "the watcher saw no event"
         return s
 
 
@@ -285,12 +314,18 @@ def main() -> None:
     p.add_argument("-n", type=int, default=2000, help="measured acquire+release pairs")
     p.add_argument("--concurrency", type=int, default=8, help="calls in flight for pairs/s")
     p.add_argument("--batch", type=int, default=8, help="leases per batched call")
+    p.add_argument("--watch", action="store_true", help="a KV-event watcher reads everything")
+    p.add_argument("--in-process-only", action="store_true", help="skip the loopback runs")
     a = p.parse_args()
     if a.quick:
         a.fill, a.n = 10_000, 400
     num_blocks = a.fill + a.fill // 10
     print(f"# {a.n} acquire+release pairs, 2048-token prompts, {a.fill} blocks indexed\n")
-    rows = {"in-process (domain)": bench_in_process(num_blocks, a.fill, a.n)}
+    rows = {"in-process (domain)": bench_in_process(num_blocks, a.fill, a.n, a.watch)}
+    if a.in_process_only:
+        r = rows["in-process (domain)"]
+        print(" ".join(f"{k}={v:.3f}" for k, v in r.items()))
+        return
     forms = [
         ("readable, 1 lease a call (revision 1)", Form("readable"), a.concurrency),
         ("compact, 1 lease a call", Form("compact"), a.concurrency),
@@ -304,7 +339,7 @@ def main() -> None:
         proc, address = start_service()  # a fresh one each: its CPU is this form's alone
         try:
             row = asyncio.run(
-                bench_grpc(address, proc.pid, form, num_blocks, a.fill, a.n, concurrency)
+                bench_grpc(address, proc.pid, form, num_blocks, a.fill, a.n, concurrency, a.watch)
             )
             rows[f"loopback: {name}, {concurrency} in flight"] = row
         finally:

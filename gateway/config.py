@@ -51,6 +51,9 @@ class GatewayConfig:
     max_concurrent_requests: int = 0
     # How often workers are polled for load and health (and unhealthy ones re-probed).
     poll_interval_s: float = 2.0
+    # Route from a copy of the pools' indexes fed by the cache service's KV events
+    # (gateway.event_index, docs/kv-events.md) instead of a Route call per request.
+    route_from_events: bool = False
     min_match_tokens: int = RoutingPolicy().min_match_tokens
     min_match_ratio: float = RoutingPolicy().min_match_ratio
     overload_slack: int = RoutingPolicy().overload_slack
@@ -104,6 +107,8 @@ def check(c: GatewayConfig) -> str | None:
         return "--max-concurrent-* must not be negative (0: no limit)"
     if min(c.overload_slack, c.overload_ratio, c.min_match_tokens, c.min_match_ratio) < 0:
         return "--overload-* and --min-match-* must not be negative"
+    if c.route_from_events and not (c.cache_token or c.admin_token):
+        return "--route-from-events needs --cache-token or --admin-token (WatchEvents takes one)"
     return None
 
 
@@ -133,6 +138,7 @@ SETTINGS = Settings(
         "max_concurrent_per_client": "requests in flight per client address (0: no limit)",
         "max_concurrent_requests": "requests in flight in all (0: no limit)",
         "poll_interval_s": "how often workers are polled for load and health",
+        "route_from_events": "route from the cache service's KV events, not a Route per request",
         "min_match_tokens": "shortest cached prefix worth routing for",
         "min_match_ratio": "... and at least this fraction of the prompt",
         "overload_slack": "a worker is overloaded above min load + max(slack, ratio*min)",

@@ -11,10 +11,11 @@ from gateway.completions import CompletionServing
 from gateway.concurrency import ConcurrencyLimiter
 from gateway.config import ENV_PREFIX, GatewayConfig
 from gateway.dispatcher import Dispatcher
+from gateway.event_index import EventFeeds
 from gateway.metrics import GatewayMetrics
 from gateway.openai_serving import OpenAIServing
 from gateway.poller import WorkerPoller
-from gateway.sharded_cache import connect_cache
+from gateway.sharded_cache import ShardedCache, connect_cache
 from gateway.tokenizer import Tokenizer
 from gateway.worker_client import WorkerClients
 from gateway.worker_directory import WorkerDirectory
@@ -37,6 +38,8 @@ class Gateway:
     chat: ChatServing
     # Requests in flight per client and in all; both edges take a slot (gateway.concurrency).
     concurrency: ConcurrencyLimiter
+    # --route-from-events: the KV events' copies of the pools' indexes, and their streams.
+    events: EventFeeds | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -57,6 +60,10 @@ class Gateway:
             dialer.aio,
             on_shard_error=lambda shard, call: metrics.cache_shard_errors.labels(shard, call).inc(),
         )
+        events = None
+        if config.route_from_events:
+            shards = cache.shards if isinstance(cache, ShardedCache) else [cache]
+            events = EventFeeds(shards, config.cache_token or config.admin_token)
         dispatcher = Dispatcher(
             model=config.model,
             cache=cache,
@@ -64,6 +71,7 @@ class Gateway:
             directory=directory,
             metrics=metrics,
             policy=config.routing,
+            events=events.index if events else None,
         )
         poller = WorkerPoller(
             model=config.model,
@@ -87,12 +95,21 @@ class Gateway:
             CompletionServing(serving),
             ChatServing(serving),
             ConcurrencyLimiter(config.max_concurrent_per_client, config.max_concurrent_requests),
+            events,
         )
 
     def healthy_workers(self) -> int:
         return sum(1 for w in self.directory.views() if w.healthy)
 
+    def start(self) -> None:
+        """The background tasks: the poller, and the KV events' streams if asked for."""
+        self.poller.start()
+        if self.events is not None:
+            self.events.start()
+
     async def close(self) -> None:
+        if self.events is not None:
+            await self.events.stop()
         await self.poller.stop()
         await self.clients.close()
         await self.cache.close()

@@ -32,6 +32,7 @@ from gateway.errors import (
     WorkersBusy,
     WorkerUnavailable,
 )
+from gateway.event_index import EventIndex
 from gateway.generation import Chunk, GenerationRequest
 from gateway.metrics import GatewayMetrics
 from gateway.router import RouteDecision, RoutingPolicy, choose_worker
@@ -51,6 +52,7 @@ class Dispatcher:
         directory: WorkerDirectory,
         metrics: GatewayMetrics,
         policy: RoutingPolicy,
+        events: EventIndex | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -58,23 +60,33 @@ class Dispatcher:
         self.directory = directory
         self.metrics = metrics
         self.policy = policy
+        # --route-from-events: copies of the pools' indexes answer instead of Route.
+        self.events = events
 
     async def route(self, request: GenerationRequest) -> RouteDecision:
-        """Ask the cache service who holds the prompt's prefix; rank the workers."""
-        routes: list[PoolRoute]
-        try:
-            routes = await self.cache.route(request.namespace, request.prompt_token_ids, self.model)
-        except (WorkerUnavailable, UpstreamError) as e:
-            # Without the cache service no worker can lease blocks either, but a brief
-            # outage should cost cache affinity, not requests.
-            log.warning("Route failed (%s); routing by load over known workers", e)
-            routes = self.directory.known_routes()
+        """Ask the cache service (or, with --route-from-events, its KV events' copy) who
+        holds the prompt's prefix; rank the workers."""
+        routes: list[PoolRoute] | None = None
+        if self.events is not None:
+            known = self.directory.routes.values()
+            routes = self.events.routes(request.namespace, request.prompt_token_ids, known)
+        if routes is None:
+            routes = await self._ask_route(request)
         decision = choose_worker(
             self.directory.candidates(routes), len(request.prompt_token_ids), self.policy
         )
         if decision is None:
             raise NoWorkerAvailable(f"no worker serving model {self.model!r} is registered")
         return decision
+
+    async def _ask_route(self, request: GenerationRequest) -> list[PoolRoute]:
+        try:
+            return await self.cache.route(request.namespace, request.prompt_token_ids, self.model)
+        except (WorkerUnavailable, UpstreamError) as e:
+            # Without the cache service no worker can lease blocks either, but a brief
+            # outage should cost cache affinity, not requests.
+            log.warning("Route failed (%s); routing by load over known workers", e)
+            return self.directory.known_routes()
 
     async def generate(
         self, request: GenerationRequest, arrival: float | None = None

@@ -91,7 +91,7 @@ async def running(
 
     gw = Gateway.build(config, tokenizer)
     await gw.poller.poll_once()  # know the workers before the first request
-    gw.poller.start()
+    gw.start()
     pb_grpc.add_WorkerServicer_to_server(GatewayWorkerServicer(gw), grpc_server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)

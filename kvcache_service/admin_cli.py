@@ -1,5 +1,5 @@
-"""Admin CLI: `kvserve-admin stats|tree|lookup|evict|flush|pin|unpin|check` (the console
-script; also `python -m kvcache_service.admin_cli`).
+"""Admin CLI: `kvserve-admin stats|tree|lookup|evict|flush|pin|unpin|check|watch` (the
+console script; also `python -m kvcache_service.admin_cli`).
 
 Talks to a running cache service with the admin bearer token (--token or
 KVCACHE_ADMIN_TOKEN) and prints readable tables (or --json). A TLS service: --tls-ca (and
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 from google.protobuf.json_format import MessageToDict
 
 from kvcache_service.config import ENV_PREFIX
@@ -229,6 +230,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sp.add_argument("--prefix-namespace", default="")
     with_pool("flush", "evict every unreferenced, unpinned block")
     sub.add_parser("check", help="verify the block accounting invariants")
+    sp = with_pool("watch", "follow the KV events: every block stored in or removed from the index")
+    sp.add_argument("--count", type=int, default=0, help="stop after N messages (0: Ctrl-C)")
+    sp.add_argument("--ids", action="store_true", help="token ids, not their decoded text")
     a = p.parse_args(argv)
     if bool(a.tls_cert) != bool(a.tls_key):
         p.error("--tls-cert and --tls-key go together")
@@ -260,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stub = pb_grpc.KVCacheAdminStub(channel)
         md = [("authorization", f"Bearer {a.token}")]
         try:
+            if a.cmd == "watch":
+                return watch(pb_grpc.KVCacheServiceStub(channel), a, md, words)
             resp, text = call(stub, a, md, words)
         except grpc.RpcError as err:
             print(f"error: {err.code().name}: {safe(str(err.details()))}", file=sys.stderr)
@@ -267,6 +273,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps(MessageToDict(resp), indent=2) if a.json else text)
     if isinstance(resp, pb.CheckIntegrityResponse) and not resp.ok:
         return 2
+    return 0
+
+
+def show_event_message(m: pb.WatchEventsResponse, text: Text | None = None) -> str:
+    """One WatchEvents message as a line or a few (docs/kv-events.md)."""
+    kind = m.WhichOneof("message")
+    if kind == "reset":
+        reason = pb.EventsReset.Reason.Name(m.reset.reason).removeprefix("REASON_").lower()
+        return f"reset ({reason}): a snapshot of the index as of batch {m.reset.cursor.seq}"
+    if kind == "synced":
+        return f"synced at batch {m.synced.seq} (log {m.synced.log_id}); live from here"
+    b = m.batch
+    lines = [f"batch {b.cursor.seq}  pool {safe(b.pool_id)} #{b.pool_seq}"]
+    for e in b.events:
+        which = e.WhichOneof("event")
+        if which == "stored":
+            s = e.stored
+            ids = np.frombuffer(s.tokens, dtype="<u4").tolist()
+            after = f"after {s.parent_block}" if s.HasField("parent_block") else "at the root"
+            shown = repr(text.decode(ids))[1:-1] if text is not None else str(ids)
+            ns = f" [{safe(s.namespace)}]" if s.namespace else ""
+            lines.append(
+                f"  stored{ns} {list(s.blocks)} {after}, {len(ids)} tokens: {safe(shown)[:120]}"
+            )
+        elif which == "removed":
+            lines.append(f"  removed {list(e.removed.blocks)}")
+        else:
+            reason = pb.PoolCleared.Reason.Name(e.cleared.reason).removeprefix("REASON_").lower()
+            lines.append(f"  cleared ({reason}, incarnation {b.incarnation})")
+    return "\n".join(lines)
+
+
+def watch(stub: pb_grpc.KVCacheServiceStub, a: argparse.Namespace, md: list, words: Text) -> int:
+    """Prints WatchEvents messages as they come (--count: that many, then stops)."""
+    call = stub.WatchEvents(pb.WatchEventsRequest(pool_id=a.pool), metadata=md)
+    text = None if a.ids or a.json else words
+    try:
+        for n, m in enumerate(call, 1):
+            out = json.dumps(MessageToDict(m)) if a.json else show_event_message(m, text)
+            print(out, flush=True)
+            if n == a.count:
+                break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        call.cancel()
     return 0
 
 

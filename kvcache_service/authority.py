@@ -14,9 +14,21 @@ from kvcache_service.errors import (
     OutOfBlocks,
     PoolInUse,
     RegistrationLimit,
+    TooManyWatchers,
     UnknownLease,
     UnknownPool,
     UnregisteredPool,
+)
+from kvcache_service.events import (
+    Batch,
+    Cleared,
+    ClearReason,
+    Cursor,
+    EventLog,
+    PoolKey,
+    PoolRecorder,
+    event_cost,
+    snapshot,
 )
 from kvcache_service.ids import BlockId, LeaseId, Namespace, PoolId, Tokens
 from kvcache_service.leases import AcquireRequest, Deferral, Grant, SequenceUpdate
@@ -47,6 +59,9 @@ class AuthorityConfig:
     max_namespace_chars: int = MAX_NAME_CHARS
     # A pool silent for this many TTLs (its leases long expired) is forgotten.
     forget_after_ttls: float = 4.0
+    # KV events (events.py): the replay buffer's bound, and how many watchers at once.
+    events_buffer_bytes: int = 64 << 20
+    max_watchers: int = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +115,8 @@ class CacheAuthority:
         self._next_lease = 1
         # No pool can fall due before this (expire_due): a lower bound, never too late.
         self._quiet_until = -math.inf
+        # The index's changes, recorded while anyone watches (events.py).
+        self.events = EventLog(clock, config.events_buffer_bytes)
 
     # -- workers ------------------------------------------------------------------------------
 
@@ -138,9 +155,9 @@ class CacheAuthority:
             )
         self._next_incarnation += 1
         ttl = self.config.lease_ttl_s
-        self.pools[spec.pool_id] = PoolState(
-            spec, self._next_incarnation, self.config.namespace_quota_blocks
-        )
+        pool = PoolState(spec, self._next_incarnation, self.config.namespace_quota_blocks)
+        self.pools[spec.pool_id] = pool
+        self._record_pool(pool, ClearReason.REGISTERED)
         self._live[spec.pool_id] = _Liveness(self.clock() + ttl)
         self._quiet_until = min(self._quiet_until, self._live[spec.pool_id].deadline)
         return Registration(self._next_incarnation, ttl, ttl / 4, self.config.max_namespace_chars)
@@ -302,6 +319,7 @@ class CacheAuthority:
                 live.unreported.extend(expired)
                 n += len(expired)
             if not live.alive and not pool.leases and now - live.deadline > forget_at:
+                self._record_pool(pool, ClearReason.FORGOTTEN)
                 del self.pools[pool_id], self._live[pool_id]
         self._quiet_until = min(
             (v.deadline if v.alive else v.deadline + forget_at for v in self._live.values()),
@@ -339,6 +357,60 @@ class CacheAuthority:
         before any work proportional to the request, so a 3 MB namespace costs one len())."""
         return Namespace(check_name(ns, "namespace", self.config.max_namespace_chars))
 
+    # -- KV events ----------------------------------------------------------------------------
+
+    def watch_events(self, wake: Callable[[], None]) -> None:
+        """Adds a watcher (``wake``: called when batches are sealed), recording from now on
+        if nobody watched: a new log, a recorder on every pool's index."""
+        if self.events.watchers >= self.config.max_watchers:
+            raise TooManyWatchers(
+                f"this service serves its limit of {self.config.max_watchers} event watchers"
+            )
+        if not self.events.recording:
+            self.events.start()
+            for pool in self.pools.values():
+                self._attach(pool)
+        self.events.add_waker(wake)
+
+    def unwatch_events(self, wake: Callable[[], None]) -> None:
+        self.events.remove_waker(wake)
+
+    def stop_events_if_idle(self, retain_s: float) -> bool:
+        """Stops recording once nobody has watched for ``retain_s`` (a watcher that comes back
+        later starts from a snapshot): the log's memory and cost go with it."""
+        ev = self.events
+        if not ev.recording or ev.idle_since is None or self.clock() - ev.idle_since < retain_s:
+            return False
+        ev.stop()
+        for pool in self.pools.values():
+            pool.index.listener = None
+        return True
+
+    def events_snapshot(self, pool_id: PoolId | None) -> tuple[Cursor, list[Batch]]:
+        """The index of every pool (or of ``pool_id``) as stored events, as of the log's end
+        (the cursor returned): what a watcher that cannot resume rebuilds from."""
+        cursor = self.events.cursor()
+        now = self.clock()
+        out: list[Batch] = []
+        for pool in self.pools.values():
+            if pool_id is None or pool.spec.pool_id == pool_id:
+                key = _pool_key(pool)
+                seq = self.events.pool_seq(key.pool_id)
+                out += snapshot(key, pool.index.runs(), cursor.seq, seq, now)
+        return cursor, out
+
+    def _record_pool(self, pool: PoolState, reason: ClearReason) -> None:
+        """A whole-pool change: every block of the pool left the index (a new incarnation
+        starts empty; a forgotten pool is gone)."""
+        if self.events.recording:
+            event = Cleared(reason)
+            self.events.record(_pool_key(pool), event, event_cost(event))
+            if reason is ClearReason.REGISTERED:
+                self._attach(pool)
+
+    def _attach(self, pool: PoolState) -> None:
+        pool.index.listener = PoolRecorder(self.events, _pool_key(pool))
+
     # -- admin --------------------------------------------------------------------------------
 
     def get_pool(self, pool_id: str) -> PoolState:
@@ -364,3 +436,7 @@ class CacheAuthority:
         for pool in self.pools.values():
             problems += pool.check_integrity()
         return problems
+
+
+def _pool_key(pool: PoolState) -> PoolKey:
+    return PoolKey(pool.spec.pool_id, pool.incarnation, pool.block_size)

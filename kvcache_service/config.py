@@ -31,6 +31,12 @@ class ServiceConfig:
     namespace_quota_blocks: int | None = None
     # How often leases of silent pools are expired when no call comes in.
     sweep_interval_s: float = 1.0
+    # KV events (WatchEvents, docs/kv-events.md): the replay buffer a watcher resumes from, in
+    # MiB; how long recording goes on after the last watcher left (one that comes back within
+    # it resumes where it was); how many watchers at once.
+    events_buffer_mb: int = 64
+    events_retain_s: float = 600.0
+    events_max_watchers: int = 64
     # PEM paths: both set, the port serves TLS (kvserve_launch.tls); neither, plaintext.
     tls_cert: str = ""
     tls_key: str = ""
@@ -57,6 +63,8 @@ def check(c: ServiceConfig) -> str | None:
         return "--lease-ttl-s must be positive"
     if c.max_pool_blocks < 1 or c.max_pools < 1:
         return "--max-pool-blocks and --max-pools must be positive"
+    if c.events_buffer_mb < 1 or c.events_max_watchers < 1 or c.events_retain_s < 0:
+        return "--events-buffer-mb and --events-max-watchers must be positive"
     return None
 
 
@@ -81,6 +89,9 @@ SETTINGS = Settings(
             "most blocks one namespace may hold in a pool (0: no quota)", none_as=0
         ),
         "sweep_interval_s": "how often leases of silent pools are expired without calls",
+        "events_buffer_mb": "KV events: the replay buffer watchers resume from (MiB)",
+        "events_retain_s": "KV events: keep recording this long after the last watcher left",
+        "events_max_watchers": "KV events: most WatchEvents streams at once",
         "tls_cert": "PEM certificate: with --tls-key, the port serves TLS",
         "tls_key": "PEM private key of --tls-cert",
         "tls_client_ca": "PEM CA bundle: every client must present a certificate it signed",

@@ -10,19 +10,31 @@ import grpc
 from kvcache_service.authority import PoolRoute, Registration
 from kvcache_service.errors import (
     CacheError,
+    FellBehind,
     InvalidArgument,
     MustRegister,
     NotFound,
     OutOfBlocks,
     RegistrationLimit,
+    TooManyWatchers,
     UnknownLease,
+)
+from kvcache_service.events import (
+    Batch,
+    Cleared,
+    ClearReason,
+    Cursor,
+    Event,
+    Removed,
+    ResetReason,
+    Stored,
 )
 from kvcache_service.ids import Namespace, PoolId, Tokens
 from kvcache_service.leases import AcquireRequest, Deferral, Grant, Reuse, SequenceUpdate
 from kvcache_service.names import MAX_NAME_CHARS, check_id, check_name
 from kvcache_service.pool import PoolSpec, PoolState
 from kvcache_service.pool_admin import Lookup
-from kvcache_service.tokens import from_wire, pack
+from kvcache_service.tokens import from_wire, pack, to_wire
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 
 # What each code means to the caller, so a client acts on the code and never parses details:
@@ -35,6 +47,8 @@ STATUS_OF: dict[type[CacheError], grpc.StatusCode] = {
     MustRegister: grpc.StatusCode.FAILED_PRECONDITION,  # unregistered pool, fenced incarnation
     OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,  # queue and retry
     RegistrationLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,  # too many blocks or pools
+    TooManyWatchers: grpc.StatusCode.RESOURCE_EXHAUSTED,  # WatchEvents: retry later
+    FellBehind: grpc.StatusCode.RESOURCE_EXHAUSTED,  # WatchEvents: resume from the cursor
 }
 
 
@@ -320,3 +334,64 @@ def pool_lookup(pool_id: str, lk: Lookup) -> pb.PoolLookup:
         blocks_needed=lk.blocks_needed,
         copied_tokens=lk.copied_tokens,
     )
+
+
+# -- KV events (WatchEvents) ----------------------------------------------------------------
+
+CLEAR_REASONS = {
+    ClearReason.REGISTERED: pb.PoolCleared.REASON_REGISTERED,
+    ClearReason.FORGOTTEN: pb.PoolCleared.REASON_FORGOTTEN,
+}
+RESET_REASONS = {
+    ResetReason.NO_CURSOR: pb.EventsReset.REASON_NO_CURSOR,
+    ResetReason.OTHER_LOG: pb.EventsReset.REASON_OTHER_LOG,
+    ResetReason.TOO_OLD: pb.EventsReset.REASON_TOO_OLD,
+    ResetReason.AHEAD: pb.EventsReset.REASON_AHEAD,
+}
+
+
+def watch_cursor(req: pb.WatchEventsRequest) -> Cursor | None:
+    """Where the watcher asks to resume; None without a cursor."""
+    return Cursor(req.after.log_id, req.after.seq) if req.HasField("after") else None
+
+
+def _cursor(c: Cursor) -> pb.EventCursor:
+    return pb.EventCursor(log_id=c.log_id, seq=c.seq)
+
+
+def _event(e: Event) -> pb.KVEvent:
+    if isinstance(e, Stored):
+        stored = pb.BlocksStored(
+            namespace=e.namespace, blocks=e.blocks, tokens=to_wire(Tokens(e.tokens))
+        )
+        if e.parent is not None:
+            stored.parent_block = e.parent
+        return pb.KVEvent(stored=stored)
+    if isinstance(e, Removed):
+        return pb.KVEvent(removed=pb.BlocksRemoved(blocks=e.blocks))
+    assert isinstance(e, Cleared)
+    return pb.KVEvent(cleared=pb.PoolCleared(reason=CLEAR_REASONS[e.reason]))
+
+
+def event_batch(b: Batch, log_id: int) -> pb.WatchEventsResponse:
+    return pb.WatchEventsResponse(
+        batch=pb.KVEventBatch(
+            cursor=pb.EventCursor(log_id=log_id, seq=b.seq),
+            pool_id=b.pool.pool_id,
+            incarnation=b.pool.incarnation,
+            block_size=b.pool.block_size,
+            pool_seq=b.pool_seq,
+            timestamp=b.timestamp,
+            events=[_event(e) for e in b.events],
+        )
+    )
+
+
+def events_reset(reason: ResetReason, at: Cursor) -> pb.WatchEventsResponse:
+    return pb.WatchEventsResponse(
+        reset=pb.EventsReset(reason=RESET_REASONS[reason], cursor=_cursor(at))
+    )
+
+
+def events_synced(at: Cursor) -> pb.WatchEventsResponse:
+    return pb.WatchEventsResponse(synced=_cursor(at))

@@ -46,3 +46,12 @@ class RegistrationLimit(CacheError):
 
 class OutOfBlocks(CacheError):
     """Not enough free or evictable blocks, even after eviction. Queue and retry."""
+
+
+class FellBehind(CacheError):
+    """A KV-event watcher's position is older than the replay buffer holds: its stream ends,
+    and it resumes from its cursor (a snapshot, if that is gone too)."""
+
+
+class TooManyWatchers(CacheError):
+    """WatchEvents beyond the service's limit of watchers at once."""

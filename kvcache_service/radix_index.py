@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, KeysView
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import Protocol
 
 from kvcache_service.ids import BlockId, Namespace, Tokens
 from kvcache_service.tokens import TOKEN_BYTES, TokenChunks, count, unpack
@@ -96,6 +97,19 @@ def common_units(a: bytes, a_pos: int, b: bytes, b_pos: int, limit: int, unit: i
     return lo
 
 
+class IndexListener(Protocol):
+    """Told of every block that enters or leaves the index (events.PoolRecorder)."""
+
+    def stored(
+        self, ns: Namespace, parent: BlockId | None, blocks: list[BlockId], tokens: bytes
+    ) -> None:
+        """``blocks`` entered along one path after ``parent`` (None: at the root), holding
+        ``tokens`` (block after block; the last may be a tail's fewer)."""
+
+    def removed(self, blocks: list[BlockId]) -> None:
+        """``blocks`` left, in turn, each a leaf when it went."""
+
+
 class RadixIndex:
     """A compressed radix tree per namespace over block-sized token chunks.
 
@@ -106,6 +120,10 @@ class RadixIndex:
     history, copying the tail on write). Only the lease book (insert on commit, insert_tail on
     release) and the budget (remove on eviction) mutate it; it does not know about
     refcounts, so callers decide what may be removed.
+
+    ``listener``, when set, hears of every block that enters (insert, insert_tail) or leaves
+    (remove_leaves): the only three places a block's membership changes, so the KV events
+    (events.py) cannot miss one. Splits and merges only regroup blocks into nodes.
     """
 
     def __init__(self, block_size: int) -> None:
@@ -114,6 +132,7 @@ class RadixIndex:
         self.roots: dict[Namespace, Node] = {}
         self._where: dict[BlockId, Node] = {}
         self._next_node_id = 1
+        self.listener: IndexListener | None = None
 
     def __contains__(self, block: BlockId) -> bool:
         return block in self._where
@@ -241,6 +260,10 @@ class RadixIndex:
             child = node.children.get(key)
             if child is None:
                 rest = blocks[i:]
+                if self.listener is not None:
+                    # `out` holds the canonical block of each position walked so far.
+                    parent = out[-1] if out else after
+                    self.listener.stored(ns, parent, rest, tokens[pos:end])
                 if node.parent is not None and not node.children:
                     # Extend a leaf in place: a sequence committed a block at a time stays one
                     # node instead of a chain of one-block nodes.
@@ -282,6 +305,8 @@ class RadixIndex:
             if child.edge.startswith(part):
                 return False
         self._link(node, part, self._node(node, part, [block], [0]))
+        if self.listener is not None:
+            self.listener.stored(ns, after, [block], part)
         return True
 
     def _root(self, ns: Namespace) -> Node:
@@ -334,6 +359,8 @@ class RadixIndex:
         A run of them that is one node's tail (what the LRU order yields: a sequence's blocks
         enter it deepest first) is cut in one step, so a block costs one dict deletion.
         """
+        if self.listener is not None:
+            self.listener.removed(blocks)
         where, cb = self._where, self.chunk_bytes
         i, n = 0, len(blocks)
         while i < n:
@@ -398,6 +425,18 @@ class RadixIndex:
                 node, depth = stack.pop()
                 yield name, node, depth
                 stack.extend((c, depth + 1) for c in node.children.values())
+
+    def runs(self) -> Iterator[tuple[Namespace, BlockId | None, list[BlockId], bytes]]:
+        """Every node as a run (namespace, parent block, blocks, tokens), parents first: the
+        whole index as the events that would build it (a KV-event snapshot)."""
+        for ns, node, _depth in self.nodes():
+            parent = node.parent
+            yield (
+                ns,
+                parent.blocks[-1] if parent and parent.blocks else None,
+                node.blocks,
+                node.edge,
+            )
 
     def blocks_leaves_first(self, start: Node, first: int = 0) -> list[BlockId]:
         """Blocks of `start` from index `first`, and of all its descendants, deepest first."""

@@ -41,13 +41,16 @@ class RunningService:
         return f"{self.config.host}:{self.port}"
 
 
-async def _sweep(authority: CacheAuthority, interval_s: float) -> None:
-    """Expires leases of pools that went silent even when no call comes in."""
+async def _sweep(authority: CacheAuthority, interval_s: float, events_retain_s: float) -> None:
+    """Expires leases of pools that went silent even when no call comes in; stops recording KV
+    events once nobody has watched them for ``events_retain_s``."""
     while True:
         await asyncio.sleep(interval_s)
         n = authority.expire_due()
         if n:
             log.warning("expired %d leases of silent pools", n)
+        if authority.stop_events_if_idle(events_retain_s):
+            log.info("KV events: no watcher for %.0f s, recording stopped", events_retain_s)
 
 
 @contextlib.asynccontextmanager
@@ -63,14 +66,23 @@ async def running(config: ServiceConfig) -> AsyncIterator[RunningService]:
             max_pool_blocks=config.max_pool_blocks,
             max_pools=config.max_pools,
             max_namespace_chars=config.max_namespace_chars,
+            events_buffer_bytes=config.events_buffer_mb << 20,
+            max_watchers=config.events_max_watchers,
         )
     )
+    # A step's KV events are sealed into batches (and watchers woken) right after the step.
+    loop = asyncio.get_running_loop()
+
+    def seal_soon() -> None:
+        loop.call_soon(authority.events.seal)
+
+    authority.events.on_pending = seal_soon
     server = grpc.aio.server(
         interceptors=[MalformedRequests()],
         options=[("grpc.max_receive_message_length", 64 * 1024 * 1024), EXCLUSIVE_PORT],
     )
     pb_grpc.add_KVCacheServiceServicer_to_server(
-        KVCacheServicer(authority, config.service_token), server
+        KVCacheServicer(authority, config.service_token, config.admin_token), server
     )
     pb_grpc.add_KVCacheAdminServicer_to_server(AdminServicer(authority, config.admin_token), server)
     health_servicer = health.aio.HealthServicer()
@@ -83,7 +95,9 @@ async def running(config: ServiceConfig) -> AsyncIterator[RunningService]:
     await server.start()
     for name in ("", *SERVICE_NAMES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    sweeper = asyncio.create_task(_sweep(authority, config.sweep_interval_s))
+    sweeper = asyncio.create_task(
+        _sweep(authority, config.sweep_interval_s, config.events_retain_s)
+    )
     try:
         yield RunningService(server, port, authority, config)
     finally:

@@ -10,7 +10,8 @@ import asyncio
 import functools
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -18,7 +19,9 @@ import grpc
 from kvcache_service import convert
 from kvcache_service.authority import CacheAuthority, as_tokens
 from kvcache_service.errors import CacheError, InvalidArgument
+from kvcache_service.events import Batch, Cursor, ResetReason
 from kvcache_service.ids import Namespace, PoolId
+from kvcache_service.names import check_id
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
@@ -73,10 +76,27 @@ def service_only(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
     return wrapper
 
 
+# Batches a watcher takes from the event log at a time (at most so many, and so many bytes:
+# what a stalled watcher keeps alive past the buffer); each is then written, waiting on the
+# watcher's flow control, so a slow watcher holds back only itself.
+WATCH_READ_BATCHES = 256
+WATCH_READ_BYTES = 4 << 20
+# Live batches converted to messages, kept for the other watchers (every gateway watches the
+# same batches, mostly at the head): converted once, not once per watcher. Bounded by the
+# batches' estimated bytes.
+ENCODED_BYTES = 16 << 20
+
+
 class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
-    def __init__(self, authority: CacheAuthority, token: str = "") -> None:
+    def __init__(self, authority: CacheAuthority, token: str = "", admin_token: str = "") -> None:
         self.auth = authority
         self.token = token
+        # WatchEvents also takes the admin token (an operator watching).
+        self.admin_token = admin_token
+        self._encoded: OrderedDict[tuple[int, int], tuple[pb.WatchEventsResponse, int]] = (
+            OrderedDict()
+        )
+        self._encoded_bytes = 0
 
     @service_only
     async def RegisterPool(self, request, context):
@@ -152,6 +172,73 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         prompt = convert.tokens(request.prompt_token_ids, request.prompt_tokens, "prompt")
         routes = self.auth.route(Namespace(request.namespace), prompt, request.model or None)
         return pb.RouteResponse(pools=[convert.pool_route(r) for r in routes])
+
+    async def WatchEvents(self, request, context):
+        """The KV events (events.py, docs/kv-events.md). Never open: the batches carry every
+        tenant's token ids, so without a service token configured only the admin token
+        watches (Route, by contrast, only answers about a prompt the caller already has)."""
+        if problem := self._watch_problem(context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+        try:
+            async for message in self._watch(request):
+                yield message
+        except CacheError as err:
+            await context.abort(convert.status_of(err), str(err))
+
+    def _encode(self, batch: Batch, log_id: int) -> pb.WatchEventsResponse:
+        key = (log_id, batch.seq)
+        held = self._encoded.get(key)
+        if held is not None:
+            return held[0]
+        message = convert.event_batch(batch, log_id)
+        self._encoded[key] = (message, batch.cost)
+        self._encoded_bytes += batch.cost
+        while self._encoded_bytes > ENCODED_BYTES and len(self._encoded) > 1:
+            self._encoded_bytes -= self._encoded.popitem(last=False)[1][1]
+        return message
+
+    def _watch_problem(self, context: grpc.aio.ServicerContext) -> str | None:
+        for token, what in ((self.token, "service"), (self.admin_token, "admin")):
+            if token and bearer_problem(context, token, what) is None:
+                return None
+        token, what = (self.token, "service") if self.token else (self.admin_token, "admin")
+        why = bearer_problem(context, token, what) if token else "no token is configured"
+        return f"WatchEvents takes the service token or the admin token: {why}"
+
+    async def _watch(self, request: pb.WatchEventsRequest) -> AsyncIterator[pb.WatchEventsResponse]:
+        """A reset and a snapshot, or the batches after the watcher's cursor; `synced` once
+        it has caught up; then live batches, as they are sealed, until the watcher leaves or
+        falls behind the replay buffer (FellBehind)."""
+        pool_id = PoolId(check_id(request.pool_id, "pool_id")) if request.pool_id else None
+        wake = asyncio.Event()
+        waker = wake.set
+        self.auth.watch_events(waker)
+        try:
+            log = self.auth.events
+            start = log.resume(convert.watch_cursor(request))
+            if isinstance(start, ResetReason):
+                at, snapshot = self.auth.events_snapshot(pool_id)
+                yield convert.events_reset(start, at)
+                for batch in snapshot:
+                    yield convert.event_batch(batch, at.log_id)
+                start = at.seq
+            pos, synced = start, False
+            while True:
+                wake.clear()
+                batches = log.after(pos, WATCH_READ_BATCHES, WATCH_READ_BYTES)
+                if not batches:
+                    if not synced:
+                        synced = True
+                        yield convert.events_synced(Cursor(log.log_id, pos))
+                    else:
+                        await wake.wait()
+                    continue
+                for batch in batches:
+                    if pool_id is None or batch.pool.pool_id == pool_id:
+                        yield self._encode(batch, log.log_id)
+                    pos = batch.seq
+        finally:
+            self.auth.unwatch_events(waker)
 
 
 def admin_only(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:

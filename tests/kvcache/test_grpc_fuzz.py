@@ -72,7 +72,10 @@ class Target:
     calls: int = 0
 
     def call(self, rpc: Rpc, request: Message | bytes, metadata) -> None:
-        code, out, details = invoke(self.channel, rpc, request, metadata)
+        # A stream (WatchEvents) never ends by itself: its first message is the answer.
+        code, out, details = invoke(
+            self.channel, rpc, request, metadata, max_responses=1 if rpc.streaming else 0
+        )
         self.calls += 1
         self.seen.setdefault(rpc.name, set()).add(code)
         assert code in EXPECTED, (rpc.name, code, details, request)

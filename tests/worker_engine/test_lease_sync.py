@@ -100,6 +100,9 @@ class _NoChannel:
     def unary_unary(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         return None
 
+    def unary_stream(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        return None  # WatchEvents: the stub builds it; the lease client never calls it
+
     async def close(self) -> None:
         pass
 

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -333,6 +334,112 @@ class RouteResponse(_message.Message):
     POOLS_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolRoute]
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolRoute, _Mapping]]] = ...) -> None: ...
+
+class EventCursor(_message.Message):
+    __slots__ = ("log_id", "seq")
+    LOG_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    log_id: int
+    seq: int
+    def __init__(self, log_id: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("pool_id", "after")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    after: EventCursor
+    def __init__(self, pool_id: _Optional[str] = ..., after: _Optional[_Union[EventCursor, _Mapping]] = ...) -> None: ...
+
+class BlocksStored(_message.Message):
+    __slots__ = ("namespace", "parent_block", "blocks", "tokens")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    parent_block: int
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    tokens: bytes
+    def __init__(self, namespace: _Optional[str] = ..., parent_block: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., tokens: _Optional[bytes] = ...) -> None: ...
+
+class BlocksRemoved(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PoolCleared(_message.Message):
+    __slots__ = ("reason",)
+    class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REASON_UNSPECIFIED: _ClassVar[PoolCleared.Reason]
+        REASON_REGISTERED: _ClassVar[PoolCleared.Reason]
+        REASON_FORGOTTEN: _ClassVar[PoolCleared.Reason]
+    REASON_UNSPECIFIED: PoolCleared.Reason
+    REASON_REGISTERED: PoolCleared.Reason
+    REASON_FORGOTTEN: PoolCleared.Reason
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: PoolCleared.Reason
+    def __init__(self, reason: _Optional[_Union[PoolCleared.Reason, str]] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("stored", "removed", "cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: BlocksStored
+    removed: BlocksRemoved
+    cleared: PoolCleared
+    def __init__(self, stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[PoolCleared, _Mapping]] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("cursor", "pool_id", "incarnation", "block_size", "pool_seq", "timestamp", "events")
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    POOL_SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    cursor: EventCursor
+    pool_id: str
+    incarnation: int
+    block_size: int
+    pool_seq: int
+    timestamp: float
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    def __init__(self, cursor: _Optional[_Union[EventCursor, _Mapping]] = ..., pool_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., block_size: _Optional[int] = ..., pool_seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
+
+class EventsReset(_message.Message):
+    __slots__ = ("reason", "cursor")
+    class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REASON_UNSPECIFIED: _ClassVar[EventsReset.Reason]
+        REASON_NO_CURSOR: _ClassVar[EventsReset.Reason]
+        REASON_OTHER_LOG: _ClassVar[EventsReset.Reason]
+        REASON_TOO_OLD: _ClassVar[EventsReset.Reason]
+        REASON_AHEAD: _ClassVar[EventsReset.Reason]
+    REASON_UNSPECIFIED: EventsReset.Reason
+    REASON_NO_CURSOR: EventsReset.Reason
+    REASON_OTHER_LOG: EventsReset.Reason
+    REASON_TOO_OLD: EventsReset.Reason
+    REASON_AHEAD: EventsReset.Reason
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    reason: EventsReset.Reason
+    cursor: EventCursor
+    def __init__(self, reason: _Optional[_Union[EventsReset.Reason, str]] = ..., cursor: _Optional[_Union[EventCursor, _Mapping]] = ...) -> None: ...
+
+class WatchEventsResponse(_message.Message):
+    __slots__ = ("batch", "reset", "synced")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    SYNCED_FIELD_NUMBER: _ClassVar[int]
+    batch: KVEventBatch
+    reset: EventsReset
+    synced: EventCursor
+    def __init__(self, batch: _Optional[_Union[KVEventBatch, _Mapping]] = ..., reset: _Optional[_Union[EventsReset, _Mapping]] = ..., synced: _Optional[_Union[EventCursor, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("pool_id",)

@@ -79,6 +79,11 @@ class KVCacheServiceStub:
                 request_serializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/kvcache.v1.KVCacheService/WatchEvents',
+                request_serializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServiceServicer:
@@ -149,6 +154,20 @@ class KVCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """The radix index's changes, pool by pool, as numbered batches (docs/kv-events.md): a
+        router replays them into its own copy of the index instead of calling Route per request.
+        The stream opens with a reset and a snapshot of the index, or, given a cursor still in the
+        service's replay buffer, with exactly the batches after it; then `synced`; then live
+        batches. Takes the service token, or the admin token (always: the stream carries every
+        tenant's token ids, so it is never open, even where the service token is not set).
+        RESOURCE_EXHAUSTED: too many watchers, or this one fell behind the replay buffer
+        (reconnect with its cursor).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -196,6 +215,11 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.RouteRequest.FromString,
                     response_serializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.RouteResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -441,6 +465,33 @@ class KVCacheService:
             '/kvcache.v1.KVCacheService/Route',
             kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.RouteRequest.SerializeToString,
             kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvcache.v1.KVCacheService/WatchEvents',
+            kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
+            kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,347 @@
+"""Routing from the cache service's KV events (``--route-from-events``): a copy of every pool's
+radix index, kept by following ``WatchEvents`` (docs/kv-events.md), answers the router's
+question (how many leading tokens of this prompt does each pool hold) here, instead of a
+``Route`` call per request.
+
+- :class:`PoolCopy`: one pool's index, block by block: (namespace, parent block) -> children
+  by their tokens. A prompt walks it the way the cache service's ``RadixIndex.match`` walks
+  its tree (whole blocks, then the best partial match among the children that share the next
+  token), so the answer is the one ``Route`` gives, as of the last event received.
+- :class:`EventIndex`: the copies of every pool, and whether each source (the cache service,
+  or each shard of it) is in sync: from its ``synced`` message until its stream ends or
+  something in it does not fit (a gap in the numbers, a block that is not there).
+- :class:`EventWatcher`: one source's stream, followed in a task that reconnects with its
+  cursor (the service replays what it missed, or sends a snapshot).
+
+While a pool's source is not in sync, or a discovered pool has no copy, ``routes`` answers
+None and the dispatcher calls ``Route`` as without this mode. The load figures (live leases,
+free blocks) come from the poller's last discovery, up to ``--poll-interval-s`` old, where
+``Route`` gave them fresh; the gateway's own in-flight count and the workers' polled queue
+still count (gateway/worker_directory.py).
+
+Only the event loop touches these objects (no locks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from itertools import islice
+
+import grpc
+
+from gateway.cache_client import CacheClient, PoolRoute
+from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+TOKEN_BYTES = 4
+# Siblings a partial (sub-block) match compares, as the cache service's PARTIAL_SCAN_LIMIT.
+PARTIAL_SCAN_LIMIT = 64
+# Reconnection backoff after a stream fails (doubling), and how often failures are logged.
+RETRY_MIN_S = 0.2
+RETRY_MAX_S = 5.0
+LOG_INTERVAL_S = 30.0
+
+Parent = tuple[str, int | None]  # (namespace, parent block; None at the namespace's root)
+
+
+def pack(token_ids: Sequence[int]) -> bytes:
+    """Token ids in the events' form: little-endian uint32."""
+    a = array("I", token_ids)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def _common_tokens(a: bytes, b: bytes) -> int:
+    """How many leading 4-byte tokens ``a`` and ``b`` share (a binary search of compares)."""
+    lo, hi = 0, min(len(a), len(b)) // TOKEN_BYTES
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        k = mid * TOKEN_BYTES
+        if a[:k] == b[:k]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class Desync(Exception):
+    """The stream says something this copy cannot apply: start over from a snapshot."""
+
+
+class PoolCopy:
+    """One pool's index as the events built it."""
+
+    def __init__(self, incarnation: int, block_size: int) -> None:
+        self.incarnation = incarnation
+        self.block_size = block_size
+        self.chunk_bytes = block_size * TOKEN_BYTES
+        # Children of each block (and of each namespace's root) by their tokens, and again by
+        # their first token (the partial match looks only at those).
+        self._children: dict[Parent, dict[bytes, int]] = {}
+        self._by_first: dict[tuple[Parent, bytes], dict[bytes, int]] = {}
+        self._blocks: dict[int, tuple[Parent, bytes]] = {}
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def store(self, ns: str, parent: int | None, blocks: Sequence[int], tokens: bytes) -> None:
+        cb = self.chunk_bytes
+        if parent is not None and parent not in self._blocks:
+            raise Desync(f"block {blocks[0]} stored under block {parent}, which is not held")
+        for i, b in enumerate(blocks):
+            if b in self._blocks:
+                raise Desync(f"block {b} stored twice")
+            key = (ns, parent)
+            toks = tokens[i * cb : (i + 1) * cb]
+            self._blocks[b] = (key, toks)
+            self._children.setdefault(key, {})[toks] = b
+            self._by_first.setdefault((key, toks[:TOKEN_BYTES]), {})[toks] = b
+            parent = b
+
+    def remove(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            entry = self._blocks.pop(b, None)
+            if entry is None:
+                raise Desync(f"block {b} removed but not held")
+            key, toks = entry
+            _drop(self._children, key, toks)
+            _drop(self._by_first, (key, toks[:TOKEN_BYTES]), toks)
+
+    def cached_tokens(self, ns: str, prompt: bytes) -> int:
+        """Leading tokens of ``prompt`` (packed) an acquire would reuse: what ``Route`` says
+        (at least one prompt token is always computed)."""
+        cb = self.chunk_bytes
+        parent: int | None = None
+        pos = 0
+        while True:
+            kids = self._children.get((ns, parent))
+            if not kids:
+                break
+            key = prompt[pos : pos + cb]
+            child = kids.get(key) if len(key) == cb else None
+            if child is not None:
+                parent, pos = child, pos + cb
+                continue
+            group = self._by_first.get(((ns, parent), key[:TOKEN_BYTES])) if key else None
+            if group:
+                best = max(_common_tokens(key, t) for t in islice(group, PARTIAL_SCAN_LIMIT))
+                pos += best * TOKEN_BYTES
+            break
+        return max(0, min(pos // TOKEN_BYTES, len(prompt) // TOKEN_BYTES - 1))
+
+
+def _drop(groups: dict, key: object, toks: bytes) -> None:
+    group = groups.get(key)
+    if group is not None:
+        group.pop(toks, None)
+        if not group:
+            del groups[key]
+
+
+@dataclass
+class Source:
+    """One cache service (or shard) whose events feed the index."""
+
+    address: str
+    cursor: pb.EventCursor | None = None
+    phase: str = "down"  # down, snapshot (after a reset), catching up, live
+    pools: set[str] = field(default_factory=set)
+
+
+class EventIndex:
+    """Copies of every pool's index, fed by one or more sources' events."""
+
+    def __init__(self) -> None:
+        self.pools: dict[str, PoolCopy] = {}
+        self.sources: dict[str, Source] = {}
+        # Where each pool's events come from (a pool registers with one shard).
+        self._source_of: dict[str, str] = {}
+        self.answered = 0  # routing questions answered here
+        self.fell_back = 0  # ... and sent to Route instead
+
+    def source(self, address: str) -> Source:
+        return self.sources.setdefault(address, Source(address))
+
+    # -- applying a stream --------------------------------------------------------------------
+
+    def connecting(self, address: str) -> pb.WatchEventsRequest:
+        """The request that (re)opens ``address``'s stream: from its cursor, if any."""
+        src = self.source(address)
+        src.phase = "catching up" if src.cursor is not None else "down"
+        return pb.WatchEventsRequest(after=src.cursor)
+
+    def down(self, address: str, forget_cursor: bool = False) -> None:
+        """The source's stream ended: its pools are not answered here until it syncs again."""
+        src = self.source(address)
+        src.phase = "down"
+        if forget_cursor:
+            src.cursor = None
+
+    def apply(self, address: str, m: pb.WatchEventsResponse) -> None:
+        src = self.source(address)
+        kind = m.WhichOneof("message")
+        if kind == "reset":
+            for pool_id in src.pools:
+                self.pools.pop(pool_id, None)
+                self._source_of.pop(pool_id, None)
+            src.pools = set()
+            src.cursor, src.phase = m.reset.cursor, "snapshot"
+        elif kind == "synced":
+            if src.phase not in ("snapshot", "catching up"):
+                raise Desync("synced outside a snapshot or a catch-up")
+            src.cursor, src.phase = m.synced, "live"
+        elif kind == "batch":
+            self._apply_batch(src, m.batch)
+
+    def _apply_batch(self, src: Source, b: pb.KVEventBatch) -> None:
+        snapshot = src.phase == "snapshot"
+        if not snapshot:
+            if src.cursor is None or b.cursor.log_id != src.cursor.log_id:
+                raise Desync("a batch of another log")
+            if b.cursor.seq != src.cursor.seq + 1:
+                raise Desync(f"batch {b.cursor.seq} after {src.cursor.seq}: a gap")
+            src.cursor = b.cursor
+        copy = self.pools.get(b.pool_id)
+        if snapshot and (copy is None or copy.incarnation != b.incarnation):
+            copy = self._new_copy(src, b)
+        for e in b.events:
+            kind = e.WhichOneof("event")
+            if kind == "cleared":
+                if e.cleared.reason == pb.PoolCleared.REASON_FORGOTTEN:
+                    self.pools.pop(b.pool_id, None)
+                    self._source_of.pop(b.pool_id, None)
+                    src.pools.discard(b.pool_id)
+                    copy = None
+                else:
+                    copy = self._new_copy(src, b)
+                continue
+            if copy is None or copy.incarnation != b.incarnation:
+                raise Desync(f"events of pool {b.pool_id!r} incarnation {b.incarnation}")
+            if kind == "stored":
+                s = e.stored
+                parent = s.parent_block if s.HasField("parent_block") else None
+                copy.store(s.namespace, parent, s.blocks, s.tokens)
+            elif kind == "removed":
+                copy.remove(e.removed.blocks)
+
+    def _new_copy(self, src: Source, b: pb.KVEventBatch) -> PoolCopy:
+        copy = self.pools[b.pool_id] = PoolCopy(b.incarnation, b.block_size)
+        self._source_of[b.pool_id] = src.address
+        src.pools.add(b.pool_id)
+        return copy
+
+    # -- answering ----------------------------------------------------------------------------
+
+    def cached_tokens(self, pool_id: str, ns: str, prompt: bytes) -> int | None:
+        """The pool's cached prefix of ``prompt``; None when its copy is missing or its
+        source is not in sync (ask Route)."""
+        copy = self.pools.get(pool_id)
+        address = self._source_of.get(pool_id)
+        if copy is None or address is None or self.sources[address].phase != "live":
+            return None
+        return copy.cached_tokens(ns, prompt)
+
+    def routes(
+        self, namespace: str, prompt_token_ids: Sequence[int], known: Iterable[PoolRoute]
+    ) -> list[PoolRoute] | None:
+        """``known`` (the poller's last discovery: address, load, liveness) with each pool's
+        cached prefix of the prompt from its copy; None when any is not answerable here (or
+        none is known), so the caller asks Route."""
+        known = list(known)
+        prompt = pack(prompt_token_ids)
+        out = []
+        for r in known:
+            cached = self.cached_tokens(r.pool_id, namespace, prompt)
+            if cached is None:
+                self.fell_back += 1
+                return None
+            out.append(replace(r, cached_tokens=cached))
+        if not out:
+            self.fell_back += 1
+            return None
+        self.answered += 1
+        return out
+
+
+class EventWatcher:
+    """Follows one source's WatchEvents in a task, reconnecting with its cursor."""
+
+    def __init__(self, index: EventIndex, client: CacheClient, token: str) -> None:
+        self.index = index
+        self.client = client
+        self.address = client.address
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._task: asyncio.Task[None] | None = None
+        self._last_logged = 0.0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.index.down(self.address)
+
+    async def _run(self) -> None:
+        backoff = RETRY_MIN_S
+        while True:
+            forget = False
+            try:
+                await self._follow()
+                problem = "the stream ended"
+            except grpc.aio.AioRpcError as e:
+                problem = f"{e.code().name}: {e.details()}"
+            except Desync as e:
+                problem, forget = f"out of step ({e}); starting over from a snapshot", True
+            if self.index.source(self.address).phase == "live":
+                backoff = RETRY_MIN_S  # it was in sync: retry at once, not after a long wait
+            self.index.down(self.address, forget_cursor=forget)
+            self._log(problem)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, RETRY_MAX_S)
+
+    async def _follow(self) -> None:
+        request = self.index.connecting(self.address)
+        call = self.client.stub.WatchEvents(request, metadata=self._metadata)
+        try:
+            async for message in call:
+                self.index.apply(self.address, message)
+                if message.HasField("synced"):
+                    log.info("KV events from %s: in sync at %d", self.address, message.synced.seq)
+        finally:
+            call.cancel()
+
+    def _log(self, problem: str) -> None:
+        now = time.monotonic()
+        if now - self._last_logged >= LOG_INTERVAL_S:
+            self._last_logged = now
+            log.warning(
+                "KV events from %s: %s; routing asks Route until it is back", self.address, problem
+            )
+
+
+class EventFeeds:
+    """The index and one watcher per cache service shard: what ``--route-from-events`` adds."""
+
+    def __init__(self, clients: Sequence[CacheClient], token: str) -> None:
+        self.index = EventIndex()
+        self.watchers = [EventWatcher(self.index, c, token) for c in clients]
+
+    def start(self) -> None:
+        for w in self.watchers:
+            w.start()
+
+    async def stop(self) -> None:
+        for w in self.watchers:
+            await w.stop()
