@@ -192,6 +192,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
         stub = kv_grpc.KVCacheServiceStub(self._channel)
         out: list[int] = []
         self.running += 1
+        released = False
         try:
             limit = request.sampling.max_tokens or len(OUTPUT)
             n = min(limit, len(OUTPUT))
@@ -227,6 +228,10 @@ class FakeWorker(pb_grpc.WorkerServicer):
                             completion_tokens=len(out),
                         )
                     )
+                    # As a real worker does: the last message goes out once the release that
+                    # indexes the prompt is answered (a follow-up finds it cached).
+                    released = True
+                    await self._release(stub, lease, prompt)
                 yield msg
             self.record.finished.append(request.request_id)
         except asyncio.CancelledError:
@@ -234,9 +239,13 @@ class FakeWorker(pb_grpc.WorkerServicer):
             raise
         finally:
             self.running -= 1
-            await stub.ReleaseLease(
-                kv.ReleaseLeaseRequest(pool=self._pool, lease_id=lease.lease_id, token_ids=prompt)
-            )
+            if not released:
+                await self._release(stub, lease, prompt)
+
+    async def _release(self, stub, lease, prompt: list[int]) -> None:
+        await stub.ReleaseLease(
+            kv.ReleaseLeaseRequest(pool=self._pool, lease_id=lease.lease_id, token_ids=prompt)
+        )
 
     async def GetInfo(self, request, context):
         return pb.WorkerInfo(
