@@ -91,8 +91,13 @@ def browser() -> Iterator[WebDriver]:
     ):
         options.add_argument(arg)
     # The system chromedriver: a Service with a path skips Selenium Manager (and its download).
+    # The browser gets the environment without what `kvserve_model.blas run` adds for MLX: a
+    # preloaded OpenBLAS killed Chromium's renderer at start ("unable to connect to renderer").
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES")}
     try:
-        driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+        driver = webdriver.Chrome(
+            options=options, service=Service(executable_path=CHROMEDRIVER, env=env)
+        )
     except WebDriverException as e:
         pytest.fail(f"Chromium did not start ({CHROMIUM}, {CHROMEDRIVER}): {e.msg}")
     driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": RECORDER})
