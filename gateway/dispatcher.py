@@ -70,6 +70,8 @@ class Dispatcher:
         if self.events is not None:
             known = self.directory.routes.values()
             routes = self.events.routes(request.namespace, request.prompt_token_ids, known)
+            if routes is not None:
+                self.metrics.route_source.labels("events").inc()
         if routes is None:
             routes = await self._ask_route(request)
         decision = choose_worker(
@@ -81,12 +83,15 @@ class Dispatcher:
 
     async def _ask_route(self, request: GenerationRequest) -> list[PoolRoute]:
         try:
-            return await self.cache.route(request.namespace, request.prompt_token_ids, self.model)
+            routes = await self.cache.route(request.namespace, request.prompt_token_ids, self.model)
         except (WorkerUnavailable, UpstreamError) as e:
             # Without the cache service no worker can lease blocks either, but a brief
             # outage should cost cache affinity, not requests.
             log.warning("Route failed (%s); routing by load over known workers", e)
+            self.metrics.route_source.labels("known_workers").inc()
             return self.directory.known_routes()
+        self.metrics.route_source.labels("route").inc()
+        return routes
 
     async def generate(
         self, request: GenerationRequest, arrival: float | None = None

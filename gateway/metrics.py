@@ -74,6 +74,14 @@ class GatewayMetrics:
             ["worker", "reason"],
             registry=r,
         )
+        self.route_source = Counter(
+            "kvserve_gateway_route_source",
+            "Where the router's cached-prefix lengths came from, per request: events (the KV "
+            "events' copy of the index, --route-from-events), route (a Route call), "
+            "known_workers (Route failed: load only).",
+            ["source"],
+            registry=r,
+        )
         self.failovers = Counter(
             "kvserve_gateway_failovers",
             "Dispatches that failed before the first token and moved to another worker.",

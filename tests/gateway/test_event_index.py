@@ -280,6 +280,9 @@ async def test_the_gateway_routes_from_events_without_route_calls(cache, tokeniz
         await wait_for(lambda: source.phase == "live")
         assert await worker_of(chat(SYSTEM_B, "back")) == b
         assert len(calls) == 1 and index.answered == 9
+        metrics = (await stack.http.get("/metrics")).text
+        assert 'kvserve_gateway_route_source_total{source="events"} 9.0' in metrics
+        assert 'kvserve_gateway_route_source_total{source="route"} 1.0' in metrics
 
 
 def test_the_flag_needs_a_token() -> None:
