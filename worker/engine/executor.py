@@ -148,7 +148,7 @@ class ModelExecutor:
         streams and schedules; the next step takes its logits if it is that step, and
         discards them otherwise (see :meth:`_lookahead`). Host time per step is what it
         hides: on a GPU, where a small model's decode step is bound by building and launching
-        its graph (``worker.server`` turns it on there)."""
+        its graph. Off unless the worker's ``--decode-lookahead`` sets it."""
         self._ahead: _Ahead | None = None
         self.lookahead_hits = 0
         self.lookahead_misses = 0
