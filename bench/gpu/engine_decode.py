@@ -1,7 +1,9 @@
 """Decode tokens/s of the worker at batch 32, against mlx-lm's dense ``batch_generate``, in one
 process: a real cache service and worker on loopback gRPC, 32 greedy streams of 96-token
 prompts (the serving benchmark's decode-heavy shape, without the gateway and HTTP), the
-worker's decode lookahead off and on, alternated; then ``batch_generate`` on the same prompts.
+worker's decode lookahead off and on, alternated, each round with where its steps' time went
+(the thread's forward, the loop's postprocess and scheduling); then ``batch_generate`` on the
+same prompts.
 
 The decode rate is tokens over the time after every stream had its first token (prefill
 excluded, as ``batch_generate``'s ``generation_tps`` excludes it).
@@ -40,6 +42,45 @@ from worker.server import running as worker_running
 PROMPT = 96
 
 
+class Phases:
+    """Seconds spent in the engine's parts, summed per decode round: where a step's time goes
+    around the forward (the thread's forward and sampling, the loop's postprocess and
+    scheduling, and the wait between the thread finishing and the loop picking it up)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.steps = 0
+
+    def wrap(self, owner: object, name: str, key: str) -> None:
+        real = getattr(owner, name)
+        seconds = self.seconds
+
+        if asyncio.iscoroutinefunction(real):
+
+            async def timed_async(*a, **k):  # type: ignore[no-untyped-def]
+                t = time.perf_counter()
+                try:
+                    return await real(*a, **k)
+                finally:
+                    seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t
+
+            setattr(owner, name, timed_async)
+        else:
+
+            def timed(*a, **k):  # type: ignore[no-untyped-def]
+                t = time.perf_counter()
+                try:
+                    return real(*a, **k)
+                finally:
+                    seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t
+
+            setattr(owner, name, timed)
+
+    def report(self, steps: int) -> str:
+        order = sorted(self.seconds.items(), key=lambda kv: -kv[1])
+        return ", ".join(f"{k} {v / max(1, steps) * 1e3:.2f}" for k, v in order)
+
+
 async def one_round(stub, prompts: list[list[int]], out: int) -> tuple[float, int]:
     """32 streams at once; decode tokens/s after the last first token."""
     firsts: list[float] = []
@@ -72,17 +113,29 @@ async def serve_and_measure(loaded, args, prompts) -> dict[str, list[float]]:
         w = await stack.enter_async_context(worker_running(wc, loaded))
         channel = await stack.enter_async_context(grpc.aio.insecure_channel(w.address))
         stub = pb_grpc.WorkerStub(channel)
-        executor = w.engine.executor
+        engine = w.engine
+        executor = engine.executor
+        phases = Phases()
+        phases.wrap(engine, "_run_step", "step (loop)")
+        phases.wrap(executor, "_run", "executor thread")
+        phases.wrap(executor.runner, "forward", "forward")
+        phases.wrap(executor.runner, "forward_async", "forward (lazy)")
+        phases.wrap(engine.scheduler, "postprocess", "postprocess")
+        phases.wrap(engine.scheduler, "schedule", "schedule")
         await one_round(stub, prompts, 8)  # first shapes
         for r in range(args.rounds):
             for mode in ("off", "on"):
                 executor.lookahead = mode == "on"
                 hits = executor.lookahead_hits
+                steps = engine.stats.steps
+                phases.seconds.clear()
                 rate, n = await one_round(stub, prompts, args.out)
                 rates[mode].append(rate)
+                steps = engine.stats.steps - steps
                 print(
                     f"round {r} lookahead {mode}: {rate:,.0f} decode tok/s "
-                    f"({n} tokens, {executor.lookahead_hits - hits} lookahead hits)",
+                    f"({n} tokens, {steps} steps, {executor.lookahead_hits - hits} lookahead "
+                    f"hits); ms a step: {phases.report(steps)}",
                     flush=True,
                 )
     return rates
