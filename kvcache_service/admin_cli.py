@@ -106,14 +106,23 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(lines)
 
 
+def memory(n: int) -> str:
+    """Bytes as MiB or GiB; '?' for 0 (a worker that did not report its block size in bytes)."""
+    if not n:
+        return "?"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
 def show_stats(resp: pb.StatsResponse) -> str:
-    headers = ["pool", "alive", "blocks", "free", "cached", "referenced", "pinned", "peak"]
-    headers += ["leases", "hit% tok", "hit% req", "evicted", "expired", "deferred", "exhausted"]
+    headers = ["pool", "alive", "blocks", "memory", "free", "cached", "referenced", "pinned"]
+    headers += ["peak", "leases", "hit% tok", "hit% req", "evicted", "expired", "deferred"]
+    headers += ["exhausted"]
     rows = [
         [
             p.pool_id,
             "yes" if p.alive else "NO",
             p.num_blocks,
+            memory(p.num_blocks * p.bytes_per_block),
             p.free_blocks,
             p.cached_blocks,
             p.referenced_blocks,

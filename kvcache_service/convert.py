@@ -77,6 +77,7 @@ def pool_spec(req: pb.RegisterPoolRequest) -> PoolSpec:
         num_kv_heads=req.layout.num_kv_heads,
         head_dim=req.layout.head_dim,
         dtype=req.layout.dtype,
+        bytes_per_block=req.layout.bytes_per_block,
     )
 
 
@@ -257,6 +258,7 @@ def pool_stats(pool: PoolState, alive: bool) -> pb.PoolStats:
         referenced_blocks=pool.referenced_blocks,
         pinned_blocks=pool.pinned_blocks,
         indexed_blocks=len(pool.index),
+        bytes_per_block=spec.bytes_per_block,
         peak_used_blocks=pool.blocks.peak_used,
         live_leases=len(pool.leases),
         acquires=c.acquires,

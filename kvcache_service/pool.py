@@ -31,6 +31,7 @@ class PoolSpec:
     num_kv_heads: int = 0
     head_dim: int = 0
     dtype: str = ""
+    bytes_per_block: int = 0  # 0: not reported
 
 
 class PoolState:

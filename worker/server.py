@@ -185,6 +185,7 @@ async def running(
         num_kv_heads=layer.n_kv_heads,
         head_dim=layer.k_head_dim,
         dtype=str(runner.spec.dtype),
+        bytes_per_block=runner.bytes_per_block,
     )
     max_context = context_length(loaded.config)
     limits = EngineLimits(

@@ -61,6 +61,14 @@
     return Number.isInteger(n) ? String(n) : n.toFixed(a >= 10 ? 0 : 1);
   }
 
+  function bytes(n) {
+    const units = [[2 ** 40, "TiB"], [2 ** 30, "GiB"], [2 ** 20, "MiB"], [2 ** 10, "KiB"]];
+    for (const [scale, unit] of units) {
+      if (n >= scale) return (n / scale).toFixed(n >= 10 * scale ? 0 : 1) + " " + unit;
+    }
+    return n + " B";
+  }
+
   function pct(x) {
     if (x === null || x === undefined || !Number.isFinite(x)) return "–";
     return (100 * x).toFixed(x === 0 || x === 1 ? 0 : 1) + "%";
@@ -311,9 +319,12 @@
     pin.style.width = (100 * (p.num_blocks ? p.pinned_blocks / p.num_blocks : 0)) + "%";
     pins.append(pin);
     const used = p.num_blocks - p.free_blocks;
+    // Memory only where the worker reported what a block holds (older workers: 0).
+    const memory = p.bytes_per_block ? bytes(used * p.bytes_per_block) + " / " +
+      bytes(p.num_blocks * p.bytes_per_block) + " · " : "";
     const caption = el("div", "caption", used + " / " + p.num_blocks + " used (" +
       pct(ratio(used, p.num_blocks)) + ") · " + num(used * p.block_size) + " / " +
-      num(p.num_blocks * p.block_size) + " tok · " + p.block_size + " tok/block");
+      num(p.num_blocks * p.block_size) + " tok · " + memory + p.block_size + " tok/block");
     td.append(bar, pins, caption);
     return td;
   }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import threading
 import time
@@ -224,6 +225,8 @@ def test_the_admin_token_shows_the_pools(browser: WebDriver) -> None:
         blocks = [count(row[k]) for k in ("free", "cached", "referenced")]
         assert sum(blocks) == 256, (pool, blocks)  # the launch config's --num-blocks
         assert "/ 256 used" in row["occupancy"] and " tok/block" in row["occupancy"]
+        # The pool's memory, from the bytes a block holds that the worker registered.
+        assert re.search(r"[\d.]+ (B|KiB|MiB) / [\d.]+ MiB · ", row["occupancy"]), row["occupancy"]
         assert row["pool"].startswith(pool) and row["hit-tok"].endswith("%")
     assert browser.find_element(By.ID, "t-pools").text == "2 / 2"
     # The token stays in this tab's storage and headers: never in the address.

@@ -37,7 +37,13 @@ class Client:
                 model_fingerprint="fp",
                 model="tiny",
                 worker_address=f"{pool_id}:1",
-                layout=pb.PoolLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32"),
+                layout=pb.PoolLayout(
+                    num_layers=2,
+                    num_kv_heads=2,
+                    head_dim=8,
+                    dtype="float32",
+                    bytes_per_block=kw.pop("bytes_per_block", 2 * 2 * 2 * 8 * 4 * BS),
+                ),
                 **kw,
             )
         )
@@ -328,6 +334,9 @@ async def test_admin_cli(client: Client, capsys: pytest.CaptureFixture[str]) -> 
     assert await asyncio.to_thread(admin_cli.main, [*args, "stats"]) == 0
     out = capsys.readouterr().out
     assert "referenced" in out and "w1" in out
+    stats = (await client.admin.GetStats(pb.StatsRequest(), metadata=AUTH)).pools[0]
+    assert stats.bytes_per_block == 2 * 2 * 2 * 8 * 4 * BS  # what the worker registered
+    assert f"{32 * stats.bytes_per_block / 2**20:.0f} MiB" in out
     assert await asyncio.to_thread(admin_cli.main, [*args, "lookup", "1,2,3,4,5"]) == 0
     assert "cached tokens" in capsys.readouterr().out
     assert await asyncio.to_thread(admin_cli.main, [*args, "check"]) == 0

@@ -366,3 +366,12 @@ async def test_the_lookahead_is_used_and_changes_nothing(model, reference) -> No
         assert out["tokens"] == reference(greedy, 20)[0]
         assert executor.lookahead_hits - hits < 20  # only once the sampled one has ended
         await system.wait_idle()
+
+
+async def test_the_pool_registers_the_bytes_a_block_holds(system: System) -> None:
+    """GetStats (and so the CLI and the dashboard) can say the pool's size in bytes: the worker
+    registers what one block of its pool holds."""
+    await system.add_worker()
+    runner = system.workers[0].engine.executor.runner
+    stats = await system.stats()
+    assert stats.bytes_per_block == runner.pool.bytes_per_block > 0

@@ -98,3 +98,4 @@ class PoolRegistration:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    bytes_per_block: int = 0

@@ -116,6 +116,7 @@ class LeaseClient:
                     num_kv_heads=reg.num_kv_heads,
                     head_dim=reg.head_dim,
                     dtype=reg.dtype,
+                    bytes_per_block=reg.bytes_per_block,
                 ),
             ),
         )

@@ -147,6 +147,11 @@ class DenseRunner:
         return self._num_blocks
 
     @property
+    def bytes_per_block(self) -> int:
+        """The KV budget a block stands for (its tokens' K and V; recurrent state is apart)."""
+        return self._block_size * self.estimate.bytes_per_token
+
+    @property
     def live_sequences(self) -> int:
         return len(self._caches)
 

@@ -114,6 +114,11 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
+    @property
+    def bytes_per_block(self) -> int:
+        """Memory one pool block holds: K and V of every layer."""
+        return self.pool.bytes_per_block
+
     def describe(self) -> str:
         return "runner: paged"
 

@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PoolLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "bytes_per_block")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    bytes_per_block: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
     __slots__ = ("pool_id", "model_fingerprint", "layout", "num_blocks", "block_size", "worker_address", "model", "incarnation")
@@ -448,7 +450,7 @@ class StatsRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "incarnation", "worker_address", "model_fingerprint", "block_size", "num_blocks", "free_blocks", "cached_blocks", "referenced_blocks", "pinned_blocks", "peak_used_blocks", "live_leases", "acquires", "acquire_hits", "deferrals", "exhausted", "prompt_tokens", "cached_tokens", "evicted_blocks", "expired_leases", "alive", "token_hit_rate", "request_hit_rate", "indexed_blocks")
+    __slots__ = ("pool_id", "incarnation", "worker_address", "model_fingerprint", "block_size", "num_blocks", "free_blocks", "cached_blocks", "referenced_blocks", "pinned_blocks", "peak_used_blocks", "live_leases", "acquires", "acquire_hits", "deferrals", "exhausted", "prompt_tokens", "cached_tokens", "evicted_blocks", "expired_leases", "alive", "token_hit_rate", "request_hit_rate", "indexed_blocks", "bytes_per_block")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -473,6 +475,7 @@ class PoolStats(_message.Message):
     TOKEN_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     incarnation: int
     worker_address: str
@@ -497,7 +500,8 @@ class PoolStats(_message.Message):
     token_hit_rate: float
     request_hit_rate: float
     indexed_blocks: int
-    def __init__(self, pool_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., worker_address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., referenced_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., peak_used_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., acquires: _Optional[int] = ..., acquire_hits: _Optional[int] = ..., deferrals: _Optional[int] = ..., exhausted: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., expired_leases: _Optional[int] = ..., alive: _Optional[bool] = ..., token_hit_rate: _Optional[float] = ..., request_hit_rate: _Optional[float] = ..., indexed_blocks: _Optional[int] = ...) -> None: ...
+    bytes_per_block: int
+    def __init__(self, pool_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., worker_address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., referenced_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., peak_used_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., acquires: _Optional[int] = ..., acquire_hits: _Optional[int] = ..., deferrals: _Optional[int] = ..., exhausted: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., expired_leases: _Optional[int] = ..., alive: _Optional[bool] = ..., token_hit_rate: _Optional[float] = ..., request_hit_rate: _Optional[float] = ..., indexed_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("pools",)
