@@ -88,7 +88,7 @@ class Engine:
         )
         # Read-your-writes for prefix caching: a request's last event goes out once the
         # service has indexed its KV, so a follow-up sent the moment it ends is a cache hit.
-        self.scheduler.hold_finish = limits.publish_blocks
+        self.scheduler.hold_finish = limits.publish_blocks and limits.prefix_caching
         self._held: set[Sequence] = set()  # finished, their last event held
         self.budget = StepBudget(limits.max_step_tokens, min_tokens=self.block_size)
         self.stats = EngineStats()
