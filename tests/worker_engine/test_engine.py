@@ -17,6 +17,11 @@ from kvserve_proto.kvcache.v1 import kvcache_pb2 as kpb
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from tests.worker_engine.conftest import AUTH, BS, System, generate, request, started_system
 from worker.engine import loop
+from worker.engine.executor import ModelExecutor, SampleRow, _Job
+from worker.engine.sampling_params import SamplingParams
+from worker.model.forward_batch import SeqInput
+from worker.model.runner import ModelRunner
+from worker.model.sampling import RowSampler
 from worker.servicer import WorkerServicer
 
 VOCAB = 256  # the byte range of the embedded model's vocabulary
@@ -356,7 +361,7 @@ async def test_the_lookahead_is_used_and_changes_nothing(model, reference) -> No
         for p, n, out in zip(prompts[:3], lengths, outs, strict=False):
             assert out["tokens"] == reference(p, n)[0]
         assert outs[3]["tokens"] == full[: full.index(stop) + 1]
-        assert executor.lookahead_hits > 10 and executor.lookahead_misses >= 1
+        assert executor.lookahead_hits > 10  # misses: timing decides; see the test below
         hits = executor.lookahead_hits
         sampled = request(prompt(90, 30), max_tokens=20, temperature=1.0, seed=3)
         greedy = prompt(91, 30)
@@ -375,3 +380,46 @@ async def test_the_pool_registers_the_bytes_a_block_holds(system: System) -> Non
     runner = system.workers[0].engine.executor.runner
     stats = await system.stats()
     assert stats.bytes_per_block == runner.pool.bytes_per_block > 0
+
+
+async def test_a_lookahead_for_another_step_is_discarded(model) -> None:
+    """The executor on its own, step by step: a greedy decode step that expects to repeat
+    starts the next one; when the next step is another (a sequence ended: a stop token the
+    scheduler could not foresee) its logits are discarded and the step computed anew, and
+    every token equals an executor's without the lookahead; when it is that step, it is
+    taken."""
+    ahead = ModelExecutor(lambda: ModelRunner.create(model.model, block_size=8, num_blocks=64))
+    plain = ModelExecutor(lambda: ModelRunner.create(model.model, block_size=8, num_blocks=64))
+    ahead.lookahead = True
+    prompts = [prompt(100 + i, 9 + 4 * i) for i in range(3)]
+    tables = [list(range(10 * i, 10 * i + 10)) for i in range(3)]
+    greedy = RowSampler(SamplingParams())
+
+    async def step(executor, inputs, same_next):
+        samples = [SampleRow(i, greedy, [], 0) for i in range(len(inputs))]
+        sampled, _ = await executor._submit(_Job(inputs, [], samples, same_next=same_next))
+        return [s.token for s in sampled]
+
+    def prefill(i):
+        return SeqInput(prompts[i], tables[i], 0, i)
+
+    last = {}
+    for ex in (ahead, plain):
+        last[ex] = await step(ex, [prefill(i) for i in range(3)], False)
+    positions = [len(p) for p in prompts]
+    live = [0, 1, 2]
+    for n in range(6):
+        if n == 2:
+            live = [0, 2]  # sequence 1 ended after the step that expected it again
+        got = {}
+        for ex in (ahead, plain):
+            inputs = [SeqInput([last[ex][i]], tables[i], positions[i], i) for i in live]
+            tokens = await step(ex, inputs, True)
+            got[ex] = dict(zip(live, tokens, strict=True))
+        assert got[ahead] == got[plain]
+        for i in live:
+            positions[i] += 1
+            for ex in (ahead, plain):
+                last[ex][i] = got[ex][i]
+    assert ahead.lookahead_misses == 1 and ahead.lookahead_hits == 4
+    assert plain.lookahead_hits == plain.lookahead_misses == 0
