@@ -24,6 +24,7 @@ NUM_BLOCKS = 16
         ([SeqInput([1, 2, 3, 4, 5], [0], 0)], "cannot hold 5 tokens"),
         ([SeqInput([1], [0, NUM_BLOCKS], 4)], "outside"),
         ([SeqInput([1], [-1], 0)], "outside"),
+        ([SeqInput([1], [0], 0), SeqInput([1], [NUM_BLOCKS], 0)], "sequence 1: block ids outside"),
         ([SeqInput([1], [3], 2), SeqInput([1, 2], [3], 1)], "same block slot"),
     ],
 )

@@ -98,9 +98,12 @@ class ForwardBatch:
         self.key_blocks = int(-(-self.ends.max() // bs))
         self.tables_np = self._tables(seqs, num_blocks)
 
-        tokens = np.zeros((self.size, n), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            tokens[i, : len(s.token_ids)] = s.token_ids
+        if n == 1:  # a decode step: one token each
+            tokens = np.array([s.token_ids[0] for s in seqs], dtype=np.int32).reshape(-1, 1)
+        else:
+            tokens = np.zeros((self.size, n), dtype=np.int32)
+            for i, s in enumerate(seqs):
+                tokens[i, : len(s.token_ids)] = s.token_ids
         self.tokens = mx.array(tokens)
 
         j = np.arange(n)
@@ -130,19 +133,26 @@ class ForwardBatch:
         self._row_masks: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}
 
     def _tables(self, seqs: Sequence[SeqInput], num_blocks: int) -> np.ndarray:
-        tables = np.full((self.size, self.key_blocks), num_blocks, dtype=np.int32)
+        """Each sequence's blocks up to its end, padded with the trash block; one numpy
+        conversion for the batch (a decode step builds this for every sequence)."""
+        bs, width = self.block_size, self.key_blocks
+        rows = []
         for i, s in enumerate(seqs):
-            need = -(-s.end // self.block_size)
+            need = -(-s.end // bs)
             if len(s.block_table) < need:
                 raise BatchError(
                     f"sequence {i}: block table of {len(s.block_table)} blocks cannot hold "
                     f"{s.end} tokens at block size {self.block_size}"
                 )
-            used = np.asarray(s.block_table[:need], dtype=np.int64)
-            if used.size and (used.min() < 0 or used.max() >= num_blocks):
-                raise BatchError(f"sequence {i}: block ids outside 0..{num_blocks - 1}")
-            tables[i, :need] = used
-        return tables
+            rows.append([*s.block_table[:need], *[num_blocks] * (width - need)])
+        tables = np.array(rows, dtype=np.int64).reshape(self.size, width)
+        needs = -(-self.ends // bs)
+        used = np.arange(width)[None, :] < needs[:, None]
+        bad = used & ((tables < 0) | (tables >= num_blocks))
+        if bad.any():
+            i = int(bad.any(axis=1).argmax())
+            raise BatchError(f"sequence {i}: block ids outside 0..{num_blocks - 1}")
+        return tables.astype(np.int32)
 
     @property
     def key_len(self) -> int:

@@ -246,12 +246,12 @@ class ModelRunner:
     def _run(
         self, seqs: Sequence[SeqInput], tokens: mx.array | None = None
     ) -> tuple[ForwardBatch, mx.array]:
-        batch = ForwardBatch(seqs, self.pool.block_size, self.pool.num_blocks, self.spec.mask_rank)
         if tokens is None:
             self._check_tokens(seqs)
-        elif batch.query_len != 1 or tokens.shape != (batch.size,):
-            raise BatchError("lazy tokens stand for one decode token a sequence")
-        else:  # sampled from this model's logits: in its vocabulary
+        batch = ForwardBatch(seqs, self.pool.block_size, self.pool.num_blocks, self.spec.mask_rank)
+        if tokens is not None:  # sampled from this model's logits: in its vocabulary
+            if batch.query_len != 1 or tokens.shape != (batch.size,):
+                raise BatchError("lazy tokens stand for one decode token a sequence")
             batch.tokens = tokens.reshape(batch.size, 1).astype(mx.int32)
         stand_ins = (
             self._stand_ins
