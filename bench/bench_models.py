@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +64,26 @@ def make_model(directory: Path, layers: int, hidden: int, dtype: str) -> tuple[P
     params = save_model(directory, model, config, base)
     print(f"# model: llama, {layers} layers, hidden {hidden}, {params / 1e6:.1f}M params, {dtype}")
     return directory, params
+
+
+def gpu_name() -> str:
+    """The GPU's name and memory, from nvidia-smi where there is one, else MLX's device info."""
+    try:
+        line = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.splitlines()
+        if line:
+            name, memory, driver = (x.strip() for x in line[0].split(","))
+            return f"{name} ({memory}, driver {driver})"
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    import mlx.core as mx
+
+    try:
+        info = mx.device_info()
+        return str(info.get("device_name") or info.get("architecture") or "GPU")
+    except Exception:  # an MLX without device_info
+        return "GPU"

@@ -35,9 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx
 import numpy as np
+from bench_models import gpu_name  # type: ignore[import-not-found]
 
 from worker.model import gpu_attention
 from worker.model.forward_batch import ForwardBatch, SeqInput
@@ -444,7 +446,7 @@ def main() -> int:
     elif not gpu_attention.active():
         print("needs MLX's CUDA backend on an NVIDIA GPU (gpu_attention.active() is False)")
         return 2
-    print(f"mlx {mx.__version__}, device {mx.default_device()}, {_card()}")
+    print(f"mlx {mx.__version__}, device {mx.default_device()}, {gpu_name()}")
     ok = True
     if not args.skip_check:
         ok &= check(small, args.start, args.stop)
@@ -454,21 +456,6 @@ def main() -> int:
         ok &= greedy(small)
     print("\nALL CHECKS PASSED" if ok else "\nSOME CHECKS FAILED")
     return 0 if ok else 1
-
-
-def _card() -> str:
-    import subprocess
-
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        return out.stdout.strip() or "no nvidia-smi output"
-    except (OSError, subprocess.SubprocessError):
-        return "card unknown (no nvidia-smi)"
 
 
 def _stand_in_for_the_kernel() -> None:

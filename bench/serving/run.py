@@ -88,7 +88,7 @@ ROOT = HERE.parent.parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(ROOT)]
 
 import loadgen  # noqa: E402
-from bench_models import make_model  # noqa: E402
+from bench_models import gpu_name, make_model  # noqa: E402
 from loadgen import Chat, Request, Result, Send, Summary  # noqa: E402
 
 from kvserve_model.blas import fast_blas_env, select_blas  # noqa: E402
@@ -553,29 +553,6 @@ def machine() -> dict[str, Any]:
         "load_before": os.getloadavg()[0],
         "tree": source_tree(),
     }
-
-
-def gpu_name() -> str:
-    """The GPU's name and memory, from nvidia-smi where there is one, else MLX's device info."""
-    try:
-        line = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout.splitlines()
-        if line:
-            name, memory, driver = (x.strip() for x in line[0].split(","))
-            return f"{name} ({memory}, driver {driver})"
-    except (OSError, ValueError, subprocess.SubprocessError):
-        pass
-    import mlx.core as mx
-
-    try:
-        info = mx.device_info()
-        return str(info.get("device_name") or info.get("architecture") or "GPU")
-    except Exception:  # an MLX without device_info
-        return "GPU"
 
 
 def n(v: float | None, digits: int = 2) -> str:
