@@ -110,16 +110,23 @@ class _Ahead:
 
     def matches(self, inputs: Sequence[SeqInput], block_size: int) -> bool:
         """Whether ``inputs`` are exactly the decodes it computed: the same sequences in the
-        same order, each at the same position, on the sampled token, over the same blocks."""
+        same order, each at the same position, on the sampled token, over the same blocks.
+
+        A lease's block table only grows (extensions append; copy-on-write happens before its
+        first forward; a new lease is a new ``seq_key``), so the same key has the same blocks
+        wherever both tables reach: checking the last block read is enough, and keeps this
+        per-step check O(batch), not O(context)."""
         if len(inputs) != len(self.inputs):
             return False
         for got, want, token in zip(inputs, self.inputs, self.tokens, strict=True):
-            reads = -(-(want.start + 1) // block_size)
+            last = want.start // block_size  # the block the forward wrote and read last
             if (
                 got.seq_key != want.seq_key
                 or got.start != want.start
-                or list(got.token_ids) != [token]
-                or list(got.block_table[:reads]) != list(want.block_table[:reads])
+                or len(got.token_ids) != 1
+                or got.token_ids[0] != token
+                or len(got.block_table) <= last
+                or got.block_table[last] != want.block_table[last]
             ):
                 return False
         return True
@@ -232,18 +239,21 @@ class ModelExecutor:
                 for k, i in enumerate(items)
                 if (r := by_item.get(i)) is not None
             ]
+            look = g == 0 and self._may_look_ahead(job, inputs, rows)
             if g == 0 and ahead is not None and ahead.matches(inputs, self.runner.block_size):
                 logits = ahead.logits
                 self.lookahead_hits += 1
             else:
                 if g == 0 and ahead is not None:
                     self.lookahead_misses += 1
-                lazy = g == 0 and self._may_look_ahead(job, inputs, rows)
                 paged = cast(Any, self.runner)  # forward_async: the paged runner's
-                logits = paged.forward_async(inputs) if lazy else self.runner.forward(inputs)
-            if g == 0 and self._may_look_ahead(job, inputs, rows):
-                self._lookahead(inputs, logits)
-            sampled = sample_rows(logits, rows) if rows else []
+                logits = paged.forward_async(inputs) if look else self.runner.forward(inputs)
+            if look:  # every row greedy: the tokens the next forward is built on are its samples
+                sampled: list[Sampled | RowFailed] = [
+                    Sampled(t) for t in self._lookahead(inputs, logits)
+                ]
+            else:
+                sampled = sample_rows(logits, rows) if rows else []
             for (k, *_), s in zip(rows, sampled, strict=True):
                 out[items[k]] = s
             seconds[g] += time.perf_counter() - start
@@ -265,20 +275,24 @@ class ModelExecutor:
             and all(s.start + 2 <= len(s.block_table) * bs for s in inputs)
         )
 
-    def _lookahead(self, inputs: list[SeqInput], logits: mx.array) -> None:
+    def _lookahead(self, inputs: list[SeqInput], logits: mx.array) -> list[int]:
         """Starts the forward of the step after this one: the same sequences, one position on,
         each on its greedy token of ``logits`` (lazy: nothing waits for them here). Its K/V
         writes land in each sequence's own leased slot past its computed tokens; if the next
         step is another, they are garbage no one reads, overwritten by later writes (MLX orders
-        every write to the pool after the ones before it)."""
+        every write to the pool after the ones before it). Returns the greedy tokens, row by
+        row: this step's samples."""
         tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
         nxt = tuple(SeqInput([0], s.block_table, s.start + 1, s.seq_key) for s in inputs)
         try:
             ahead = cast(Any, self.runner).forward_async(nxt, tokens)
         except Exception:  # a forward it cannot build now: the next step builds its own
             log.debug("lookahead forward not started", exc_info=True)
-            return
-        self._ahead = _Ahead(nxt, tuple(np.asarray(tokens).tolist()), ahead)
+            ahead = None
+        ids: list[int] = np.asarray(tokens).tolist()
+        if ahead is not None:
+            self._ahead = _Ahead(nxt, tuple(ids), ahead)
+        return ids
 
     def _verify(self, job: _Job, by_item: dict[int, SampleRow]) -> dict[int, Accepted | RowFailed]:
         """The speculative items: the draft model's drafts added, then one forward over every

@@ -139,9 +139,7 @@ class ModelRunner:
             order = [i for g in groups for i in g]
             inverse = sorted(range(len(order)), key=order.__getitem__)
             return mx.concatenate(parts)[mx.array(inverse)]
-        batch, logits = self._run(seqs)
-        rows = mx.arange(batch.size)
-        last = logits[rows, batch.last_index].astype(mx.float32)
+        last = self._last_logits(seqs)
         mx.eval(last, *self.pool.arrays())
         return last
 
@@ -154,10 +152,14 @@ class ModelRunner:
             if tokens is not None:
                 raise BatchError("a forward on lazy tokens runs as one group")
             return self.forward(seqs)
-        batch, logits = self._run(seqs, tokens)
-        last = logits[mx.arange(batch.size), batch.last_index].astype(mx.float32)
+        last = self._last_logits(seqs, tokens)
         mx.async_eval(last, *self.pool.arrays())
         return last
+
+    def _last_logits(self, seqs: Sequence[SeqInput], tokens: mx.array | None = None) -> mx.array:
+        """One group's forward, lazy: fp32 logits at each sequence's last new token."""
+        batch, logits = self._run(seqs, tokens)
+        return logits[mx.arange(batch.size), batch.last_index].astype(mx.float32)
 
     def forward_all(self, seqs: Sequence[SeqInput]) -> list[mx.array]:
         """Like :meth:`forward`, but fp32 logits ``[len(token_ids), vocab]`` at every position."""
