@@ -1,9 +1,11 @@
-"""Decode tokens/s of the worker at batch 32, against mlx-lm's dense ``batch_generate``, in one
-process: a real cache service and worker on loopback gRPC, 32 greedy streams of 96-token
-prompts (the serving benchmark's decode-heavy shape, without the gateway and HTTP), the
-worker's decode lookahead off and on, alternated, each round with where its steps' time went
-(the thread's forward, the loop's postprocess and scheduling); then ``batch_generate`` on the
-same prompts.
+"""Decode tokens/s of the worker at batch 32, against mlx-lm's dense ``batch_generate``: a real
+cache service and worker on loopback gRPC in this process, 32 greedy requests of 96-token
+prompts (the serving benchmark's decode-heavy shape, without the gateway and HTTP) sent over
+one ``GenerateMany`` call by a client in another process (as the gateway sends them: its work
+must not take the worker's interpreter lock), the worker's decode lookahead off and on,
+alternated, each round with where
+its steps' time went (the thread's forward, the loop's postprocess and scheduling); and
+``batch_generate`` on the same prompts in this process, before and after the worker.
 
 The decode rate is tokens over the time after every stream had its first token (prefill
 excluded, as ``batch_generate``'s ``generation_tps`` excludes it).
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import statistics
 import sys
 import tempfile
@@ -40,6 +43,13 @@ from worker.model.loader import load_model
 from worker.server import running as worker_running
 
 PROMPT = 96
+SWITCH = sys.getswitchinterval()
+# mode: (decode lookahead, the interpreter's switch interval: how long a thread that wants the
+# GIL waits before asking its holder to drop it; the model thread and the event loop share it)
+MODES = {
+    "lookahead off": (False, SWITCH),
+    "lookahead on": (True, SWITCH),
+}
 
 
 class Phases:
@@ -81,38 +91,77 @@ class Phases:
         return ", ".join(f"{k} {v / max(1, steps) * 1e3:.2f}" for k, v in order)
 
 
-async def one_round(stub, prompts: list[list[int]], out: int) -> tuple[float, int]:
-    """32 streams at once; decode tokens/s after the last first token."""
+async def client_round(address: str, prompts: list[list[int]], out: int) -> tuple[float, int]:
+    """Every prompt at once over one ``GenerateMany`` call, as the gateway sends a worker its
+    requests; decode tokens/s after the last first token."""
     firsts: list[float] = []
     counts = [0] * len(prompts)
+    done = asyncio.Event()
 
-    async def stream(i: int, p: list[int]) -> None:
-        req = pb.GenerateRequest(
-            prompt_token_ids=pb.TokenIds(ids=p),
-            sampling=pb.SamplingParams(max_tokens=out, ignore_eos=True),
-        )
-        async for msg in stub.Generate(req):
-            if counts[i] == 0:
-                firsts.append(time.perf_counter())
-            counts[i] += len(msg.token_ids)
+    async def requests():  # type: ignore[no-untyped-def]
+        for i, p in enumerate(prompts):
+            start = pb.GenerateRequest(
+                prompt_token_ids=pb.TokenIds(ids=p),
+                sampling=pb.SamplingParams(max_tokens=out, ignore_eos=True),
+            )
+            yield pb.GenerateManyRequest(stream=i, start=start)
+        await done.wait()  # closing the request side early ends the call once all finish
 
-    await asyncio.gather(*(stream(i, p) for i, p in enumerate(prompts)))
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.WorkerStub(channel).GenerateMany(requests())
+        finished = 0
+        async for msg in call:
+            now = time.perf_counter()
+            for update in msg.updates:
+                if update.HasField("error"):
+                    raise RuntimeError(update.error.message)
+                i = update.stream
+                if counts[i] == 0:
+                    firsts.append(now)
+                counts[i] += len(update.response.token_ids)
+                finished += bool(update.response.finish_reason)
+            if finished == len(prompts):
+                break
+        done.set()
+        call.cancel()
     end = time.perf_counter()
     decoded = sum(counts) - len(prompts)
     return decoded / (end - max(firsts)), sum(counts)
 
 
-async def serve_and_measure(loaded, args, prompts) -> dict[str, list[float]]:
-    rates: dict[str, list[float]] = {"off": [], "on": []}
+async def one_round(address: str, batch: int, out: int) -> tuple[float, int]:
+    """One round driven from another process, as a gateway drives a worker: the client's
+    work must not take the worker's interpreter lock."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        __file__,
+        "--client",
+        address,
+        "--batch",
+        str(batch),
+        "--out",
+        str(out),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    stdout, _ = await proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"client exited with {proc.returncode}")
+    answer = json.loads(stdout.decode().strip().splitlines()[-1])
+    return answer["rate"], answer["tokens"]
+
+
+def make_prompts(batch: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(32, 127, size=PROMPT).tolist() for _ in range(batch)]
+
+
+async def serve_and_measure(loaded, args) -> dict[str, list[float]]:
+    rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     config = ServiceConfig(port=0, lease_ttl_s=60)
     async with contextlib.AsyncExitStack() as stack:
         svc = await stack.enter_async_context(cache_running(config))
-        wc = WorkerConfig(
-            cache_service=svc.address, port=0, worker_id="w0", warmup=False, self_check=False
-        )
+        wc = WorkerConfig(cache_service=svc.address, port=0, worker_id="w0", self_check=False)
         w = await stack.enter_async_context(worker_running(wc, loaded))
-        channel = await stack.enter_async_context(grpc.aio.insecure_channel(w.address))
-        stub = pb_grpc.WorkerStub(channel)
         engine = w.engine
         executor = engine.executor
         phases = Phases()
@@ -120,20 +169,22 @@ async def serve_and_measure(loaded, args, prompts) -> dict[str, list[float]]:
         phases.wrap(executor, "_run", "executor thread")
         phases.wrap(executor.runner, "forward", "forward")
         phases.wrap(executor.runner, "forward_async", "forward (lazy)")
+        phases.wrap(executor.runner, "_last_logits", "graph build")
         phases.wrap(engine.scheduler, "postprocess", "postprocess")
         phases.wrap(engine.scheduler, "schedule", "schedule")
-        await one_round(stub, prompts, 8)  # first shapes
+        await one_round(w.address, args.batch, 8)  # first shapes
         for r in range(args.rounds):
-            for mode in ("off", "on"):
-                executor.lookahead = mode == "on"
+            for mode, (lookahead, interval) in MODES.items():
+                executor.lookahead = lookahead
+                sys.setswitchinterval(interval)
                 hits = executor.lookahead_hits
                 steps = engine.stats.steps
                 phases.seconds.clear()
-                rate, n = await one_round(stub, prompts, args.out)
+                rate, n = await one_round(w.address, args.batch, args.out)
                 rates[mode].append(rate)
                 steps = engine.stats.steps - steps
                 print(
-                    f"round {r} lookahead {mode}: {rate:,.0f} decode tok/s "
+                    f"round {r} {mode}: {rate:,.0f} decode tok/s "
                     f"({n} tokens, {steps} steps, {executor.lookahead_hits - hits} lookahead "
                     f"hits); ms a step: {phases.report(steps)}",
                     flush=True,
@@ -158,23 +209,32 @@ def main() -> None:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--out", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--client", metavar="ADDRESS", help=argparse.SUPPRESS)  # one round's load
     args = ap.parse_args()
+    if args.client:
+        rate, tokens = asyncio.run(client_round(args.client, make_prompts(args.batch), args.out))
+        print(json.dumps({"rate": rate, "tokens": tokens}))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         path, params = make_model(Path(tmp) / "model", args.layers, args.hidden, args.dtype)
         loaded = load_model(str(path))
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(32, 127, size=PROMPT).tolist() for _ in range(args.batch)]
+    prompts = make_prompts(args.batch)
     print(f"device {mx.default_device()}, {params / 1e6:.0f}M {args.dtype}", flush=True)
-    rates = asyncio.run(serve_and_measure(loaded, args, prompts))
-    ref = dense(loaded.model, loaded.tokenizer, prompts, args.out)
-    off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
+    # batch_generate before and after the worker (which holds its pool while it runs): the
+    # better of the two is the reference
+    before = dense(loaded.model, loaded.tokenizer, prompts, args.out)
+    rates = asyncio.run(serve_and_measure(loaded, args))
+    after = dense(loaded.model, loaded.tokenizer, prompts, args.out)
+    print(f"batch_generate: {before:,.0f} tok/s before the worker, {after:,.0f} after", flush=True)
+    ref = max(before, after)
     print()
     print(f"| path | decode tok/s at batch {args.batch} | / dense mlx-lm |")
     print("|---|---|---|")
     print(f"| mlx-lm `batch_generate` | {ref:,.0f} | 1.00 |")
-    print(f"| worker, lookahead off | {off:,.0f} | {off / ref:.2f} |")
-    print(f"| worker, lookahead on | {on:,.0f} | {on / ref:.2f} |")
+    for mode, got in rates.items():
+        rate = statistics.median(got)
+        print(f"| worker, {mode} | {rate:,.0f} | {rate / ref:.2f} |")
 
 
 if __name__ == "__main__":
