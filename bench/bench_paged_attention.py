@@ -117,7 +117,7 @@ def paged_decoders(model: nn.Module, s: Sizes, batch: int, ctx: int) -> dict[str
     """Decode steps on one pool: as the worker runs them (its decode attention chosen by
     measurement, ``ModelRunner.choose_decode_attention``), block-table attention, and the
     reference gather + SDPA."""
-    bs = 32
+    bs = BLOCK_SIZE[0]
     per_seq = -(-(ctx + 2 * s.steps + 4) // bs)
     runner = ModelRunner.create(model, block_size=bs, num_blocks=batch * per_seq)
     gather = ModelRunner(model, runner.pool, runner.spec, block_attention=False)
@@ -144,6 +144,7 @@ def paged_decoders(model: nn.Module, s: Sizes, batch: int, ctx: int) -> dict[str
 
 
 CHOICE = [""]  # the decode attention the last cell's runner chose
+BLOCK_SIZE = [32]  # the decode pools' tokens per block (--block-size)
 
 
 def _dense_kv(batch: int, ctx: int, s: Sizes) -> tuple[mx.array, mx.array]:
@@ -257,8 +258,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="timed decode steps per cell")
     parser.add_argument("--kv-heads", type=int, help="KV heads (default: as many as heads)")
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--block-size", type=int, default=32, help="decode pools' block size")
     args = parser.parse_args()
     s = QUICK if args.quick else FULL
+    BLOCK_SIZE[0] = args.block_size
     if args.batches:
         s = replace(s, batches=tuple(args.batches))
     if args.contexts:
@@ -281,7 +284,8 @@ def main() -> None:
     print(f"- cores: {os.cpu_count()}, OPENBLAS_NUM_THREADS={threads}")
     print(
         f"- decode: median of {s.steps} steps after one warm-up, the methods taking turns step "
-        "by step; block size 32; all sequences at the same context; KV filled with noise; "
+        f"by step; block size {BLOCK_SIZE[0]}; all sequences at the same context; KV filled "
+        "with noise; "
         "random block tables\n"
     )
     print(

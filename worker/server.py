@@ -76,13 +76,14 @@ def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExec
         runner = ModelRunner.create(
             loaded.model, block_size=config.block_size, num_blocks=limits.num_blocks
         )
+        log.info("%s", runner.describe())
+        log.info("%s", runner.choose_decode_attention().describe())
         if config.self_check:
             # Before registering: no lease exists yet, so the pool's blocks are free to write.
+            # After the decode path is chosen: the check runs the path the worker will serve.
             result = check_paged_parity(loaded.model, runner=runner)
             log.info("%s", result.describe())
             result.raise_if_failed()
-        log.info("%s", runner.describe())
-        log.info("%s", runner.choose_decode_attention().describe())
         return runner
 
     def build_dense() -> Runner:

@@ -53,6 +53,9 @@ class _Scene:
         self.model = model
         self.check = check
         self.runner = ModelRunner.create(model, block_size=BS, num_blocks=NUM_BLOCKS)
+        # The CPU decode path under test (``ModelRunner.choose_decode_attention`` picks one at
+        # start): block-table attention, or the compiled kernel.
+        self.runner.decode_kernel = DECODE[0] == "kernel"
         self.paged: dict[str, PagedSeq] = {}
         self.dense: dict[str, DenseSeq] = {}
         self.pos: dict[str, int] = {}  # prompt positions the paged side has computed
@@ -237,7 +240,21 @@ class Parity:
         return self.tokens_identical and self.max_diff <= TOL
 
 
-def run_parity(model: nn.Module, scenarios: dict[str, Scenario], steps: int) -> Parity:
+DECODE = ["blocks"]  # the decode path run_parity's scenes take
+
+
+def run_parity(
+    model: nn.Module, scenarios: dict[str, Scenario], steps: int, decode: str = "blocks"
+) -> Parity:
+    """Every scenario on ``model``, decodes by ``decode`` ("blocks" or "kernel")."""
+    DECODE[0] = decode
+    try:
+        return _run_parity(model, scenarios, steps)
+    finally:
+        DECODE[0] = "blocks"
+
+
+def _run_parity(model: nn.Module, scenarios: dict[str, Scenario], steps: int) -> Parity:
     worst = 0.0
     mismatches: list[str] = []
     for name, scenario in scenarios.items():

@@ -19,6 +19,7 @@ import pytest
 
 from tests.worker import families, sweep
 from worker.errors import RecurrentStateError, UnsupportedModelError
+from worker.model import cpu_decode
 from worker.model.dense_runner import DenseRunner, check_dense_parity, estimate_state
 from worker.model.runner import ModelRunner
 from worker.model.self_check import SelfCheckResult, check_paged_parity
@@ -38,11 +39,11 @@ def _classified(family: str) -> families.Classified:
 
 
 @functools.cache
-def _parity(family: str, full: bool) -> sweep.Parity:
+def _parity(family: str, full: bool, decode: str = "blocks") -> sweep.Parity:
     model = _classified(family).model
     assert model is not None
     scenarios, steps = (sweep.FULL, 6) if full else (sweep.FAST, 2)
-    return sweep.run_parity(model, scenarios, steps)
+    return sweep.run_parity(model, scenarios, steps, decode)
 
 
 @functools.cache
@@ -106,6 +107,18 @@ def test_family_served_right_or_refused(family):
     if c.kind == "paged" and family not in families.GREEDY_COLLAPSES:
         assert sweep.context_sensitive(c.model), "greedy output ignores the context: no test"
     assert not _served_wrong(family, full=False)
+
+
+@pytest.mark.parametrize("family", _params(FAMILIES))
+def test_family_decodes_by_the_cpu_kernel(family):
+    """The compiled CPU decode kernel (``worker.model.cpu_decode``, what the worker's start-up
+    measurement picks on most CPUs) matches dense mlx-lm for every family served paged."""
+    if _classified(family).kind != "paged" or _refused(family):
+        pytest.skip("not served paged")
+    if not cpu_decode.available():
+        pytest.skip("numba is not installed")
+    parity = _parity(family, False, "kernel")
+    assert parity.passed, (parity.max_diff, parity.mismatches[:3], parity.error)
 
 
 @pytest.mark.sweep

@@ -6,7 +6,8 @@ which needs a 5-D mask) on tiny fp32 models, block size 8 so that prompts span s
 from the pool blocks (the CPU default). ``test_reference_path`` repeats the batched and
 copy-on-write scenarios on the gather-then-SDPA reference path and
 ``test_block_attention_split_over_streams`` with attention split over three MLX streams,
-``test_gathered_decodes_with_cpu_prefill`` with decodes gathered but prefill on the CPU path;
+``test_gathered_decodes_with_cpu_prefill`` with decodes gathered but prefill on the CPU path,
+``test_decodes_by_the_cpu_kernel`` with decodes by the compiled CPU kernel;
 ``test_default_block_size``
 one scenario at block size 32, ``test_batches_of_one_two_three`` batches as small as the
 kv-head counts (where a mask in the wrong layout broadcasts silently), and ``test_corrupted_block_table_is_detected`` shows that the
@@ -29,7 +30,7 @@ from tests.worker.helpers import (
     prompts,
     tiny_model,
 )
-from worker.model import block_attention
+from worker.model import block_attention, cpu_decode
 from worker.model.forward_batch import SeqInput
 from worker.model.runner import ModelRunner
 
@@ -228,11 +229,47 @@ def test_gathered_decodes_with_cpu_prefill(model, scenario):
     assert run(model, runner) <= TOL
 
 
+@pytest.mark.parametrize("scenario", ["batch", "copy_on_write"])
+def test_decodes_by_the_cpu_kernel(model, scenario, monkeypatch):
+    """Decodes through the compiled CPU kernel (``worker.model.cpu_decode``), which the start-up
+    measurement picks on most CPUs; it serves every layer decode that block-table attention
+    serves (counted: gemma2 computes its own attention, so neither serves it)."""
+    if not cpu_decode.available():
+        pytest.skip("numba is not installed")
+    calls = {"kernel": 0, "blocks": 0}
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(
+        cpu_decode, "paged_decode_attention", counted("kernel", cpu_decode.paged_decode_attention)
+    )
+    monkeypatch.setattr(
+        block_attention,
+        "block_table_attention",
+        counted("blocks", block_attention.block_table_attention),
+    )
+    run = _batched_prefill_and_decode if scenario == "batch" else _shared_unaligned_prefix
+    assert run(model, _runner(model)) <= TOL  # block-table attention, counted
+    runner = _runner(model)
+    runner.decode_kernel = True
+    assert run(model, runner) <= TOL
+    assert calls["kernel"] == calls["blocks"]
+    assert calls["kernel"] > 0 or model.model_type == "gemma2"
+
+
 def test_the_decode_attention_choice_is_measured(model):
     runner = _runner(model)
     choice = runner.choose_decode_attention(batch=2, context=16, repeats=1)
-    assert choice.path in ("blocks", "gather") and choice.blocks_s > 0 and choice.gather_s > 0
-    assert runner.block_decode == (choice.path == "blocks")
+    assert choice.path in ("blocks", "gather", "kernel")
+    assert choice.blocks_s > 0 and choice.gather_s > 0
+    assert (choice.kernel_s > 0) == cpu_decode.available()
+    assert runner.block_decode == (choice.path == "blocks") or choice.path == "kernel"
+    assert runner.decode_kernel == (choice.path == "kernel")
     assert _runner(model, block_attention=False).choose_decode_attention().path == "gather"
 
 

@@ -12,7 +12,8 @@ at :func:`paged_sdpa`, which serves :class:`PagedLayerCache` decodes and passes 
 (dense caches, prefill, attention sinks, keys a model changed after fetching them) to the
 original unchanged (or, where the runner measured it faster, to :func:`gathered_attention`),
 except prefill chunks on the CPU, whose softmax runs in numpy
-(``worker.model.cpu_attention``: MLX's CPU ``exp`` is ~15x slower than numpy's). On an NVIDIA
+(``worker.model.cpu_attention``: MLX's CPU ``exp`` is ~15x slower than numpy's), and decodes
+on the CPU where a compiled kernel measured faster at start (``worker.model.cpu_decode``). On an NVIDIA
 GPU (MLX's CUDA backend) decodes go to a block-table kernel instead
 (``worker.model.gpu_attention``) and everything else to the original function.
 """
@@ -27,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
-from worker.model import cpu_attention, cpu_math, gpu_attention
+from worker.model import cpu_attention, cpu_decode, cpu_math, gpu_attention
 from worker.model.forward_batch import ForwardBatch
 from worker.model.paged_cache import PagedLayerCache
 
@@ -189,6 +190,12 @@ def paged_sdpa(
     if _reads_pool(cache, queries, keys, values, mask):
         pool_k, pool_v = cache.pool.layer_arrays(cache.layer)
         heads, batch = pool_k.shape[0], cache.batch
+        if cache.decode_kernel and cpu_decode.supports(queries, pool_k, pool_v):
+            known, window = _kernel_window(batch, mask, 1)
+            if known:
+                return cpu_decode.paged_decode_attention(
+                    queries, pool_k, pool_v, batch.tables_np, batch.ends, scale, window
+                )
         rows = batch.block_rows(heads, pool_k.shape[1])
         decode = queries.shape[2] == 1
         if decode and isinstance(mask, str):

@@ -32,6 +32,7 @@ class PagedLayerCache:
         "attention_streams",
         "block_attention",
         "block_decode",
+        "decode_kernel",
         "served",
         "stand_ins",
     )
@@ -45,6 +46,7 @@ class PagedLayerCache:
         attention_streams: Sequence[mx.Stream] = (),
         block_decode: bool = True,
         stand_ins: bool = False,
+        decode_kernel: bool = False,
     ) -> None:
         self._batch = batch
         self._pool = pool
@@ -57,6 +59,9 @@ class PagedLayerCache:
         self.block_decode = block_decode
         """With ``block_attention``: decodes read blocks where they lie; off, they gather
         (``ModelRunner.choose_decode_attention`` measures which is faster here)."""
+        self.decode_kernel = decode_kernel
+        """With ``block_attention``, on the CPU: decodes it can serve go to the compiled
+        kernel (``worker.model.cpu_decode``), where the same measurement chose it."""
         self.stand_ins = stand_ins
         """:meth:`update_and_fetch` returns the new K/V as stand-ins for the context, not a
         gather: for forwards whose attention reads the pool by block table (the GPU kernel),

@@ -24,7 +24,7 @@ import numpy as np
 
 from worker.errors import BatchError, PoolConfigError
 from worker.model import block_attention as block_attention_hook
-from worker.model import cpu_math, gpu_attention
+from worker.model import cpu_decode, cpu_math, gpu_attention
 from worker.model.forward_batch import ForwardBatch, SeqInput
 from worker.model.kv_pool import DEFAULT_BLOCK_SIZE, KVPool
 from worker.model.paged_cache import PagedLayerCache
@@ -69,6 +69,9 @@ class ModelRunner:
         self.block_decode = block_attention
         """Whether decodes read blocks where they lie (else gather, then SDPA); see
         :meth:`choose_decode_attention`."""
+        self.decode_kernel = False
+        """On the CPU: whether decodes go to the compiled kernel (``worker.model.cpu_decode``),
+        which reads blocks where they lie; set by :meth:`choose_decode_attention`."""
         self._streams: tuple[mx.Stream, ...] = ()
         # Kernel-served forwards skip building the per-layer gather (PagedLayerCache.stand_ins)
         # until a model shows it needs it.
@@ -222,17 +225,28 @@ class ModelRunner:
                 q, k, v, rows, scale, None, self._streams
             )
 
-        times: dict[str, list[float]] = {"blocks": [], "gather": []}
-        for _ in range(repeats + 1):  # the first round warms both up
-            for name, f in (("blocks", blocks), ("gather", gather)):
+        tables = np.array([d.block_table for d in decodes], dtype=np.int32)
+        ends = np.full(batch, n * bs, dtype=np.int64)
+
+        def kernel() -> mx.array:
+            return cpu_decode.paged_decode_attention(q, k, v, tables, ends, scale)
+
+        ways = {"blocks": blocks, "gather": gather}
+        if cpu_decode.available() and cpu_decode.supports(q, k, v):
+            ways["kernel"] = kernel
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        for _ in range(repeats + 1):  # the first round warms them up (and compiles the kernel)
+            for name, f in ways.items():
                 start = time.perf_counter()
                 mx.eval(f())
                 times[name].append(time.perf_counter() - start)
-        t_blocks = statistics.median(times["blocks"][1:])
-        t_gather = statistics.median(times["gather"][1:])
-        # Gather only where it is clearly faster: the block-table path is the measured default.
-        self.block_decode = t_gather > GATHER_MARGIN * t_blocks
-        return DecodeChoice("blocks" if self.block_decode else "gather", t_blocks, t_gather)
+        took = {name: statistics.median(t[1:]) for name, t in times.items()}
+        # Block-table attention is the measured default; another path must be clearly faster.
+        self.block_decode = took["gather"] > GATHER_MARGIN * took["blocks"]
+        best = took["blocks"] if self.block_decode else took["gather"]
+        self.decode_kernel = "kernel" in took and took["kernel"] < GATHER_MARGIN * best
+        path = "kernel" if self.decode_kernel else "blocks" if self.block_decode else "gather"
+        return DecodeChoice(path, took["blocks"], took["gather"], took.get("kernel", 0.0))
 
     def _groups(self, seqs: Sequence[SeqInput]) -> list[list[int]]:
         """The forwards ``seqs`` run in: one, unless the model needs an int offset
@@ -270,6 +284,7 @@ class ModelRunner:
                 self._streams,
                 self.block_decode,
                 stand_ins,
+                self.decode_kernel,
             )
             for layer in range(self.pool.num_layers)
         ]
@@ -306,16 +321,18 @@ GATHER_MARGIN = 0.9
 class DecodeChoice:
     """What :meth:`ModelRunner.choose_decode_attention` measured and chose."""
 
-    path: str  # "blocks" or "gather"
+    path: str  # "blocks", "gather" or "kernel"
     blocks_s: float
     gather_s: float
+    kernel_s: float = 0.0  # 0: the compiled kernel was not a candidate
 
     def describe(self) -> str:
         if not self.blocks_s:
             return f"decode attention: {self.path}"
+        kernel = f", compiled kernel {self.kernel_s * 1e3:.1f} ms" if self.kernel_s else ""
         return (
             f"decode attention: {self.path} (one layer at a batch-32 decode: blocks "
-            f"{self.blocks_s * 1e3:.1f} ms, gather + SDPA {self.gather_s * 1e3:.1f} ms)"
+            f"{self.blocks_s * 1e3:.1f} ms, gather + SDPA {self.gather_s * 1e3:.1f} ms{kernel})"
         )
 
 
