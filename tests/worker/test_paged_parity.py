@@ -273,6 +273,20 @@ def test_the_decode_attention_choice_is_measured(model):
     assert _runner(model, block_attention=False).choose_decode_attention().path == "gather"
 
 
+def test_a_kernel_that_fails_is_left_out_of_the_choice(model, monkeypatch):
+    """A compiled kernel that cannot run on this machine (LLVM, numba) never stops a worker:
+    the choice is made between the MLX paths."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such CPU")
+
+    monkeypatch.setattr(cpu_decode, "paged_decode_attention", broken)
+    runner = _runner(model)
+    choice = runner.choose_decode_attention(batch=2, context=16, repeats=1)
+    assert choice.path in ("blocks", "gather") and choice.kernel_s == 0
+    assert not runner.decode_kernel
+
+
 @pytest.mark.parametrize("scenario", ["batch", "copy_on_write"])
 def test_block_attention_split_over_streams(model, scenario, monkeypatch):
     monkeypatch.setattr(block_attention, "MIN_SPLIT", 1)  # split even tiny batches

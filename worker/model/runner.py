@@ -233,7 +233,11 @@ class ModelRunner:
 
         ways = {"blocks": blocks, "gather": gather}
         if cpu_decode.available() and cpu_decode.supports(q, k, v):
-            ways["kernel"] = kernel
+            try:  # compiles it (or loads it from the cache): a failure only leaves it out
+                mx.eval(kernel())
+                ways["kernel"] = kernel
+            except Exception:
+                log.warning("the compiled CPU decode kernel failed: not used", exc_info=True)
         times: dict[str, list[float]] = {name: [] for name in ways}
         for _ in range(repeats + 1):  # the first round warms them up (and compiles the kernel)
             for name, f in ways.items():
