@@ -1,7 +1,8 @@
 """The compiled CPU decode kernel (``worker.model.cpu_decode``) against attention in float64
 numpy, on random pools with shuffled block ids and padded tables: batch 1-8, ragged lengths
-from one token, block sizes 1-32, head dims 16-128, grouped-query ratios 1-8, sliding windows
-(narrower and wider than the context). And what it refuses."""
+from one token, 1-17 queries a sequence (decodes, and verify forwards whose sequences have
+fewer drafts than the longest: padded rows), block sizes 1-32, head dims 16-128, grouped-query
+ratios 1-8, sliding windows (narrower and wider than the context). And what it refuses."""
 
 from __future__ import annotations
 
@@ -14,23 +15,25 @@ from worker.model import cpu_decode
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="numba is not installed")
 
 
-def reference(q, pool_k, pool_v, tables, ends, scale, window) -> np.ndarray:
+def reference(q, pool_k, pool_v, tables, ends, scale, window, query_lens) -> np.ndarray:
     q = np.array(q, dtype=np.float64)
     pk, pv = np.array(pool_k, dtype=np.float64), np.array(pool_v, dtype=np.float64)
-    batch, hq, _, dim = q.shape
+    batch, hq, nq, dim = q.shape
     heads, _, bs, _ = pk.shape
     rep = hq // heads
-    out = np.zeros((batch, hq, 1, dim))
+    out = np.zeros((batch, hq, nq, dim))
     for b in range(batch):
-        first = 0 if window is None else max(0, int(ends[b]) - window)
-        positions = range(first, int(ends[b]))
-        blocks = [tables[b][p // bs] for p in positions]
-        slots = [p % bs for p in positions]
-        for h in range(hq):
-            keys, values = pk[h // rep, blocks, slots], pv[h // rep, blocks, slots]
-            scores = keys @ q[b, h, 0] * scale
-            weights = np.exp(scores - scores.max())
-            out[b, h, 0] = weights / weights.sum() @ values
+        for i in range(nq):
+            pos = int(ends[b]) - int(query_lens[b]) + min(i, int(query_lens[b]) - 1)
+            first = 0 if window is None else max(0, pos + 1 - window)
+            positions = range(first, pos + 1)
+            blocks = [tables[b][p // bs] for p in positions]
+            slots = [p % bs for p in positions]
+            for h in range(hq):
+                keys, values = pk[h // rep, blocks, slots], pv[h // rep, blocks, slots]
+                scores = keys @ q[b, h, i] * scale
+                weights = np.exp(scores - scores.max())
+                out[b, h, i] = weights / weights.sum() @ values
     return out
 
 
@@ -40,7 +43,9 @@ def random_case(rng: np.random.Generator, window: bool):
     rep = int(rng.choice([1, 2, 4, 8]))
     dim = int(rng.choice([16, 64, 128]))
     bs = int(rng.choice([1, 4, 16, 32]))
-    ends = rng.integers(1, 160, batch)
+    nq = int(rng.choice([1, 1, 2, 5, 17]))
+    query_lens = rng.integers(1, nq + 1, batch)  # rows past a sequence's queries are padding
+    ends = query_lens + rng.integers(0, 160, batch)
     width = int(max(-(-ends // bs)))
     num_blocks = batch * width + 1
     trash = num_blocks - 1
@@ -53,13 +58,13 @@ def random_case(rng: np.random.Generator, window: bool):
     k1, k2, k3 = mx.random.split(key, 3)
     pool_k = mx.random.normal((heads, num_blocks, bs, dim), key=k1)
     pool_v = mx.random.normal((heads, num_blocks, bs, dim), key=k2)
-    q = mx.random.normal((batch, heads * rep, 1, dim), key=k3)
+    q = mx.random.normal((batch, heads * rep, nq, dim), key=k3)
     w = int(rng.integers(1, 200)) if window else None
-    return q, pool_k, pool_v, tables, ends, dim**-0.5, w
+    return q, pool_k, pool_v, tables, ends, dim**-0.5, w, query_lens
 
 
 @pytest.mark.parametrize("window", [False, True], ids=["full", "window"])
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_matches_float64_attention(seed, window):
     case = random_case(np.random.default_rng(seed), window)
     got = np.array(cpu_decode.paged_decode_attention(*case))
@@ -70,27 +75,22 @@ def test_matches_float64_attention(seed, window):
 def test_reads_only_its_own_blocks():
     """Keys past a sequence's end, in its padding and in other sequences' blocks are never
     read: poisoning them with NaN changes nothing."""
-    rng = np.random.default_rng(7)
-    q, pool_k, pool_v, tables, ends, scale, _ = random_case(rng, False)
-    want = np.array(
-        cpu_decode.paged_decode_attention(q, pool_k, pool_v, tables[:1], ends[:1], scale)
-    )
+    q, pool_k, pool_v, tables, ends, scale, _, q_lens = random_case(np.random.default_rng(7), False)
+    args = (tables[:1], ends[:1], scale, None, q_lens[:1])
+    want = np.array(cpu_decode.paged_decode_attention(q[:1], pool_k, pool_v, *args))
     keep = np.zeros(pool_k.shape[:3], dtype=bool)
     for p in range(int(ends[0])):
         keep[:, tables[0][p // pool_k.shape[2]], p % pool_k.shape[2]] = True
     mask = mx.array(keep)[..., None]
     nan = mx.array(np.nan, dtype=mx.float32)
     poisoned_k, poisoned_v = mx.where(mask, pool_k, nan), mx.where(mask, pool_v, nan)
-    got = np.array(
-        cpu_decode.paged_decode_attention(
-            q[:1], poisoned_k, poisoned_v, tables[:1], ends[:1], scale
-        )
-    )
-    np.testing.assert_array_equal(got, want[:1])
+    got = np.array(cpu_decode.paged_decode_attention(q[:1], poisoned_k, poisoned_v, *args))
+    assert not np.isnan(want).any()
+    np.testing.assert_array_equal(got, want)
 
 
 def test_output_dtype_follows_the_queries():
-    q, pool_k, pool_v, tables, ends, scale, _ = random_case(np.random.default_rng(3), False)
+    q, pool_k, pool_v, tables, ends, scale, _, _ = random_case(np.random.default_rng(3), False)
     out = cpu_decode.paged_decode_attention(
         q.astype(mx.float16), pool_k, pool_v, tables, ends, scale
     )
@@ -101,7 +101,8 @@ def test_what_it_serves():
     q = mx.zeros((2, 8, 1, 64))
     pool = mx.zeros((2, 4, 16, 64))
     assert cpu_decode.supports(q, pool, pool)
-    assert not cpu_decode.supports(mx.zeros((2, 8, 2, 64)), pool, pool)  # two queries: prefill
+    assert cpu_decode.supports(mx.zeros((2, 8, 17, 64)), pool, pool)  # a decode and 16 drafts
+    assert not cpu_decode.supports(mx.zeros((2, 8, 18, 64)), pool, pool)  # prefill
     assert not cpu_decode.supports(q, pool.astype(mx.float16), pool.astype(mx.float16))
     assert not cpu_decode.supports(mx.zeros((2, 6, 1, 64)), mx.zeros((4, 4, 16, 64)), pool)
     assert not cpu_decode.supports(mx.zeros((2, 8, 1, 32)), pool, pool)

@@ -134,13 +134,18 @@ def test_long_prompt_in_chunks(model):
     assert decode_together(runner, [seq], [dense], STEPS) <= TOL
 
 
-def test_speculative_verify_forwards_with_rollback(model):
+@pytest.mark.parametrize("kernel", [False, True], ids=["mlx", "cpu-kernel"])
+def test_speculative_verify_forwards_with_rollback(model, kernel):
     """Forwards of a few tokens a sequence (a decode with its drafts: the last token, then
     drafts of which only some are right), batched over sequences at different contexts: the
     logits where every input was right match the dense path, and the slots the wrong drafts
-    wrote are overwritten by the next forward (rolled back by position alone)."""
+    wrote are overwritten by the next forward (rolled back by position alone). Through MLX's
+    paths and through the compiled CPU kernel."""
+    if kernel and not cpu_decode.available():
+        pytest.skip("numba is not installed")
     rng = np.random.default_rng(11)
     runner = _runner(model, num_blocks=40)
+    runner.decode_kernel = kernel
     true = [p + c for p, c in zip(prompts(rng, 11, 20, 7), prompts(rng, 40, 40, 40), strict=True)]
     dense = [DenseSeq(model, t).logits_all for t in true]
     tables = [_blocks(0, 10), _blocks(10, 10), _blocks(20, 10)]
@@ -232,8 +237,8 @@ def test_gathered_decodes_with_cpu_prefill(model, scenario):
 @pytest.mark.parametrize("scenario", ["batch", "copy_on_write"])
 def test_decodes_by_the_cpu_kernel(model, scenario, monkeypatch):
     """Decodes through the compiled CPU kernel (``worker.model.cpu_decode``), which the start-up
-    measurement picks on most CPUs; it serves every layer decode that block-table attention
-    serves (counted: gemma2 computes its own attention, so neither serves it)."""
+    measurement picks on most CPUs; it serves at least every layer decode that block-table
+    attention serves (counted: gemma2 computes its own attention, so neither serves it)."""
     if not cpu_decode.available():
         pytest.skip("numba is not installed")
     calls = {"kernel": 0, "blocks": 0}
@@ -258,7 +263,9 @@ def test_decodes_by_the_cpu_kernel(model, scenario, monkeypatch):
     runner = _runner(model)
     runner.decode_kernel = True
     assert run(model, runner) <= TOL
-    assert calls["kernel"] == calls["blocks"]
+    # Every layer decode block-table attention served, and the short forwards (up to 17
+    # queries a sequence, b's 9-token tail here) that MLX serves gathered.
+    assert calls["kernel"] >= calls["blocks"]
     assert calls["kernel"] > 0 or model.model_type == "gemma2"
 
 

@@ -191,10 +191,17 @@ def paged_sdpa(
         pool_k, pool_v = cache.pool.layer_arrays(cache.layer)
         heads, batch = pool_k.shape[0], cache.batch
         if cache.decode_kernel and cpu_decode.supports(queries, pool_k, pool_v):
-            known, window = _kernel_window(batch, mask, 1)
+            known, window = _kernel_window(batch, mask, queries.shape[2])
             if known:
                 return cpu_decode.paged_decode_attention(
-                    queries, pool_k, pool_v, batch.tables_np, batch.ends, scale, window
+                    queries,
+                    pool_k,
+                    pool_v,
+                    batch.tables_np,
+                    batch.ends,
+                    scale,
+                    window,
+                    batch.query_lens,
                 )
         rows = batch.block_rows(heads, pool_k.shape[1])
         decode = queries.shape[2] == 1

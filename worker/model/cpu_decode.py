@@ -15,8 +15,10 @@ as SDPA accumulates), so grouped-query heads read each K/V vector once. The laye
 evaluated up to the attention first (its queries and the pool write), so a layer costs one
 synchronization; nothing is copied but the queries and the output.
 
-Served: one query a sequence (a decode), fp32 pools (the CPU runs models in fp32), an optional
-sliding window. Anything else takes the MLX paths. ``ModelRunner.choose_decode_attention``
+Served: up to 17 queries a sequence (a decode, or a decode with its speculative drafts, whose
+verify forward is then as cheap in memory traffic as a decode), fp32 pools (the CPU runs
+models in fp32), an optional sliding window. Anything else (prefill chunks) takes the MLX
+paths. ``ModelRunner.choose_decode_attention``
 measures it against them at start; ``KVSERVE_CPU_DECODE_KERNEL=0`` keeps a worker off it.
 """
 
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 
 ENV_SWITCH = "KVSERVE_CPU_DECODE_KERNEL"
 
+MAX_QUERIES = 17  # a decode and up to 16 speculative drafts; longer calls are prefill
 _lock = threading.Lock()  # numba's workqueue threading layer takes one caller at a time
 
 
@@ -48,29 +51,45 @@ def _compiled() -> Any:
         return None
 
     @njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc", "contract"})
-    def kernel(q, pool_k, pool_v, tables, firsts, ends, scale, out):
-        # q [B, Hq, D] fp32; pool_k/pool_v [H, blocks, BS, D]; tables [B, W] int32;
-        # sequence b's query sees keys firsts[b] <= p < ends[b]; out [B, Hq, D].
-        batch, hq, dim = q.shape
+    def kernel(q, pool_k, pool_v, tables, ends, q_lens, window, scale, out):
+        # q [B, Hq, NQ, D] fp32; pool_k/pool_v [H, blocks, BS, D]; tables [B, W] int32;
+        # ends/q_lens [B]: query i of sequence b sits at ends[b] - q_lens[b] + min(i,
+        # q_lens[b] - 1) and sees keys up to it (the last ``window`` only, when window > 0);
+        # out [B, Hq, NQ, D].
+        batch, hq, nq, dim = q.shape
         heads, _, bs, _ = pool_k.shape
         rep = hq // heads
+        rows = rep * nq
         for task in prange(batch * heads):
             b = task // heads
             h = task - b * heads
-            lo = firsts[b]
-            hi = ends[b]
-            qs = q[b, h * rep : (h + 1) * rep] * scale
-            top = np.full(rep, -np.inf, dtype=np.float32)
-            total = np.zeros(rep, dtype=np.float32)
-            acc = np.zeros((rep, dim), dtype=np.float32)
+            last = ends[b] - 1
+            first_pos = ends[b] - q_lens[b]
+            his = np.empty(rows, dtype=np.int64)  # each row sees keys lo <= p < hi
+            los = np.zeros(rows, dtype=np.int64)
+            qs = np.empty((rows, dim), dtype=np.float32)
+            for r in range(rows):
+                rr = r // nq
+                i = r - rr * nq
+                pos = min(first_pos + i, last)
+                his[r] = pos + 1
+                if window > 0:
+                    los[r] = max(pos + 1 - window, 0)
+                for d in range(dim):
+                    qs[r, d] = q[b, h * rep + rr, i, d] * scale
+            top = np.full(rows, -np.inf, dtype=np.float32)
+            total = np.zeros(rows, dtype=np.float32)
+            acc = np.zeros((rows, dim), dtype=np.float32)
             scores = np.empty(bs, dtype=np.float32)
-            for j in range(lo // bs, (hi + bs - 1) // bs):
+            for j in range(los.min() // bs, (ends[b] + bs - 1) // bs):
                 block = tables[b, j]
-                t0 = max(lo - j * bs, 0)
-                t1 = min(hi - j * bs, bs)
                 keys = pool_k[h, block]
                 values = pool_v[h, block]
-                for r in range(rep):
+                for r in range(rows):
+                    t0 = max(los[r] - j * bs, 0)
+                    t1 = min(his[r] - j * bs, bs)
+                    if t0 >= t1:
+                        continue
                     best = top[r]
                     for t in range(t0, t1):
                         s = np.float32(0.0)
@@ -89,9 +108,11 @@ def _compiled() -> Any:
                         total[r] += w
                         for d in range(dim):
                             acc[r, d] += w * values[t, d]
-            for r in range(rep):
+            for r in range(rows):
+                rr = r // nq
+                i = r - rr * nq
                 for d in range(dim):
-                    out[b, h * rep + r, d] = acc[r, d] / total[r]
+                    out[b, h * rep + rr, i, d] = acc[r, d] / total[r]
 
     return kernel
 
@@ -108,7 +129,7 @@ def supports(queries: mx.array, pool_k: mx.array, pool_v: mx.array) -> bool:
     _, hq, nq, d = queries.shape
     h = pool_k.shape[0]
     return (
-        nq == 1
+        1 <= nq <= MAX_QUERIES
         and pool_k.shape == pool_v.shape
         and pool_k.shape[-1] == d
         and hq % h == 0
@@ -125,27 +146,35 @@ def paged_decode_attention(
     ends: np.ndarray,
     scale: float,
     window: int | None = None,
+    query_lens: np.ndarray | None = None,
 ) -> mx.array:
-    """Attention of one query a sequence, ``queries`` ``[B, Hq, 1, D]``, over its pool blocks.
+    """Attention of a few queries a sequence, ``queries`` ``[B, Hq, Nq, D]`` (a decode, or a
+    decode with its speculative drafts), over its pool blocks.
 
     ``pool_k``/``pool_v``: one layer's pool ``[H, blocks, block_size, D]`` fp32 (query head
     ``h * rep + r`` reads KV head ``h``); ``tables`` ``[B, >= blocks used]`` block ids;
-    ``ends`` ``[B]``: tokens in the pool for each sequence, this forward's included; the query
-    sits at ``ends[b] - 1`` and sees every key up to it, or with ``window`` the last
-    ``window``. Evaluates the queries and the pool (the layer's graph up to here) and returns
-    ``[B, Hq, 1, D]`` in the queries' dtype. Block ids are not checked: they must index the
-    pool (``ForwardBatch`` checks them)."""
+    ``ends`` ``[B]``: tokens in the pool for each sequence, this forward's included. Query
+    ``i`` sits at ``ends[b] - Nq + i`` (causal), or with ``query_lens`` ``[B]`` at ``ends[b] -
+    query_lens[b] + min(i, query_lens[b] - 1)`` (rows past a sequence's queries repeat its
+    last, as ``ForwardBatch.mask`` pads them), and sees every key up to its position, or with
+    ``window`` the last ``window``. Evaluates the queries and the pool (the layer's graph up to
+    here) and returns ``[B, Hq, Nq, D]`` in the queries' dtype. Block ids are not checked: they
+    must index the pool (``ForwardBatch`` checks them)."""
     kernel = _compiled()
     if kernel is None:
         raise RuntimeError("the CPU decode kernel needs numba")
     if window is not None and window <= 0:
         raise ValueError(f"window must be positive, got {window}")
-    b, hq, _, d = queries.shape
-    q32 = queries.astype(mx.float32).reshape(b, hq, d)
+    b, hq, nq, d = queries.shape
+    q32 = queries.astype(mx.float32)
     mx.eval(q32, pool_k, pool_v)
     ends = np.ascontiguousarray(ends, dtype=np.int64)
-    firsts = np.zeros_like(ends) if window is None else np.maximum(ends - window, 0)
-    out = np.empty((b, hq, d), dtype=np.float32)
+    q_lens = (
+        np.full(b, nq, dtype=np.int64)
+        if query_lens is None
+        else np.ascontiguousarray(query_lens, dtype=np.int64)
+    )
+    out = np.empty((b, hq, nq, d), dtype=np.float32)
     # Views of MLX's buffers, not copies; dropped before anything writes the pool again.
     k_view, v_view = np.asarray(pool_k), np.asarray(pool_v)
     with _lock:
@@ -154,10 +183,11 @@ def paged_decode_attention(
             k_view,
             v_view,
             np.ascontiguousarray(tables, dtype=np.int32),
-            firsts,
             ends,
+            q_lens,
+            window or 0,
             np.float32(scale),
             out,
         )
     del k_view, v_view
-    return mx.array(out).reshape(b, hq, 1, d).astype(queries.dtype)
+    return mx.array(out).astype(queries.dtype)
