@@ -6,6 +6,8 @@ ratios 1-8, sliding windows (narrower and wider than the context). And what it r
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -113,3 +115,12 @@ def test_what_it_serves():
 def test_the_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
     assert not cpu_decode.available()
+
+
+def test_its_threads_follow_the_cores_this_process_may_use(monkeypatch):
+    monkeypatch.delenv("KVSERVE_BLAS_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert cpu_decode._thread_count(64) == 3  # a cpuset of 3 on a 64-core machine
+    assert cpu_decode._thread_count(2) == 2  # never more than numba's pool
+    monkeypatch.setenv("KVSERVE_BLAS_THREADS", "1")  # an operator's cap, as for the BLAS
+    assert cpu_decode._thread_count(64) == 1

@@ -33,12 +33,29 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from kvserve_model.blas import THREADS_ENV
+
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "KVSERVE_CPU_DECODE_KERNEL"
 
 MAX_QUERIES = 17  # a decode and up to 16 speculative drafts; longer calls are prefill
 _lock = threading.Lock()  # numba's workqueue threading layer takes one caller at a time
+
+
+_threads = [0]  # the kernel's threads (numba's pool may be larger: it counts the machine's cores)
+
+
+def _thread_count(pool: int) -> int:
+    """Threads for the kernel: the cores this process may run on (a cpuset or ``taskset``
+    leaves fewer than the machine has, and numba counts the machine's), within numba's pool,
+    capped like the BLAS by ``KVSERVE_BLAS_THREADS`` where an operator set it."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity else os.cpu_count() or 1
+    cap = os.environ.get(THREADS_ENV, "")
+    if cap.isdigit() and int(cap) > 0:
+        cores = min(cores, int(cap))
+    return max(1, min(pool, cores))
 
 
 @functools.cache
@@ -49,6 +66,10 @@ def _compiled() -> Any:
     except Exception:  # not installed, or no wheel for this platform
         log.info("numba is unavailable: CPU decodes take MLX's paths", exc_info=True)
         return None
+
+    import numba
+
+    _threads[0] = _thread_count(int(getattr(numba.config, "NUMBA_NUM_THREADS", 1)))
 
     @njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc", "contract"})
     def kernel(q, pool_k, pool_v, tables, ends, q_lens, window, scale, out):
@@ -117,6 +138,14 @@ def _compiled() -> Any:
     return kernel
 
 
+def _set_threads(n: int) -> None:
+    """numba's thread count is per calling thread: set it on the one that runs the kernel."""
+    import numba
+
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+
+
 def available() -> bool:
     """Whether this process can take the kernel: numba imports and the switch is not off."""
     return os.environ.get(ENV_SWITCH, "1") != "0" and _compiled() is not None
@@ -178,6 +207,7 @@ def paged_decode_attention(
     # Views of MLX's buffers, not copies; dropped before anything writes the pool again.
     k_view, v_view = np.asarray(pool_k), np.asarray(pool_v)
     with _lock:
+        _set_threads(_threads[0])
         kernel(
             np.ascontiguousarray(np.asarray(q32)),
             k_view,
