@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -139,10 +140,12 @@ async def test_health_answers_while_a_huge_prompt_is_tokenized(
     assert result == grpc.StatusCode.INVALID_ARGUMENT or result.status_code == 400  # type: ignore[union-attr]
     assert len(latencies) >= 5, f"only {len(latencies)} /health probes ran while tokenizing"
     # A blocked loop answers no probe until tokenizing is over (the count above fails); a free
-    # one answers each well within it. Not a latency target: on 2 busy cores a probe has taken
-    # 0.4 s while the tokenizer thread held the GIL in slices.
-    worst = max(latencies)
-    assert worst < max(0.25, tokenizing / 2), f"/health took {worst:.3f}s of {tokenizing:.3f}s"
+    # one answers probes all through it. Not a latency target: on 2 busy cores single probes
+    # have taken 0.4 and 0.58 s (of 1.13) while the tokenizer thread held the GIL in slices,
+    # so the typical probe is what must be quick, and no one probe may span most of it.
+    typical, worst = statistics.median(latencies), max(latencies)
+    assert typical < max(0.1, tokenizing / 10), f"/health took {typical:.3f}s at the median"
+    assert worst < max(0.25, tokenizing * 0.75), f"/health took {worst:.3f}s of {tokenizing:.3f}s"
 
 
 async def test_health_answers_while_a_huge_body_is_refused(stack: Stack) -> None:
