@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from kvserve_model.resolve import resolve_model
@@ -124,6 +125,33 @@ def test_text_stream_never_splits_a_utf8_character(tokenizer) -> None:
     pieces = [stream.add(b)[0] for b in "é€".encode()]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) + stream.finish() == "é€"
+
+
+def test_text_stream_sends_spaces_as_they_come(tokenizer) -> None:
+    """mlx-lm's byte-level detokenizer holds each space until the next token; once the text has
+    begun nothing is trimmed, so a run of spaces streams as it is generated (a request whose
+    output was 256 spaces used to get all of them with its last token)."""
+    stream = TextStream(tokenizer.detokenizer, (), include_stop=False)
+    assert stream.add(ord("a"))[0] == "a"
+    assert [stream.add(ord(" "))[0] for _ in range(3)] == [" ", " ", " "]
+    assert stream.add(ord("b"))[0] == "b"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_text_stream_ends_with_mlx_lms_text(tokenizer, seed) -> None:
+    """Whatever the stream sends early, its text in the end is mlx-lm's own detokenizer's:
+    random tokens, spaces (leading ones too: mlx-lm trims one), newlines, multi-byte UTF-8."""
+    rng = np.random.default_rng(seed)
+    pieces = [" ", " ", "  ", "a", "Z", "\n", "é", "€", "😀", ".", "x y"]
+    text = "".join(rng.choice(pieces) for _ in range(int(rng.integers(1, 40))))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    reference = tokenizer.detokenizer
+    for t in ids:
+        reference.add_token(t)
+    reference.finalize()
+    stream = TextStream(tokenizer.detokenizer, (), include_stop=False)
+    sent = "".join(stream.add(t)[0] for t in ids) + stream.finish()
+    assert sent == reference.text
 
 
 def test_token_slice_matches_the_token_list(tokenizer) -> None:

@@ -7,6 +7,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
 from worker.engine.lease import Lease
 from worker.engine.sampling_params import Sampled, SamplingParams
 from worker.errors import WorkerError
@@ -74,6 +76,7 @@ class TextStream:
         if token in self._hidden:
             return "", False
         self._detok.add_token(token)
+        _release_held_space(self._detok)
         self._text += self._detok.last_segment
         return self._scan(final=False)
 
@@ -97,6 +100,24 @@ class TextStream:
         out = self._text[self._sent : end]
         self._sent = end
         return out
+
+
+def _release_held_space(detok: Any) -> None:
+    """mlx-lm's byte-level BPE detokenizer holds a space token back until the next token, so
+    that a space opening the whole text can be trimmed; it holds every later space too, where
+    nothing is trimmed, and a run of spaces (indentation, a model repeating " ") reached the
+    client only with the next other token: 256 spaces arrived with the request's last token.
+    Once the text has begun, release what it holds unless it is an incomplete UTF-8
+    character. The text is the same in the end (``tests/worker_engine/test_scheduler.py``
+    checks it against mlx-lm's own on random tokens), only sooner."""
+    if not isinstance(detok, BPEStreamingDetokenizer):
+        return
+    held = getattr(detok, "_unflushed", "")
+    if held and detok.text:
+        text = detok._decode_bytes(held)
+        if not text.endswith("\ufffd"):
+            detok.text += text
+            detok._unflushed = ""
 
 
 @dataclass(eq=False)
