@@ -25,7 +25,6 @@ Only the event loop touches these objects (no locks).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 import time
@@ -36,6 +35,7 @@ from itertools import islice
 
 import grpc
 
+from gateway.background import Background
 from gateway.cache_client import CacheClient, PoolRoute
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 
@@ -272,7 +272,7 @@ class EventIndex:
         return out
 
 
-class EventWatcher:
+class EventWatcher(Background):
     """Follows one source's WatchEvents in a task, reconnecting with its cursor."""
 
     def __init__(self, index: EventIndex, client: CacheClient, token: str) -> None:
@@ -280,17 +280,10 @@ class EventWatcher:
         self.client = client
         self.address = client.address
         self._metadata = (("authorization", f"Bearer {token}"),)
-        self._task: asyncio.Task[None] | None = None
         self._last_logged = 0.0
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await super().stop()
         self.index.down(self.address)
 
     async def _run(self) -> None:

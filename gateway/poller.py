@@ -10,9 +10,9 @@ accounting for /metrics.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
+from gateway.background import Background
 from gateway.cache_client import CacheApi
 from gateway.errors import GatewayError, WorkerUnavailable
 from gateway.worker_client import WorkerClients
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 DISCOVERY_PROMPT = (0,)
 
 
-class WorkerPoller:
+class WorkerPoller(Background):
     def __init__(
         self,
         *,
@@ -40,7 +40,6 @@ class WorkerPoller:
         self.directory = directory
         self.interval_s = interval_s
         self.admin_token = admin_token
-        self._task: asyncio.Task[None] | None = None
 
     async def poll_once(self) -> None:
         try:
@@ -79,12 +78,3 @@ class WorkerPoller:
                 await self.poll_once()
             except Exception:  # the poller must outlive any one bad round
                 log.exception("worker poll failed")
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task

@@ -43,13 +43,7 @@ from worker.model.loader import load_model
 from worker.server import running as worker_running
 
 PROMPT = 96
-SWITCH = sys.getswitchinterval()
-# mode: (decode lookahead, the interpreter's switch interval: how long a thread that wants the
-# GIL waits before asking its holder to drop it; the model thread and the event loop share it)
-MODES = {
-    "lookahead off": (False, SWITCH),
-    "lookahead on": (True, SWITCH),
-}
+MODES = {"lookahead off": False, "lookahead on": True}  # mode: the worker's decode lookahead
 
 
 class Phases:
@@ -174,9 +168,8 @@ async def serve_and_measure(loaded, args) -> dict[str, list[float]]:
         phases.wrap(engine.scheduler, "schedule", "schedule")
         await one_round(w.address, args.batch, 8)  # first shapes
         for r in range(args.rounds):
-            for mode, (lookahead, interval) in MODES.items():
+            for mode, lookahead in MODES.items():
                 executor.lookahead = lookahead
-                sys.setswitchinterval(interval)
                 hits = executor.lookahead_hits
                 steps = engine.stats.steps
                 phases.seconds.clear()

@@ -104,3 +104,10 @@ async def released(stack: Stack) -> None:
     request's blocks after its last token, which can reach the client first: a test whose
     next request must find them cached waits for this."""
     await wait_for(lambda: all(not p.leases.live for p in stack.cache.authority.pools.values()))
+
+
+async def worker_of(stack: Stack, body: dict) -> str:
+    """The worker that served a chat completion of ``body`` (its ``x-kvserve-worker`` header)."""
+    resp = await stack.http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.headers["x-kvserve-worker"]

@@ -27,7 +27,7 @@ from kvcache_service.leases import AcquireRequest, Grant, SequenceUpdate
 from kvcache_service.pool import PoolSpec
 from kvcache_service.tokens import pack as pack_domain
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
-from tests.gateway.conftest import Stack, released, started_stack, wait_for
+from tests.gateway.conftest import Stack, released, started_stack, wait_for, worker_of
 from tests.gateway.test_gateway import SYSTEM_A, SYSTEM_B, chat
 
 SOURCE = "cache:1"
@@ -252,33 +252,28 @@ async def test_the_gateway_routes_from_events_without_route_calls(cache, tokeniz
         await wait_for(lambda: source.phase == "live" and len(index.pools) == 2)
         calls = _count_routes(stack)
 
-        async def worker_of(body: dict) -> str:
-            resp = await stack.http.post("/v1/chat/completions", json=body)
-            assert resp.status_code == 200, resp.text
-            return resp.headers["x-kvserve-worker"]
-
-        a = await worker_of(chat(SYSTEM_A, "first"))
+        a = await worker_of(stack, chat(SYSTEM_A, "first"))
         await released(stack)
         await stack.poll()
-        b = await worker_of(chat(SYSTEM_B, "first"))
+        b = await worker_of(stack, chat(SYSTEM_B, "first"))
         assert a != b
         await released(stack)
         await stack.poll()
         await wait_for(lambda: sum(len(p) for p in index.pools.values()) > 0)
         for i in range(3):
-            assert await worker_of(chat(SYSTEM_A, f"again {i}")) == a
-            assert await worker_of(chat(SYSTEM_B, f"again {i}")) == b
+            assert await worker_of(stack, chat(SYSTEM_A, f"again {i}")) == a
+            assert await worker_of(stack, chat(SYSTEM_B, f"again {i}")) == b
         assert calls == [] and index.answered == 8
 
         # The stream down: Route answers until it is back, resumed from its cursor.
         await gw.events.stop()
         assert source.phase == "down"
-        assert await worker_of(chat(SYSTEM_A, "while down")) == a
+        assert await worker_of(stack, chat(SYSTEM_A, "while down")) == a
         assert len(calls) == 1
         await released(stack)
         gw.events.start()
         await wait_for(lambda: source.phase == "live")
-        assert await worker_of(chat(SYSTEM_B, "back")) == b
+        assert await worker_of(stack, chat(SYSTEM_B, "back")) == b
         assert len(calls) == 1 and index.answered == 9
         metrics = (await stack.http.get("/metrics")).text
         assert 'kvserve_gateway_route_source_total{source="events"} 9.0' in metrics

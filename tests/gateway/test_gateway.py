@@ -14,7 +14,7 @@ from openai import AsyncOpenAI
 from gateway.router import RoutingPolicy
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
-from tests.gateway.conftest import AUTH, Stack, released, wait_for
+from tests.gateway.conftest import AUTH, Stack, released, wait_for, worker_of
 from tests.gateway.fake_worker import MODEL, OUTPUT
 
 SYSTEM_A = "You are the assistant of team A. " * 6
@@ -128,20 +128,15 @@ async def test_repeated_system_prompt_is_cached(stack: Stack):
 
 
 async def test_shared_prefixes_go_to_the_worker_that_holds_them(stack: Stack):
-    async def worker_of(body: dict) -> str:
-        resp = await stack.http.post("/v1/chat/completions", json=body)
-        assert resp.status_code == 200, resp.text
-        return resp.headers["x-kvserve-worker"]
-
-    a = await worker_of(chat(SYSTEM_A, "first"))
+    a = await worker_of(stack, chat(SYSTEM_A, "first"))
     await released(stack)
     await stack.poll()  # the pool that served A has fewer free blocks now
-    b = await worker_of(chat(SYSTEM_B, "first"))
+    b = await worker_of(stack, chat(SYSTEM_B, "first"))
     assert a != b  # a new prefix goes to the emptier pool, not to the chat template's crumbs
     await released(stack)
     for i in range(3):
-        assert await worker_of(chat(SYSTEM_A, f"again {i}")) == a
-        assert await worker_of(chat(SYSTEM_B, f"again {i}")) == b
+        assert await worker_of(stack, chat(SYSTEM_A, f"again {i}")) == a
+        assert await worker_of(stack, chat(SYSTEM_B, f"again {i}")) == b
     by_worker = {w.worker_id: len(w.record.requests) for w in stack.workers}
     assert by_worker == {a: 4, b: 4}
     metrics = (await stack.http.get("/metrics")).text

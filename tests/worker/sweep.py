@@ -29,8 +29,11 @@ NUM_BLOCKS = 64
 
 @dataclass
 class Check:
-    """The worst logit difference and the greedy-token mismatches seen so far."""
+    """The worst logit difference and the greedy-token mismatches seen so far, and the decode
+    path the scenario's runner takes ("blocks", or "kernel": ``worker.model.cpu_decode``;
+    ``ModelRunner.choose_decode_attention`` picks one at start)."""
 
+    decode: str = "blocks"
     worst: float = 0.0
     mismatches: list[str] = field(default_factory=list)
 
@@ -53,9 +56,7 @@ class _Scene:
         self.model = model
         self.check = check
         self.runner = ModelRunner.create(model, block_size=BS, num_blocks=NUM_BLOCKS)
-        # The CPU decode path under test (``ModelRunner.choose_decode_attention`` picks one at
-        # start): block-table attention, or the compiled kernel.
-        self.runner.decode_kernel = DECODE[0] == "kernel"
+        self.runner.decode_kernel = check.decode == "kernel"
         self.paged: dict[str, PagedSeq] = {}
         self.dense: dict[str, DenseSeq] = {}
         self.pos: dict[str, int] = {}  # prompt positions the paged side has computed
@@ -240,25 +241,14 @@ class Parity:
         return self.tokens_identical and self.max_diff <= TOL
 
 
-DECODE = ["blocks"]  # the decode path run_parity's scenes take
-
-
 def run_parity(
     model: nn.Module, scenarios: dict[str, Scenario], steps: int, decode: str = "blocks"
 ) -> Parity:
     """Every scenario on ``model``, decodes by ``decode`` ("blocks" or "kernel")."""
-    DECODE[0] = decode
-    try:
-        return _run_parity(model, scenarios, steps)
-    finally:
-        DECODE[0] = "blocks"
-
-
-def _run_parity(model: nn.Module, scenarios: dict[str, Scenario], steps: int) -> Parity:
     worst = 0.0
     mismatches: list[str] = []
     for name, scenario in scenarios.items():
-        check = Check()
+        check = Check(decode)
         try:
             scenario(model, steps, check)
         except Exception as e:  # recorded: the family fails, the sweep goes on

@@ -43,9 +43,6 @@ MAX_QUERIES = 17  # a decode and up to 16 speculative drafts; longer calls are p
 _lock = threading.Lock()  # numba's workqueue threading layer takes one caller at a time
 
 
-_threads = [0]  # the kernel's threads (numba's pool may be larger: it counts the machine's cores)
-
-
 def _thread_count(pool: int) -> int:
     """Threads for the kernel: the cores this process may run on (a cpuset or ``taskset``
     leaves fewer than the machine has, and numba counts the machine's), within numba's pool,
@@ -60,16 +57,16 @@ def _thread_count(pool: int) -> int:
 
 @functools.cache
 def _compiled() -> Any:
-    """The kernel, compiled on first use (None where numba cannot be imported)."""
+    """The kernel, compiled on first use, as a call that runs it on :func:`_thread_count`
+    threads (None where numba cannot be imported)."""
     try:
+        import numba
         from numba import njit, prange
     except Exception:  # not installed, or no wheel for this platform
         log.info("numba is unavailable: CPU decodes take MLX's paths", exc_info=True)
         return None
 
-    import numba
-
-    _threads[0] = _thread_count(int(getattr(numba.config, "NUMBA_NUM_THREADS", 1)))
+    threads = _thread_count(int(getattr(numba.config, "NUMBA_NUM_THREADS", 1)))
 
     @njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc", "contract"})
     def kernel(q, pool_k, pool_v, tables, ends, q_lens, window, scale, out):
@@ -135,15 +132,12 @@ def _compiled() -> Any:
                 for d in range(dim):
                     out[b, h * rep + rr, i, d] = acc[r, d] / total[r]
 
-    return kernel
+    def run(*args: Any) -> None:
+        if numba.get_num_threads() != threads:  # numba's count is per calling thread
+            numba.set_num_threads(threads)
+        kernel(*args)
 
-
-def _set_threads(n: int) -> None:
-    """numba's thread count is per calling thread: set it on the one that runs the kernel."""
-    import numba
-
-    if numba.get_num_threads() != n:
-        numba.set_num_threads(n)
+    return run
 
 
 def available() -> bool:
@@ -207,7 +201,6 @@ def paged_decode_attention(
     # Views of MLX's buffers, not copies; dropped before anything writes the pool again.
     k_view, v_view = np.asarray(pool_k), np.asarray(pool_v)
     with _lock:
-        _set_threads(_threads[0])
         kernel(
             np.ascontiguousarray(np.asarray(q32)),
             k_view,
