@@ -118,7 +118,8 @@ def paged_decoders(model: nn.Module, s: Sizes, batch: int, ctx: int) -> dict[str
     measurement, ``ModelRunner.choose_decode_attention``), block-table attention, and the
     reference gather + SDPA."""
     bs = BLOCK_SIZE[0]
-    per_seq = -(-(ctx + 2 * s.steps + 4) // bs)
+    # Each of the three decoders below advances the shared position once a round (warm-up too).
+    per_seq = -(-(ctx + 3 * (s.steps + 1) + 4) // bs)
     runner = ModelRunner.create(model, block_size=bs, num_blocks=batch * per_seq)
     gather = ModelRunner(model, runner.pool, runner.spec, block_attention=False)
     blocks = ModelRunner(model, runner.pool, runner.spec)

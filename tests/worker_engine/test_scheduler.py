@@ -137,6 +137,15 @@ def test_text_stream_sends_spaces_as_they_come(tokenizer) -> None:
     assert stream.add(ord("b"))[0] == "b"
 
 
+def test_text_stream_sends_leading_spaces_but_the_trimmed_one(tokenizer) -> None:
+    """An output that opens with spaces: mlx-lm trims the first; the rest stream as they come
+    (a request whose greedy output was 256 spaces got its first text with its last token)."""
+    stream = TextStream(tokenizer.detokenizer, (), include_stop=False)
+    assert [stream.add(ord(" "))[0] for _ in range(4)] == ["", " ", " ", " "]
+    assert stream.add(ord("b"))[0] == "b"
+    assert stream.finish() == ""
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_text_stream_ends_with_mlx_lms_text(tokenizer, seed) -> None:
     """Whatever the stream sends early, its text in the end is mlx-lm's own detokenizer's:

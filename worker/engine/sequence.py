@@ -105,18 +105,27 @@ def _release_held_space(detok: Any) -> None:
     that a space opening the whole text can be trimmed; it holds every later space too, where
     nothing is trimmed, and a run of spaces (indentation, a model repeating " ") reached the
     client only with the next other token: 256 spaces arrived with the request's last token.
-    Once the text has begun, release what it holds unless it is an incomplete UTF-8
-    character. The text is the same in the end (``tests/worker_engine/test_scheduler.py``
-    checks it against mlx-lm's own on random tokens, which also catches a newer mlx-lm whose
-    detokenizer keeps other state), only sooner."""
+    Release what it holds unless it is an incomplete UTF-8 character: all of it once the text
+    has begun; before that, all but the one space that opens the text, which mlx-lm trims (a
+    lone held space stays held: the next token decides whether it opens the text). A request
+    whose whole output was spaces got none of them before its end. The text is the same in
+    the end (``tests/worker_engine/test_scheduler.py`` checks it against mlx-lm's own on random
+    tokens, which also catches a newer mlx-lm whose detokenizer keeps other state), only
+    sooner."""
     if type(detok).__name__ != "BPEStreamingDetokenizer":  # by name: this module imports no MLX
         return
     held = getattr(detok, "_unflushed", "")
-    if held and detok.text:
-        text = detok._decode_bytes(held)
-        if not text.endswith("\ufffd"):
-            detok.text += text
-            detok._unflushed = ""
+    if not held:
+        return
+    text = detok._decode_bytes(held)
+    if text.endswith("\ufffd"):
+        return
+    if not detok.text:
+        if text == " ":
+            return
+        text = text[1:] if text.startswith(" ") else text
+    detok.text += text
+    detok._unflushed = ""
 
 
 @dataclass(eq=False)
