@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
+from worker.model import gpu_attention
 from worker.model.forward_batch import SeqInput
 from worker.model.runner import ModelRunner
 
@@ -190,3 +191,28 @@ def decode_together(
 
 def prompts(rng: np.random.Generator, *lengths: int) -> list[list[int]]:
     return [rng.integers(0, VOCAB, n).tolist() for n in lengths]
+
+
+def reference_kernel(
+    queries: mx.array,
+    pool_k: mx.array,
+    pool_v: mx.array,
+    tables: mx.array,
+    context_lens: mx.array,
+    scale: float,
+    window: int | None = None,
+    q_lens: mx.array | None = None,
+) -> mx.array:
+    """The GPU block-table kernel's float64 reference (``gpu_attention.reference_attention``)
+    with the kernel's signature: stands in for it off an NVIDIA GPU."""
+    out = gpu_attention.reference_attention(
+        np.array(queries.astype(mx.float32)),
+        np.array(pool_k.astype(mx.float32)),
+        np.array(pool_v.astype(mx.float32)),
+        np.array(tables),
+        np.array(context_lens),
+        scale,
+        window,
+        None if q_lens is None else np.array(q_lens),
+    )
+    return mx.array(out.astype(np.float32)).astype(queries.dtype)

@@ -13,14 +13,17 @@ each case on its own, an aligned shared prefix, a longer chunked prefill and pre
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from unittest import mock
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from tests.worker.helpers import TOL, DenseSeq, PagedSeq, max_diff, prompts
+from tests.worker.helpers import TOL, DenseSeq, PagedSeq, max_diff, prompts, reference_kernel
+from worker.model import gpu_attention
 from worker.model.runner import ModelRunner
 
 BS = 8
@@ -31,7 +34,8 @@ NUM_BLOCKS = 64
 class Check:
     """The worst logit difference and the greedy-token mismatches seen so far, and the decode
     path the scenario's runner takes ("blocks", or "kernel": ``worker.model.cpu_decode``;
-    ``ModelRunner.choose_decode_attention`` picks one at start)."""
+    ``ModelRunner.choose_decode_attention`` picks one at start; or "gpu": the NVIDIA GPU's
+    attention routing, the block-table kernel's float64 reference standing in for it)."""
 
     decode: str = "blocks"
     worst: float = 0.0
@@ -244,18 +248,34 @@ class Parity:
 def run_parity(
     model: nn.Module, scenarios: dict[str, Scenario], steps: int, decode: str = "blocks"
 ) -> Parity:
-    """Every scenario on ``model``, decodes by ``decode`` ("blocks" or "kernel")."""
+    """Every scenario on ``model``, decodes by ``decode`` ("blocks", "kernel" or "gpu")."""
     worst = 0.0
     mismatches: list[str] = []
-    for name, scenario in scenarios.items():
-        check = Check(decode)
-        try:
-            scenario(model, steps, check)
-        except Exception as e:  # recorded: the family fails, the sweep goes on
-            return Parity(max(worst, check.worst), tuple(mismatches), f"{name}: {e!r}")
-        worst = max(worst, check.worst)
-        mismatches += [f"{name}/{m}" for m in check.mismatches]
+    with _gpu_routing(decode == "gpu"):
+        for name, scenario in scenarios.items():
+            check = Check(decode)
+            try:
+                scenario(model, steps, check)
+            except Exception as e:  # recorded: the family fails, the sweep goes on
+                return Parity(max(worst, check.worst), tuple(mismatches), f"{name}: {e!r}")
+            worst = max(worst, check.worst)
+            mismatches += [f"{name}/{m}" for m in check.mismatches]
     return Parity(worst, tuple(mismatches), "")
+
+
+@contextlib.contextmanager
+def _gpu_routing(on: bool) -> Iterator[None]:
+    """With ``on``, attention is routed as on an NVIDIA GPU (``block_attention._gpu_sdpa``:
+    decodes to the block-table kernel, prefill chunks to the exact-context path), the kernel's
+    float64 reference standing in for it."""
+    if not on:
+        yield
+        return
+    with (
+        mock.patch.object(gpu_attention, "active", lambda: True),
+        mock.patch.object(gpu_attention, "paged_decode_attention", reference_kernel),
+    ):
+        yield
 
 
 def context_sensitive(model: nn.Module, steps: int = 6) -> bool:

@@ -121,6 +121,17 @@ def test_family_decodes_by_the_cpu_kernel(family):
     assert parity.passed, (parity.max_diff, parity.mismatches[:3], parity.error)
 
 
+@pytest.mark.parametrize("family", _params(FAMILIES))
+def test_family_on_the_gpu_attention_paths(family):
+    """Attention routed as on an NVIDIA GPU (decodes to the block-table kernel, its float64
+    reference standing in; a prefill chunk under an array mask to one causal call per context,
+    ``block_attention.exact_context_attention``) matches dense mlx-lm for every paged family."""
+    if _classified(family).kind != "paged" or _refused(family):
+        pytest.skip("not served paged")
+    parity = _parity(family, False, "gpu")
+    assert parity.passed, (parity.max_diff, parity.mismatches[:3], parity.error)
+
+
 @pytest.mark.sweep
 @pytest.mark.parametrize("family", _params(FAMILIES))
 def test_family_full_sweep(family):

@@ -21,7 +21,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import tests.worker.test_paged_parity as parity
-from tests.worker.helpers import TOL, tiny_model
+from tests.worker.helpers import TOL, reference_kernel, tiny_model
 from worker.model import block_attention, gpu_attention
 from worker.model.forward_batch import ForwardBatch, SeqInput
 from worker.model.kv_pool import KVPool
@@ -222,6 +222,60 @@ def test_kernel_inputs_and_mask_windows():
     assert batch.mask_window("causal") == (False, None)
 
 
+@pytest.mark.parametrize(
+    ("starts", "lens"),
+    [
+        ([0], [5]),  # one chunk from the start, context inside a block
+        ([9, 0, 9, 3], [4, 6, 4, 1]),  # two equal sequences apart: groups out of batch order
+        ([13, 13, 13], [3, 3, 3]),  # followers of one prefix: a single group, no gather
+        ([2, 30, 7], [7, 2, 1]),  # padded rows, a one-query row among chunks
+    ],
+)
+def test_exact_context_attention_equals_sdpa_under_the_mask(starts, lens):
+    """One causal call per (queries, context) group gives what SDPA gives under the batch's
+    array mask on every real row (GQA, fp32); padded rows, whose K/V go to the trash block,
+    get their sequence's last real row."""
+    rng = np.random.default_rng(sum(starts) + 7 * len(lens))
+    bs, h, rep, d = 4, 2, 3, 16
+    tables, nxt = [], 0
+    for st, n in zip(starts, lens, strict=True):
+        need = -(-(st + n) // bs)
+        tables.append(list(range(nxt, nxt + need)))
+        nxt += need
+    seqs = [SeqInput([1] * n, t, st) for st, n, t in zip(starts, lens, tables, strict=True)]
+    batch = ForwardBatch(seqs, bs, nxt)
+    mask = batch.mask(return_array=True)
+    b, nq, kl = batch.size, batch.query_len, batch.key_len
+    q = mx.array(rng.standard_normal((b, h * rep, nq, d)).astype(np.float32) * 2)
+    k, v = (mx.array(rng.standard_normal((b, h, kl, d)).astype(np.float32)) for _ in range(2))
+    assert block_attention._exact_contexts_express(batch, q, k, mask)
+    got = block_attention.exact_context_attention(q, k, v, batch, 0.3)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
+    assert got.shape == want.shape
+    got, want = np.array(got), np.array(want)
+    for i, n in enumerate(lens):
+        assert np.abs(got[i, :, :n] - want[i, :, :n]).max() < 1e-5
+        assert (got[i, :, n:] == got[i, :, n - 1 : n]).all()
+    groups = batch.context_groups()
+    assert batch.context_groups() is groups  # built once a forward
+    assert len(groups.groups) == len(set(zip(starts, lens, strict=True)))
+
+
+def test_exact_context_attention_leaves_what_it_cannot_express():
+    seqs = [SeqInput([1, 2, 3], [0], 0), SeqInput([4, 5], [1, 2], 3)]
+    batch = ForwardBatch(seqs, 4, 8)
+    q = mx.zeros((2, 2, 3, 8))
+    k = mx.zeros((2, 1, batch.key_len, 8))
+    plain, windowed = batch.mask(return_array=True), batch.mask(2)
+    ok = block_attention._exact_contexts_express
+    assert ok(batch, q, k, plain)
+    assert not ok(batch, q, k, windowed)  # a sliding window
+    assert not ok(batch, q, k, mx.array(np.array(plain)))  # equal, not the batch's own
+    assert not ok(batch, q, k, "causal") and not ok(batch, q, k, None)
+    assert not ok(batch, q, k[:, :, :4], plain)  # not the gathered context
+    assert not ok(batch, q[:, :, :2], k, plain)
+
+
 # --- which calls paged_sdpa hands to the kernel -----------------------------------------------
 
 
@@ -237,17 +291,9 @@ class _Spy:
 
         def kernel(queries, pool_k, pool_v, tables, context_lens, scale, window=None, q_lens=None):
             self.kernel.append((tuple(queries.shape), window))
-            out = gpu_attention.reference_attention(
-                np.array(queries.astype(mx.float32)),
-                np.array(pool_k.astype(mx.float32)),
-                np.array(pool_v.astype(mx.float32)),
-                np.array(tables),
-                np.array(context_lens),
-                scale,
-                window,
-                None if q_lens is None else np.array(q_lens),
+            return reference_kernel(
+                queries, pool_k, pool_v, tables, context_lens, scale, window, q_lens
             )
-            return mx.array(out.astype(np.float32)).astype(queries.dtype)
 
         def sdpa(*args, **kwargs):
             self.original += 1
@@ -300,7 +346,7 @@ def test_paged_sdpa_keeps_what_the_kernel_cannot_express_on_mlx_lm_s_path(monkey
     sinks = mx.zeros((q.shape[1],))
     block_attention.paged_sdpa(q, keys, values, cache, 0.25, batch.mask(), sinks=sinks)
     block_attention.paged_sdpa(q2, k2, v2, off, 0.25, off.batch.mask())
-    assert spy.kernel == [] and spy.original == 4
+    assert spy.kernel == [] and spy.original == 4  # decodes: masked SDPA, not per group
 
 
 def test_paged_sdpa_never_calls_the_kernel_on_the_cpu(monkeypatch):
@@ -324,6 +370,13 @@ def test_runner_on_the_kernel_path_matches_dense_mlx_lm(family, monkeypatch):
     """Prefill chunks on mlx-lm's path, decodes (and gemma3's windowed layers) through the
     kernel's interface: greedy tokens and fp32 logits as the dense path."""
     spy = _Spy(monkeypatch, count_original=False)
+    exact = []
+    real = block_attention.exact_context_attention
+    monkeypatch.setattr(
+        block_attention,
+        "exact_context_attention",
+        lambda q, *a: exact.append(q.shape[2]) or real(q, *a),
+    )
     model = tiny_model(family)
     runner = ModelRunner.create(model, block_size=parity.BS, num_blocks=64)
     assert runner.block_attention and runner._streams == ()
@@ -332,6 +385,8 @@ def test_runner_on_the_kernel_path_matches_dense_mlx_lm(family, monkeypatch):
     assert parity._shared_unaligned_prefix(model, runner) <= TOL
     windows = {w for _, w in spy.kernel}
     assert spy.kernel and windows == ({None, 16} if family == "gemma3" else {None})
+    # The four-prompt prefill (5-31 tokens, an array mask) took the exact-context path.
+    assert exact and min(exact) > block_attention.FEW_QUERIES
 
 
 def test_kernel_forwards_build_no_gather(monkeypatch):

@@ -54,10 +54,30 @@ class SeqInput:
         return self.start + len(self.token_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class ContextGroup:
+    """Sequences of a batch that compute ``queries`` queries over ``end`` tokens of context;
+    ``members`` their rows (None: every row of the batch, in order)."""
+
+    queries: int
+    end: int
+    members: mx.array | None
+
+
+@dataclass(frozen=True, slots=True)
+class ContextGroups:
+    """:meth:`ForwardBatch.context_groups`: the groups, and the permutation that puts their
+    rows, concatenated in group order, back in batch order (None: already in order)."""
+
+    groups: tuple[ContextGroup, ...]
+    inverse: mx.array | None
+
+
 class ForwardBatch:
     """Padded token ids, write slots, block tables, offsets and masks for one forward."""
 
     __slots__ = (
+        "_context_groups",
         "_kernel_inputs",
         "_masks",
         "_row_masks",
@@ -129,6 +149,7 @@ class ForwardBatch:
         )
         self._masks: dict[tuple[int | None, bool], Any] = {}
         self._kernel_inputs: tuple[mx.array, mx.array, mx.array] | None = None
+        self._context_groups: ContextGroups | None = None
         self._rows: dict[int, mx.array] = {}
         self._row_masks: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}
 
@@ -210,6 +231,27 @@ class ForwardBatch:
                 mx.array(self.query_lens.astype(np.int32)),
             )
         return self._kernel_inputs
+
+    def context_groups(self) -> ContextGroups:
+        """The batch's sequences grouped by (queries, context length), for attention that
+        runs one exact-length, causal call per group instead of one call under an array mask
+        (``block_attention.exact_context_attention``); built once per forward."""
+        if self._context_groups is None:
+            by_shape: dict[tuple[int, int], list[int]] = {}
+            shapes = zip(self.query_lens.tolist(), self.ends.tolist(), strict=True)
+            for i, key in enumerate(shapes):
+                by_shape.setdefault(key, []).append(i)
+            groups = []
+            for (n, end), members in by_shape.items():
+                whole = len(members) == self.size
+                picked = None if whole else mx.array(np.array(members, dtype=np.int32))
+                groups.append(ContextGroup(n, end, picked))
+            order = [i for members in by_shape.values() for i in members]
+            inverse = None
+            if order != sorted(order):
+                inverse = mx.array(np.argsort(np.array(order)).astype(np.int32))
+            self._context_groups = ContextGroups(tuple(groups), inverse)
+        return self._context_groups
 
     def block_rows(self, n_kv_heads: int, blocks_per_head: int) -> mx.array:
         """Row ids ``[B * heads, key_blocks]`` into a pool viewed as ``[heads * blocks_per_head,
