@@ -7,7 +7,10 @@ sequence's whole blocks into a dense copy (``KVPool.gather``) and runs mlx-lm's 
 (``ForwardBatch.mask``: ``"causal"`` where every sequence ends on a block boundary, else a
 boolean array). Per layer, in microseconds (medians), this script times:
 
-- **gather**: that path as it was (the pool write excluded: every path pays it);
+- **gather**: that path under the mask (the pool write excluded: every path pays it); the
+  gather is ``KVPool.gather``: on an NVIDIA GPU a copy kernel
+  (``gpu_attention.gather_blocks``), elsewhere MLX's indexing (timed alone in the last
+  columns, with a ``take``-based alternative);
 - **exact**: the gathered context without the array mask, one ``"causal"`` call per group of
   sequences with the same queries and context (``block_attention.exact_context_attention``,
   what the worker runs now on an NVIDIA GPU for calls of more than 17 queries);
@@ -135,6 +138,31 @@ def run_case(c: Case, dtype: mx.Dtype, repeat: int, kernel: bool) -> dict[str, f
         k, v = pool.gather(0, batch.tables)
         return block_attention.exact_context_attention(q, k, v, batch, scale)
 
+    def take_gather() -> tuple[mx.array, mx.array]:
+        # One index per block along the pool's block axis, then a view in [B, heads, L, dim]
+        # order (no copy): what KVPool.gather would be with a simpler gather.
+        flat = batch.tables.reshape(-1)
+        h, _, bs, d = k_pool.shape
+        shape = (h, c.batch, batch.key_blocks * bs, d)
+        k, v = (mx.take(p, flat, axis=1).reshape(shape).swapaxes(0, 1) for p in (k_pool, v_pool))
+        return k, v
+
+    def exact_take() -> mx.array:
+        k, v = take_gather()
+        return block_attention.exact_context_attention(q, k, v, batch, scale)
+
+    def gather_only() -> mx.array:
+        return mx.stack(pool.gather(0, batch.tables))
+
+    heads = mx.arange(c.kv_heads)[None, :, None]
+
+    def fancy_only() -> mx.array:  # KVPool.gather before the copy kernel
+        return mx.stack([k_pool[heads, batch.tables], v_pool[heads, batch.tables]])
+
+    def take_only() -> mx.array:
+        k, v = take_gather()
+        return mx.stack([k, v])  # a copy in batch order, as a consumer needing it would make
+
     new = (mx.random.normal((c.batch, c.kv_heads, c.own, c.head_dim)) * 0.5).astype(dtype)
     mx.eval(new)
 
@@ -156,7 +184,14 @@ def run_case(c: Case, dtype: mx.Dtype, repeat: int, kernel: bool) -> dict[str, f
         "exact": timed(exact, repeat, "exact"),
         "dense": timed(dense, repeat, "dense"),
         "write": timed(write, repeat),
+        "exact_take": timed(exact_take, repeat),
+        "gather_only": timed(gather_only, repeat),
+        "take_only": timed(take_only, repeat),
+        "fancy_only": timed(fancy_only, repeat),
     }
+    k_take, _ = take_gather()
+    k_fancy, _ = pool.gather(0, batch.tables)
+    assert mx.array_equal(k_take, k_fancy), "the take gather reads other blocks"
     out.update({f"{k}_cold": v for k, v in COLD.items() if k})
     if not isinstance(mask, str) and mask is not None:
         real = [(i, n) for i, n in enumerate(batch.query_lens.tolist())]
@@ -198,9 +233,10 @@ def main() -> None:
     print(
         "| case | batch x (prefix + own) | mask | gathered MB | gather us | float mask us "
         "| exact us | dense us | gather / dense | float / dense | exact / dense | kernel us "
-        "| kernel / dense | pool write us | first call ms: gather, float, exact, dense |"
+        "| kernel / dense | pool write us | first call ms: gather, float, exact, dense "
+        "| exact over take us | gather alone us | take + copy us | MLX indexing alone us |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in cases:
         r = run_case(c, dtype, 3 if a.cpu_dry_run else a.repeat, kernel)
         k = f"{r['kernel']:,.0f} | {r['kernel'] / r['dense']:.2f}" if "kernel" in r else "- | -"
@@ -213,7 +249,8 @@ def main() -> None:
             + ", ".join(
                 f"{r[n + '_cold'] / 1e3:.1f}" for n in ("gather", "float", "exact", "dense")
             )
-            + " |",
+            + f" | {r['exact_take']:,.0f} | {r['gather_only']:,.0f} | {r['take_only']:,.0f} | "
+            f"{r['fancy_only']:,.0f} |",
             flush=True,
         )
         if r.get("exact_err", 0.0) > 2e-2:

@@ -481,3 +481,24 @@ def test_runner_with_the_kernel_matches_dense_mlx_lm(family):
     runner = ModelRunner.create(model, block_size=parity.BS, num_blocks=64)
     assert runner.block_attention and gpu_attention.active()
     assert parity._batched_prefill_and_decode(model, runner) <= tolerance_for(mx.float32)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+@pytest.mark.parametrize(
+    ("batch", "blocks", "bs", "h", "d"), [(1, 1, 8, 1, 16), (3, 7, 32, 8, 64), (5, 4, 16, 2, 128)]
+)
+def test_block_gather_kernel_equals_indexing(dtype, batch, blocks, bs, h, d):
+    """The copy kernel behind ``KVPool.gather`` on an NVIDIA GPU gives what MLX's indexing
+    gives: shuffled tables, repeated blocks, the trash block."""
+    rng = np.random.default_rng(batch * 31 + blocks)
+    num_blocks = batch * blocks + 3
+    pool = mx.array(rng.standard_normal((h, num_blocks, bs, d)).astype(np.float32)).astype(dtype)
+    tables = rng.integers(0, num_blocks, (batch, blocks)).astype(np.int32)
+    tables[0, -1] = num_blocks - 1
+    assert gpu_attention.gather_supported(pool)
+    got = gpu_attention.gather_blocks(pool, mx.array(tables))
+    heads = mx.arange(h)[None, :, None]
+    want = pool[heads, mx.array(tables)[:, None, :]].reshape(batch, h, blocks * bs, d)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert mx.array_equal(got, want)

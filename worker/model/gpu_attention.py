@@ -611,3 +611,74 @@ def reference_attention(
         p /= p.sum(axis=-1, keepdims=True)
         out[i] = (p @ v).reshape(hq, nq, dv)
     return out
+
+
+# --- gathering whole blocks (prefill over a cached prefix) ------------------------------------
+
+# One thread copies one 16-byte vector of the output [B, H, MB * BS, D]: the sequence, head,
+# table slot and vector follow from its index, the block from the table. MLX's own gather
+# (``pool[heads, tables]``) moved 528 MB at ~130 GB/s on an H100 (4.1 ms: 32 sequences over
+# an 8k prefix, one layer), most of that prefill step's attention time.
+_GATHER_BODY = """
+    const int B = tables_shape[0];
+    const int MB = tables_shape[1];
+    const int H = pool_shape[0];
+    const int NB = pool_shape[1];
+    const int BS = pool_shape[2];
+    const int VEC = pool_shape[3] * (int)sizeof(T) / 16;
+    const long long per_block = (long long)BS * VEC;
+    const long long total = (long long)B * H * MB * per_block;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= total) {
+        return;
+    }
+    const long long inner = i % per_block;
+    long long rest = i / per_block;
+    const int j = (int)(rest % MB);
+    rest /= MB;
+    const int h = (int)(rest % H);
+    const int b = (int)(rest / H);
+    const long long block = tables[(long long)b * MB + j];
+    const uint4* src = reinterpret_cast<const uint4*>(pool);
+    uint4* dst = reinterpret_cast<uint4*>(out);
+    dst[i] = src[((long long)h * NB + block) * per_block + inner];
+"""
+GATHER_THREADS = 256
+
+
+@functools.cache
+def _gather_kernel() -> Callable[..., list[mx.array]]:
+    return mx.fast.cuda_kernel(  # type: ignore[return-value]
+        name="kvserve_gather_blocks",
+        input_names=["pool", "tables"],
+        output_names=["out"],
+        source=_GATHER_BODY,
+    )
+
+
+def gather_supported(pool: mx.array) -> bool:
+    """Whether :func:`gather_blocks` copies this pool: a CUDA GPU, 16-byte rows."""
+    return (
+        cuda_available()
+        and active()
+        and pool.ndim == 4
+        and (pool.shape[-1] * pool.dtype.size) % 16 == 0
+    )
+
+
+def gather_blocks(pool: mx.array, tables: mx.array) -> mx.array:
+    """Whole blocks ``tables`` ``[B, n]`` (int32) of one layer's pool ``[H, blocks, bs, D]``,
+    as a contiguous ``[B, H, n * bs, D]``: what ``pool[heads, tables]`` then a reshape gives,
+    as a copy kernel that moves 16 bytes a thread (:func:`gather_supported`)."""
+    h, _, bs, d = pool.shape
+    b, n = tables.shape
+    total = b * h * n * bs * (d * pool.dtype.size // 16)
+    (out,) = _gather_kernel()(
+        inputs=[pool, tables.astype(mx.int32)],
+        template=[("T", pool.dtype)],
+        grid=(-(-total // GATHER_THREADS) * GATHER_THREADS, 1, 1),
+        threadgroup=(GATHER_THREADS, 1, 1),
+        output_shapes=[(b, h, n * bs, d)],
+        output_dtypes=[pool.dtype],
+    )
+    return out

@@ -27,6 +27,7 @@ import numpy as np
 
 from worker.errors import BatchError, PoolConfigError
 from worker.ids import BlockId
+from worker.model import gpu_attention
 from worker.model.spec import LayerSpec, ModelSpec
 
 DEFAULT_BLOCK_SIZE = 32
@@ -131,9 +132,15 @@ class KVPool:
 
     def gather(self, layer: int, tables: mx.array) -> tuple[mx.array, mx.array]:
         """K and V of whole blocks ``tables`` ``[B, 1, n]``, as contiguous ``[B, heads, n*bs, dim]``."""
-        heads = self._heads[layer]
+        keys, values = self._keys[layer], self._values[layer]
         b, n = tables.shape[0], tables.shape[2]
-        k, v = self._keys[layer][heads, tables], self._values[layer][heads, tables]
+        if gpu_attention.gather_supported(keys) and gpu_attention.gather_supported(values):
+            flat = tables.reshape(b, n)
+            return gpu_attention.gather_blocks(keys, flat), gpu_attention.gather_blocks(
+                values, flat
+            )
+        heads = self._heads[layer]
+        k, v = keys[heads, tables], values[heads, tables]
         return (
             k.reshape(b, k.shape[1], n * self.block_size, k.shape[-1]),
             v.reshape(b, v.shape[1], n * self.block_size, v.shape[-1]),
