@@ -241,6 +241,8 @@ def test_decodes_by_the_cpu_kernel(model, scenario, monkeypatch):
     attention serves (counted: gemma2 computes its own attention, so neither serves it)."""
     if not cpu_decode.available():
         pytest.skip("numba is not installed")
+    if mx.default_device() == mx.gpu:
+        pytest.skip("the CPU kernel serves the CPU: a GPU's attention takes its own route")
     calls = {"kernel": 0, "blocks": 0}
 
     def counted(name, real):
@@ -269,6 +271,14 @@ def test_decodes_by_the_cpu_kernel(model, scenario, monkeypatch):
     assert calls["kernel"] > 0 or model.model_type == "gemma2"
 
 
+# On a GPU the choice is the GPU's (the CUDA kernel, or gather-then-SDPA), made without these
+# CPU measurements: tests/worker/test_gpu_attention.py checks it.
+cpu_only = pytest.mark.skipif(
+    mx.default_device() == mx.gpu, reason="the CPU's decode choice; a GPU makes its own"
+)
+
+
+@cpu_only
 def test_the_decode_attention_choice_is_measured(model):
     runner = _runner(model)
     choice = runner.choose_decode_attention(batch=2, context=16, repeats=1)
@@ -280,6 +290,7 @@ def test_the_decode_attention_choice_is_measured(model):
     assert _runner(model, block_attention=False).choose_decode_attention().path == "gather"
 
 
+@cpu_only
 def test_a_kernel_that_fails_is_left_out_of_the_choice(model, monkeypatch):
     """A compiled kernel that cannot run on this machine (LLVM, numba) never stops a worker:
     the choice is made between the MLX paths."""

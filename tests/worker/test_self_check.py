@@ -15,6 +15,7 @@ from kvserve_launch.startup import ModelUnavailable
 from kvserve_model.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from tests.worker.helpers import FAMILIES, TOL, tiny_model
 from worker.config import WorkerConfig
+from worker.model import gpu_attention
 from worker.model import spec as model_spec
 from worker.model.forward_batch import ForwardBatch
 from worker.model.loader import LoadedModel, load_model
@@ -30,7 +31,11 @@ def default_model(tmp_path_factory) -> LoadedModel:
 
 
 def _ignore_padding(monkeypatch) -> None:
-    """A paged path that forgets its padding: the mask a batch of equal sequences would get."""
+    """A paged path that forgets its padding: the mask a batch of equal sequences would get.
+    On an NVIDIA GPU the block-table kernel, which computes its masks from positions, would
+    serve every forward of the check correctly even so: it is switched off, so that the GPU
+    takes the masked path this breaks."""
+    monkeypatch.setenv(gpu_attention.ENV_SWITCH, "0")
     monkeypatch.setattr(
         ForwardBatch,
         "_build_mask",
@@ -129,6 +134,7 @@ def test_fp32_run_as_tf32_gets_the_tolerance_of_its_mantissa(monkeypatch):
     from worker.model import self_check
 
     monkeypatch.delenv("MLX_ENABLE_TF32", raising=False)  # MLX's default (tests/conftest sets 0)
+    monkeypatch.setattr(self_check.mx, "default_device", lambda: mx.cpu)
     assert not self_check.tf32_matmuls()  # CPU: real fp32
     assert self_check.tolerance_for(mx.float32, 8.0) == self_check.FP32_TOLERANCE
     monkeypatch.setattr(self_check.mx, "default_device", lambda: mx.gpu)
