@@ -8,10 +8,12 @@ own pool, the situations a batch meets::
     step 1   A: prefix (one full block + 3 tokens)                       prefill from 0
     step 2   A: 4 more tokens after its prefix                          prefill continuing
              B: 6 tokens after A's first block, shared (read in place)  prefill on a reused prefix
-             C: 9 tokens                                                prefill from 0
+             C: 20 tokens                                               prefill from 0
     step 3   A, B, C: one token each                                    decode, contexts differ
 
-and compares every sequence's last logits, at steps 2 and 3, with the same tokens run one
+(C's 20 tokens are more than the 17 queries a sequence the decode kernels take, so step 2 runs
+the batch through the prefill path that serves longer prompts) and compares every sequence's
+last logits, at steps 2 and 3, with the same tokens run one
 sequence at a time through ``make_prompt_cache(model)`` (the dense ``KVCache`` path). A
 difference above the tolerance, or a forward that raises, refuses the model.
 
@@ -136,7 +138,7 @@ def check_paged_parity(
     return SelfCheckResult(max(diffs), tol, time.perf_counter() - t0)
 
 
-_LENGTHS = (4, 6, 9)  # new tokens of A (after the prefix), B (after block 0), C
+_LENGTHS = (4, 6, 20)  # new tokens of A (after the prefix), B (after block 0), C
 
 
 def _tables(bs: int) -> tuple[list[int], list[int], list[int]]:
