@@ -85,14 +85,16 @@ DRY_CASES = [
 ]
 
 
-COLD: dict[str, float] = {}  # the first call of each path in the last case, us
-
-
-def timed(fn: Callable[[], mx.array], repeat: int, name: str = "") -> float:
+def first_call(fn: Callable[[], mx.array]) -> float:
+    """Microseconds of ``fn``'s first call: a new shape, cuDNN builds its graph."""
     start = time.perf_counter()
-    mx.eval(fn())  # a new shape: cuDNN builds its graph, kernels compile
-    COLD[name] = (time.perf_counter() - start) * 1e6
-    for _ in range(2):
+    mx.eval(fn())
+    return (time.perf_counter() - start) * 1e6
+
+
+def timed(fn: Callable[[], mx.array], repeat: int) -> float:
+    """Median microseconds of ``fn`` after three calls to warm it."""
+    for _ in range(3):
         mx.eval(fn())
     times = []
     for _ in range(repeat):
@@ -102,7 +104,9 @@ def timed(fn: Callable[[], mx.array], repeat: int, name: str = "") -> float:
     return statistics.median(times) * 1e6
 
 
-def run_case(c: Case, dtype: mx.Dtype, repeat: int, kernel: bool) -> dict[str, float]:
+def run_case(c: Case, dtype: mx.Dtype, repeat: int, kernel: bool) -> tuple[dict[str, float], bool]:
+    """Per-layer microseconds of each path (``*_cold``: first calls), and whether the batch's
+    mask is an array."""
     rng = np.random.default_rng(c.batch * 100_003 + c.prefix + c.own)
     ctx = c.prefix + c.own
     per_seq = -(-ctx // BLOCK_SIZE)
@@ -178,21 +182,21 @@ def run_case(c: Case, dtype: mx.Dtype, repeat: int, kernel: bool) -> dict[str, f
             q, k, v, scale=scale, mask=mask if additive is None else additive
         )
 
-    out = {
-        "gather": timed(gathered, repeat, "gather"),
-        "float": timed(float_mask, repeat, "float"),
-        "exact": timed(exact, repeat, "exact"),
-        "dense": timed(dense, repeat, "dense"),
-        "write": timed(write, repeat),
-        "exact_take": timed(exact_take, repeat),
-        "gather_only": timed(gather_only, repeat),
-        "take_only": timed(take_only, repeat),
-        "fancy_only": timed(fancy_only, repeat),
-    }
+    paths = {"gather": gathered, "float": float_mask, "exact": exact, "dense": dense}
+    out = {f"{name}_cold": first_call(fn) for name, fn in paths.items()}
+    out.update({name: timed(fn, repeat) for name, fn in paths.items()})
+    out.update(
+        {
+            "write": timed(write, repeat),
+            "exact_take": timed(exact_take, repeat),
+            "gather_only": timed(gather_only, repeat),
+            "take_only": timed(take_only, repeat),
+            "fancy_only": timed(fancy_only, repeat),
+        }
+    )
     k_take, _ = take_gather()
     k_fancy, _ = pool.gather(0, batch.tables)
     assert mx.array_equal(k_take, k_fancy), "the take gather reads other blocks"
-    out.update({f"{k}_cold": v for k, v in COLD.items() if k})
     if not isinstance(mask, str) and mask is not None:
         real = [(i, n) for i, n in enumerate(batch.query_lens.tolist())]
         got, want = exact(), gathered()
@@ -213,8 +217,7 @@ def run_case(c: Case, dtype: mx.Dtype, repeat: int, kernel: bool) -> dict[str, f
         out["kernel"] = timed(block_table, repeat)
     gathered_bytes = 2 * c.batch * per_seq * BLOCK_SIZE * c.kv_heads * c.head_dim * dtype.size
     out["gathered_mb"] = gathered_bytes / 1e6
-    out["mask"] = 0.0 if isinstance(mask, str) or mask is None else 1.0
-    return out
+    return out, isinstance(mask, mx.array)
 
 
 def main() -> None:
@@ -238,11 +241,11 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in cases:
-        r = run_case(c, dtype, 3 if a.cpu_dry_run else a.repeat, kernel)
+        r, masked = run_case(c, dtype, 3 if a.cpu_dry_run else a.repeat, kernel)
         k = f"{r['kernel']:,.0f} | {r['kernel'] / r['dense']:.2f}" if "kernel" in r else "- | -"
         print(
             f"| {c.name} | {c.batch} x ({c.prefix:,} + {c.own:,}) | "
-            f"{'array' if r['mask'] else 'causal'} | {r['gathered_mb']:,.0f} | "
+            f"{'array' if masked else 'causal'} | {r['gathered_mb']:,.0f} | "
             f"{r['gather']:,.0f} | {r['float']:,.0f} | {r['exact']:,.0f} | {r['dense']:,.0f} | "
             f"{r['gather'] / r['dense']:.2f} | {r['float'] / r['dense']:.2f} | "
             f"{r['exact'] / r['dense']:.2f} | {k} | {r['write']:,.0f} | "
