@@ -30,12 +30,16 @@ a short prefill chunk) and one-pass or split-then-merge (long contexts, few sequ
 2 s each with NVRTC (H100, MLX 0.32.4). A long-prefix burst met the split kernels first in the
 decode right after its first request's prefill, and the requests waiting on that prefix
 waited those seconds too. So the warm-up also runs forwards of 1, 2, 3 and 5 queries over one
-block and over many (:data:`KERNEL_QUERIES`): every variant a request can reach.
+block and over many (:data:`KERNEL_QUERIES`): every variant a request can reach; and a
+24-token prefill chunk over a short and a 512-token context, the block-table prefill kernel's
+one-pass and split variants (``worker.model.gpu_prefill``: about 3 s each to compile).
 
 Not covered: mlx-lm's compiled samplers bake ``temperature``, ``top_p`` and ``min_p`` into the
 kernel as constants, so each new value compiles one more small kernel on first use (CPU: about
-0.5 s, once per machine); and on a GPU, prefill shapes other than the ones run here still build
-their cuDNN attention graph on first use.
+0.5 s, once per machine). On a GPU, prefill chunks take the block-table prefill kernel, which
+takes shapes as arguments; cuDNN builds a graph (40-85 ms on an H100) only for a prefill shape
+seen before (``gpu_prefill.ShapeHistory``), or for one the kernel does not serve (fp32, head
+dims other than 64 and 128).
 """
 
 from __future__ import annotations
@@ -60,6 +64,10 @@ MAX_DECODE_SIZES = 8
 # ``gpu_attention.rows_per_tile``); each runs over a short and a long context (one pass, split).
 KERNEL_QUERIES = (1, 2, 3, 5)
 KERNEL_LONG_BLOCKS = 16  # a context this long splits (``gpu_attention.choose_splits``)
+# A prefill chunk past the decode kernel's 17 queries, over one short and one long context:
+# the block-table prefill kernel's one-pass and split variants (``worker.model.gpu_prefill``).
+PREFILL_KERNEL_QUERIES = 24
+PREFILL_LONG_TOKENS = 512  # eight key tiles of 64: a single sequence's chunk splits
 WARMUP_TEXT = "Warm-up: the quick brown fox jumps over the lazy dog. 0123456789"
 
 
@@ -184,6 +192,14 @@ def plan(
                 if n > max_step_tokens or end < n + 1 or span < 1:
                     continue
                 seq = SeqInput(tokens(n, 5 + n), list(range(span)), end - n)
+                steps.append(WarmupForward((seq,), (), rows(1), kernel=True))
+        n = PREFILL_KERNEL_QUERIES
+        short = blocks(n + 1)
+        long = min(num_blocks, (max_context - 1) // bs, max(short, blocks(PREFILL_LONG_TOKENS)))
+        for span in sorted({short, long}):
+            end = span * bs
+            if n <= max_step_tokens and n + 1 <= end < max_context and span <= num_blocks:
+                seq = SeqInput(tokens(n, 31 + span), list(range(span)), end - n)
                 steps.append(WarmupForward((seq,), (), rows(1), kernel=True))
     return steps
 

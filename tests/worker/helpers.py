@@ -88,10 +88,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
 FAMILIES = tuple(CONFIGS)
 
 
-def tiny_model(family: str, seed: int = 0) -> nn.Module:
+def tiny_model(family: str, seed: int = 0, **overrides: Any) -> nn.Module:
     """An fp32 model of ``family`` with seeded weights, scaled so greedy decoding wanders
-    over the vocabulary instead of settling into a two-token loop."""
-    config = CONFIGS[family]
+    over the vocabulary instead of settling into a two-token loop; ``overrides`` change its
+    config (wider heads, say)."""
+    config = {**CONFIGS[family], **overrides}
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     rng = np.random.default_rng(seed)

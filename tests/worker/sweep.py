@@ -23,7 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 from tests.worker.helpers import TOL, DenseSeq, PagedSeq, max_diff, prompts, reference_kernel
-from worker.model import gpu_attention
+from worker.model import gpu_attention, gpu_prefill
 from worker.model.runner import ModelRunner
 
 BS = 8
@@ -266,14 +266,20 @@ def run_parity(
 @contextlib.contextmanager
 def _gpu_routing(on: bool) -> Iterator[None]:
     """With ``on``, attention is routed as on an NVIDIA GPU (``block_attention._gpu_sdpa``:
-    decodes to the block-table kernel, prefill chunks to the exact-context path), the kernel's
-    float64 reference standing in for it."""
+    decodes to the block-table kernel, prefill chunks to the block-table prefill kernel, or
+    to the exact-context path once their shapes recur), the kernels' float64 reference
+    standing in for both, the prefill kernel's dtype and head-dim limits opened to the tiny
+    fp32 models."""
     if not on:
         yield
         return
     with (
         mock.patch.object(gpu_attention, "active", lambda: True),
         mock.patch.object(gpu_attention, "paged_decode_attention", reference_kernel),
+        mock.patch.object(gpu_prefill, "paged_prefill_attention", reference_kernel),
+        mock.patch.object(gpu_prefill, "DTYPES", (*gpu_prefill.DTYPES, mx.float32)),
+        mock.patch.object(gpu_prefill, "HEAD_DIMS", tuple(range(8, 257, 8))),
+        mock.patch.object(gpu_prefill, "HISTORY", gpu_prefill.ShapeHistory()),
     ):
         yield
 

@@ -126,9 +126,10 @@ def test_family_decodes_by_the_cpu_kernel(family):
 
 @pytest.mark.parametrize("family", _params(FAMILIES))
 def test_family_on_the_gpu_attention_paths(family):
-    """Attention routed as on an NVIDIA GPU (decodes to the block-table kernel, its float64
-    reference standing in; a prefill chunk under an array mask to one causal call per context,
-    ``block_attention.exact_context_attention``) matches dense mlx-lm for every paged family."""
+    """Attention routed as on an NVIDIA GPU (decodes to the block-table kernel; prefill
+    chunks to the block-table prefill kernel, or once their shapes recur to one causal call
+    per context, ``block_attention.exact_context_attention``; the kernels' float64 reference
+    standing in) matches dense mlx-lm for every paged family."""
     if _classified(family).kind != "paged" or _refused(family):
         pytest.skip("not served paged")
     parity = _parity(family, False, "gpu")

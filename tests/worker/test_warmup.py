@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.model import gpu_attention
+from worker.model import gpu_attention, gpu_prefill
 from worker.model.forward_batch import ForwardBatch
 from worker.warmup import decode_sizes, plan
 
@@ -120,3 +120,27 @@ def test_the_gpu_plan_compiles_every_kernel_variant_a_request_can_reach(heads, r
         block_size=bs, num_blocks=90000, max_batch_size=32, max_step_tokens=2048,
         max_context=131072, vocab_size=100,
     ))  # fmt: skip
+
+
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize(("heads", "rep"), [(1, 1), (8, 4), (8, 8), (32, 1)])
+def test_the_gpu_plan_compiles_the_prefill_kernel_s_variants(bs, heads, rep) -> None:
+    """The block-table prefill kernel's one-pass and split variants are each launched by a
+    warm-up forward of more queries than the decode kernel takes."""
+    steps = plan(
+        block_size=bs,
+        num_blocks=90000,
+        max_batch_size=32,
+        max_step_tokens=2048,
+        max_context=131072,
+        vocab_size=100,
+        kernel_variants=True,
+    )
+    splits = set()
+    for s in steps:
+        nq = max(len(i.token_ids) for i in s.inputs)
+        if s.kernel and nq > gpu_attention.MAX_QUERIES:
+            width = max(-(-i.end // bs) for i in s.inputs)
+            n = gpu_prefill.choose_splits(len(s.inputs), heads, rep, nq, width * bs, None)
+            splits.add(n > 1)
+    assert splits == {False, True}

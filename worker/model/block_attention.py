@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
-from worker.model import cpu_attention, cpu_decode, cpu_math, gpu_attention
+from worker.model import cpu_attention, cpu_decode, cpu_math, gpu_attention, gpu_prefill
 from worker.model.forward_batch import ForwardBatch
 from worker.model.paged_cache import PagedLayerCache
 
@@ -246,9 +246,84 @@ def _gpu_sdpa(
         if cache.stand_ins:  # the fetched K/V stand in for the context: gather it now
             keys, values = cache.gather()
             cache.served = True
-    if queries.shape[2] > FEW_QUERIES and _exact_contexts_express(cache.batch, queries, keys, mask):
-        return exact_context_attention(queries, keys, values, cache.batch, scale)
+    if queries.shape[2] > FEW_QUERIES:
+        out = _gpu_prefill(queries, keys, values, cache, scale, mask)
+        if out is not None:
+            return out
+        if _exact_contexts_express(cache.batch, queries, keys, mask):
+            return exact_context_attention(queries, keys, values, cache.batch, scale)
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask)
+
+
+def _gpu_prefill(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: PagedLayerCache,
+    scale: float,
+    mask: Any,
+) -> mx.array | None:
+    """A prefill chunk through the block-table prefill kernel (``worker.model.gpu_prefill``),
+    or None to leave it to cuDNN over the gathered context: where the kernel does not serve
+    the call (its dtypes and head dims; keys the model changed after fetching them; a mask it
+    cannot rebuild), or where every cuDNN call the forward would make has a shape that
+    recurred (``gpu_prefill.ShapeHistory``), decided once per forward."""
+    batch = cache.batch
+    fetched = cache.fetched()
+    n = queries.shape[2]
+    if (
+        not gpu_prefill.active()
+        or fetched is None
+        or keys is not fetched[0]
+        or values is not fetched[1]
+        or batch.query_len != n
+    ):
+        return None
+    known, window = _kernel_window(batch, mask, n)
+    pool_k, pool_v = cache.pool.layer_arrays(cache.layer)
+    if not known or not gpu_prefill.supports(queries, pool_k, pool_v):
+        return None
+    if batch.prefill_kernel is None:
+        cudnn = window is None and (
+            isinstance(mask, str) or _exact_contexts_express(batch, queries, keys, mask)
+        )
+        batch.prefill_kernel = not (
+            cudnn and gpu_prefill.HISTORY.recurring(cudnn_shapes(batch, queries, keys, mask))
+        )
+    if not batch.prefill_kernel:
+        return None
+    tables, ends, query_lens = batch.kernel_inputs()
+    return gpu_prefill.paged_prefill_attention(
+        queries, pool_k, pool_v, tables, ends, scale, window, query_lens
+    )
+
+
+def cudnn_shapes(
+    batch: ForwardBatch, queries: mx.array, keys: mx.array, mask: Any
+) -> list[tuple[int | str, ...]]:
+    """The (batch, query heads, queries, KV heads, keys, keys allocated, head dim, dtype) of
+    each SDPA call that the gather-then-cuDNN path makes for this forward: one over the whole
+    gathered context under a string mask, else one per context group of
+    :func:`exact_context_attention` (cuDNN keys its graphs on shapes and strides)."""
+    _, hq, n, d = queries.shape
+    hk, whole = keys.shape[1], keys.shape[2]
+    tag = (hq, hk, d, str(queries.dtype))
+    if isinstance(mask, str):
+        return [(batch.size, n, whole, whole, *tag)]
+    return [(size, q, end, whole, *tag) for size, q, end in _exact_calls(batch, whole)]
+
+
+def _exact_calls(batch: ForwardBatch, whole_keys: int) -> list[tuple[int, int, int]]:
+    """(sequences, queries, keys) of each call :func:`exact_context_attention` makes, group by
+    group: a first chunk's queries and keys run to the end of its last block."""
+    calls = []
+    for g in batch.context_groups().groups:
+        size = batch.size if g.members is None else g.members.shape[0]
+        end = g.end
+        if 1 < g.queries == g.end:
+            end = min(-(-g.end // batch.block_size) * batch.block_size, whole_keys)
+        calls.append((size, g.queries + end - g.end, end))
+    return calls
 
 
 def _exact_contexts_express(batch: ForwardBatch, queries: mx.array, keys: Any, mask: Any) -> bool:
@@ -294,15 +369,13 @@ def exact_context_attention(
     whole_keys = keys.shape[2]
     plan = batch.context_groups()
     outs = []
-    for g in plan.groups:
+    for g, (_, _, end) in zip(plan.groups, _exact_calls(batch, whole_keys), strict=True):
         q, k, v = queries, keys, values
         if g.members is not None:
             q, k, v = q[g.members], k[g.members], v[g.members]
-        q, end = q[:, :, : g.queries], g.end
-        if 1 < g.queries == g.end:  # a first chunk (one query: MLX's vector kernel, no graph)
-            end = min(-(-g.end // batch.block_size) * batch.block_size, whole_keys)
-            if end > g.end:
-                q = mx.pad(q, [(0, 0), (0, 0), (0, end - g.end), (0, 0)])
+        q = q[:, :, : g.queries]
+        if end > g.end:  # a first chunk (one query: MLX's vector kernel, no graph)
+            q = mx.pad(q, [(0, 0), (0, 0), (0, end - g.end), (0, 0)])
         if end < whole_keys:
             k, v = k[:, :, :end], v[:, :, :end]
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")

@@ -88,6 +88,7 @@ class ForwardBatch:
         "last_index",
         "mask_rank",
         "offset",
+        "prefill_kernel",
         "query_len",
         "query_lens",
         "size",
@@ -152,6 +153,10 @@ class ForwardBatch:
         self._context_groups: ContextGroups | None = None
         self._rows: dict[int, mx.array] = {}
         self._row_masks: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}
+        self.prefill_kernel: bool | None = None
+        """Whether this forward's prefill attention takes the block-table prefill kernel
+        (``worker.model.gpu_prefill``); decided by the attention hook at its first layer, so
+        that every layer agrees (None: not decided yet)."""
 
     def _tables(self, seqs: Sequence[SeqInput], num_blocks: int) -> np.ndarray:
         """Each sequence's blocks up to its end, padded with the trash block; one numpy

@@ -564,15 +564,31 @@ def paged_decode_attention(
             output_shapes=[(rows, splits, d), (rows, splits, 2)],
             output_dtypes=[mx.float32, mx.float32],
         )
-        (out,) = _kernel(backend, "reduce")(
-            inputs=[o_part, ml_part],
-            template=[("T", dtype), ("D", d)],
-            grid=(rows * d, 1, 1),
-            threadgroup=(d, 1, 1),
-            output_shapes=[(b, hq, nq, d)],
-            output_dtypes=[dtype],
-        )
+        out = reduce_splits(o_part, ml_part, (b, hq, nq, d), dtype, backend)
     return out if queries.dtype == dtype else out.astype(queries.dtype)
+
+
+def reduce_splits(
+    o_part: mx.array,
+    ml_part: mx.array,
+    shape: tuple[int, int, int, int],
+    dtype: mx.Dtype,
+    backend: str = "cuda",
+) -> mx.array:
+    """Merge split-K partial outputs ``o_part`` ``[rows, S, D]`` and their (max, sum)
+    ``ml_part`` ``[rows, S, 2]`` (fp32, base-2 scores) into ``shape`` ``[B, Hq, Nq, D]`` of
+    ``dtype``; rows are ``(b * Hq + head) * Nq + query``. Shared with the prefill kernel
+    (``worker.model.gpu_prefill``)."""
+    d = shape[-1]
+    (out,) = _kernel(backend, "reduce")(
+        inputs=[o_part, ml_part],
+        template=[("T", dtype), ("D", d)],
+        grid=(o_part.shape[0] * d, 1, 1),
+        threadgroup=(d, 1, 1),
+        output_shapes=[shape],
+        output_dtypes=[dtype],
+    )
+    return out
 
 
 def reference_attention(
