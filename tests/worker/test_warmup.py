@@ -144,3 +144,19 @@ def test_the_gpu_plan_compiles_the_prefill_kernel_s_variants(bs, heads, rep) -> 
             n = gpu_prefill.choose_splits(len(s.inputs), heads, rep, nq, width * bs, None)
             splits.add(n > 1)
     assert splits == {False, True}
+
+
+def test_the_gpu_plan_runs_its_first_chunk_twice() -> None:
+    """On a GPU the second sighting of a prefill shape goes to cuDNN: the warm-up's step-size
+    chunk runs twice there, so cuDNN is loaded before the first request (once elsewhere)."""
+    limits = dict(
+        block_size=32,
+        num_blocks=4096,
+        max_batch_size=32,
+        max_step_tokens=2048,
+        max_context=40960,
+        vocab_size=100,
+    )
+    for kernel_variants, times in ((True, 2), (False, 1)):
+        steps = plan(**limits, kernel_variants=kernel_variants)
+        assert sum(s.inputs == steps[0].inputs for s in steps) == times
