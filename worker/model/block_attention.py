@@ -266,8 +266,10 @@ def _gpu_prefill(
     """A prefill chunk through the block-table prefill kernel (``worker.model.gpu_prefill``),
     or None to leave it to cuDNN over the gathered context: where the kernel does not serve
     the call (its dtypes and head dims; keys the model changed after fetching them; a mask it
-    cannot rebuild), or where every cuDNN call the forward would make has a shape that
-    recurred (``gpu_prefill.ShapeHistory``), decided once per forward."""
+    cannot rebuild), or, for a windowless layer, where every cuDNN call the forward would make
+    has a shape that recurred (``gpu_prefill.ShapeHistory``), decided once per forward at its
+    first windowless layer. Sliding-window layers always take the kernel: cuDNN would need
+    the array mask there (7-11x its causal kernel)."""
     batch = cache.batch
     fetched = cache.fetched()
     n = queries.shape[2]
@@ -283,15 +285,14 @@ def _gpu_prefill(
     pool_k, pool_v = cache.pool.layer_arrays(cache.layer)
     if not known or not gpu_prefill.supports(queries, pool_k, pool_v):
         return None
-    if batch.prefill_kernel is None:
-        cudnn = window is None and (
-            isinstance(mask, str) or _exact_contexts_express(batch, queries, keys, mask)
-        )
-        batch.prefill_kernel = not (
-            cudnn and gpu_prefill.HISTORY.recurring(cudnn_shapes(batch, queries, keys, mask))
-        )
-    if not batch.prefill_kernel:
-        return None
+    if window is None:  # (a windowed layer has no cuDNN path without an array mask)
+        if batch.prefill_kernel is None:
+            cudnn = isinstance(mask, str) or _exact_contexts_express(batch, queries, keys, mask)
+            batch.prefill_kernel = not (
+                cudnn and gpu_prefill.HISTORY.recurring(cudnn_shapes(batch, queries, keys, mask))
+            )
+        if not batch.prefill_kernel:
+            return None
     tables, ends, query_lens = batch.kernel_inputs()
     return gpu_prefill.paged_prefill_attention(
         queries, pool_k, pool_v, tables, ends, scale, window, query_lens
