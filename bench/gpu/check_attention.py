@@ -41,7 +41,7 @@ import mlx.core as mx
 import numpy as np
 from bench_models import gpu_name  # type: ignore[import-not-found]
 
-from worker.model import gpu_attention
+from worker.model import gpu_attention, gpu_prefill
 from worker.model.forward_batch import ForwardBatch, SeqInput
 
 # Largest abs error accepted against float64, as a fraction of max(1, max |reference|).
@@ -459,7 +459,8 @@ def main() -> int:
 
 
 def _stand_in_for_the_kernel() -> None:
-    """--cpu-dry-run: the float64 reference plays the kernel, and the runner takes its path."""
+    """--cpu-dry-run: the float64 reference plays both kernels (decode and prefill), and the
+    runner takes their paths."""
 
     def kernel(q, pool_k, pool_v, tables, ends, scale, window=None, q_lens=None, splits=None):
         out = gpu_attention.reference_attention(
@@ -469,6 +470,7 @@ def _stand_in_for_the_kernel() -> None:
         return mx.array(out.astype(np.float32)).astype(q.dtype)
 
     gpu_attention.paged_decode_attention = kernel  # type: ignore[assignment]
+    gpu_prefill.paged_prefill_attention = kernel  # type: ignore[assignment]
     gpu_attention.active = lambda: True  # type: ignore[assignment]
 
 

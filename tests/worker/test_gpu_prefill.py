@@ -249,3 +249,39 @@ def test_the_self_check_passes_through_the_kernel(family, dtype, monkeypatch):
     result = check_paged_parity(model)
     assert result.ok, result
     assert calls
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_both_kernels_launch_one_pass_or_split_then_reduce(splits, monkeypatch):
+    """The launch both kernels share (``gpu_attention.launch``), with the kernels stood in
+    for: which variants run, with which grids and output shapes, on any machine."""
+    calls = []
+
+    def stand_in(*names):
+        def call(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            calls.append((names[-1], grid, threadgroup, output_shapes, output_dtypes))
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+
+        return call
+
+    monkeypatch.setattr(gpu_attention, "_kernel", stand_in)
+    monkeypatch.setattr(gpu_prefill, "_kernel", stand_in)
+    q = mx.zeros((3, 8, 40, 64), mx.float32)
+    pool = mx.zeros((2, 20, 16, 64), mx.float16)
+    tables, ends = mx.zeros((3, 6), mx.int32), mx.full((3,), 90, mx.int32)
+    out = gpu_prefill.paged_prefill_attention(q, pool, pool, tables, ends, 0.1, splits=splits)
+    assert out.shape == q.shape and out.dtype == mx.float32  # the queries' dtype back
+    want = ["single"] if splits == 1 else ["partial", "reduce"]
+    assert [c[0] for c in calls] == want
+    assert calls[0][1] == (128 * 3 * 2 * splits, 3, 1) and calls[0][2] == (128, 1, 1)
+    if splits > 1:
+        rows = 3 * 8 * 40
+        assert calls[0][3] == [(rows, splits, 64), (rows, splits, 2)]
+        assert calls[1][1] == (rows * 64, 1, 1) and calls[1][3] == [(3, 8, 40, 64)]
+    else:
+        assert calls[0][3] == [(3, 8, 40, 64)] and calls[0][4] == [mx.float16]
+    calls.clear()
+    out = gpu_attention.paged_decode_attention(
+        q[:, :, :1], pool, pool, tables, ends, 0.1, splits=splits
+    )
+    assert out.shape == (3, 8, 1, 64) and [c[0] for c in calls] == want

@@ -476,7 +476,8 @@ _CACHE_SIZE = 256
 _small: OrderedDict[tuple[Any, ...], mx.array] = OrderedDict()
 
 
-def _cached(key: tuple[Any, ...], make: Callable[[], mx.array]) -> mx.array:
+def cached_array(key: tuple[Any, ...], make: Callable[[], mx.array]) -> mx.array:
+    """A small per-call input (kernel parameters, default query lengths), made once."""
     arr = _small.get(key)
     if arr is None:
         arr = _small[key] = make()
@@ -528,8 +529,8 @@ def paged_decode_attention(
         key_blocks = visible_blocks(tables.shape[1], bs, nq, window)
         splits = choose_splits(b * h * tiles, key_blocks, nw)
     if query_lens is None:
-        query_lens = _cached(("q_lens", b, nq), lambda: mx.full((b,), nq, dtype=mx.int32))
-    params = _cached(
+        query_lens = cached_array(("q_lens", b, nq), lambda: mx.full((b,), nq, dtype=mx.int32))
+    params = cached_array(
         ("params", scale, window),
         lambda: mx.array([scale * LOG2E, float(window or 0)], dtype=mx.float32),
     )
@@ -544,28 +545,49 @@ def paged_decode_attention(
     ]
     inputs = [q, pool_k, pool_v, tables, context_lens, query_lens, params]
     grid = (32 * nw * b * h * splits, tiles, 1)
-    threads = (32 * nw, 1, 1)
+    out = launch(
+        functools.partial(_kernel, backend), inputs, template, grid, 32 * nw, splits, backend
+    )
+    return out if queries.dtype == dtype else out.astype(queries.dtype)
+
+
+def launch(
+    kernel: Callable[[str], Callable[..., list[mx.array]]],
+    inputs: list[mx.array],
+    template: list[tuple[str, Any]],
+    grid: tuple[int, int, int],
+    threads: int,
+    splits: int,
+    backend: str = "cuda",
+) -> mx.array:
+    """Run an attention kernel over the queries ``inputs[0]`` ``[B, Hq, Nq, D]`` and the pool
+    ``inputs[1]``: its one-pass variant (``kernel("single")``, normalized output in the pool's
+    dtype) with one split, else its ``kernel("partial")`` variant (fp32 partial outputs and
+    their (max, sum) per split) and :func:`reduce_splits`. Shared with the prefill kernel
+    (``worker.model.gpu_prefill``)."""
+    shape = tuple(inputs[0].shape)
+    dtype = inputs[1].dtype
     if splits == 1:
-        (out,) = _kernel(backend, "single")(
+        (out,) = kernel("single")(
             inputs=inputs,
             template=template,
             grid=grid,
-            threadgroup=threads,
-            output_shapes=[(b, hq, nq, d)],
+            threadgroup=(threads, 1, 1),
+            output_shapes=[shape],
             output_dtypes=[dtype],
         )
-    else:
-        rows = b * hq * nq
-        o_part, ml_part = _kernel(backend, "partial")(
-            inputs=inputs,
-            template=template,
-            grid=grid,
-            threadgroup=threads,
-            output_shapes=[(rows, splits, d), (rows, splits, 2)],
-            output_dtypes=[mx.float32, mx.float32],
-        )
-        out = reduce_splits(o_part, ml_part, (b, hq, nq, d), dtype, backend)
-    return out if queries.dtype == dtype else out.astype(queries.dtype)
+        return out
+    b, hq, nq, d = shape
+    rows = b * hq * nq
+    o_part, ml_part = kernel("partial")(
+        inputs=inputs,
+        template=template,
+        grid=grid,
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(rows, splits, d), (rows, splits, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    return reduce_splits(o_part, ml_part, (b, hq, nq, d), dtype, backend)
 
 
 def reduce_splits(

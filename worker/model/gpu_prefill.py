@@ -42,6 +42,7 @@ import functools
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import mlx.core as mx
 
@@ -451,33 +452,18 @@ def paged_prefill_attention(
     if splits is None:
         splits = choose_splits(b, h, rep, nq, tables.shape[1] * bs, window)
     if query_lens is None:
-        query_lens = mx.full((b,), nq, dtype=mx.int32)
-    params = mx.array([scale * gpu_attention.LOG2E, float(window or 0)], dtype=mx.float32)
+        query_lens = gpu_attention.cached_array(
+            ("q_lens", b, nq), lambda: mx.full((b,), nq, dtype=mx.int32)
+        )
+    params = gpu_attention.cached_array(
+        ("params", scale, window),
+        lambda: mx.array([scale * gpu_attention.LOG2E, float(window or 0)], dtype=mx.float32),
+    )
     q = queries.astype(dtype)
-    template = [("T", dtype), ("D", d), ("BS", bs), ("REP", rep)]
+    template: list[tuple[str, Any]] = [("T", dtype), ("D", d), ("BS", bs), ("REP", rep)]
     inputs = [q, pool_k, pool_v, tables, context_lens, query_lens, params]
     grid = (32 * WARPS * b * h * splits, tiles, 1)
-    threads = (32 * WARPS, 1, 1)
-    if splits == 1:
-        (out,) = _kernel("single")(
-            inputs=inputs,
-            template=template,
-            grid=grid,
-            threadgroup=threads,
-            output_shapes=[(b, hq, nq, d)],
-            output_dtypes=[dtype],
-        )
-    else:
-        rows = b * hq * nq
-        o_part, ml_part = _kernel("partial")(
-            inputs=inputs,
-            template=template,
-            grid=grid,
-            threadgroup=threads,
-            output_shapes=[(rows, splits, d), (rows, splits, 2)],
-            output_dtypes=[mx.float32, mx.float32],
-        )
-        out = gpu_attention.reduce_splits(o_part, ml_part, (b, hq, nq, d), dtype)
+    out = gpu_attention.launch(_kernel, inputs, template, grid, 32 * WARPS, splits)
     return out if queries.dtype == dtype else out.astype(queries.dtype)
 
 
