@@ -16,7 +16,10 @@
     SDPA on contiguous K/V and against gather-then-SDPA; then a sweep of the split count.
 (c) greedy tokens: tiny random models of several families (``tests/worker/helpers.py``) and a
     larger llama (head dim 128, GQA 4, fp16) through the worker's ``ModelRunner`` with the
-    kernel, against mlx-lm's dense path, decodes and 5-token verify forwards.
+    kernel, against mlx-lm's dense path, decodes and 5-token verify forwards (in fp16 its
+    prefill takes the block-table prefill kernel, ``worker.model.gpu_prefill``).
+(d) the prefill kernel against the float64 reference on its own cases, then its speed and
+    first calls (``prefill_kernel.py``, which also runs alone; ``--skip-prefill`` leaves it out).
 
 Usage (on the GPU machine): ``python3 bench/gpu/check_attention.py [--skip-bench]``; exits
 non-zero if any check fails. ``--cpu-dry-run`` runs the script's own logic on a CPU with the
@@ -438,6 +441,7 @@ def main() -> int:
     parser.add_argument("--stop", type=int, default=1000, help="correctness cases before this")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--skip-greedy", action="store_true")
+    parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     small = args.cpu_dry_run
@@ -454,6 +458,14 @@ def main() -> int:
         bench(small)
     if not args.skip_greedy:
         ok &= greedy(small)
+    if not args.skip_prefill and not small:
+        import prefill_kernel  # type: ignore[import-not-found]  # (bench/gpu, beside this file)
+
+        print("\n## (d) the block-table prefill kernel\n")
+        ok &= prefill_kernel.check()
+        if not args.skip_bench:
+            prefill_kernel.first_calls()
+            prefill_kernel.bench(20)
     print("\nALL CHECKS PASSED" if ok else "\nSOME CHECKS FAILED")
     return 0 if ok else 1
 
