@@ -104,12 +104,10 @@ def timed(fn: Callable[[], mx.array], repeat: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def run_case(c: Case, dtype: mx.Dtype, repeat: int, kernel: bool) -> tuple[dict[str, float], bool]:
-    """Per-layer microseconds of each path (``*_cold``: first calls), and whether the batch's
-    mask is an array."""
-    rng = np.random.default_rng(c.batch * 100_003 + c.prefix + c.own)
-    ctx = c.prefix + c.own
-    per_seq = -(-ctx // BLOCK_SIZE)
+def paged_case(c: Case, dtype: mx.Dtype, rng: np.random.Generator) -> tuple[KVPool, ForwardBatch]:
+    """A one-layer pool of random K/V holding ``c``'s contexts in shuffled blocks (followers
+    share the prefix's blocks), and the forward batch of its own tokens."""
+    per_seq = -(-(c.prefix + c.own) // BLOCK_SIZE)
     shared_blocks = c.prefix // BLOCK_SIZE if c.shared else 0
     own_blocks = per_seq - shared_blocks
     num_blocks = shared_blocks + c.batch * own_blocks
@@ -122,7 +120,17 @@ def run_case(c: Case, dtype: mx.Dtype, repeat: int, kernel: bool) -> tuple[dict[
     v_pool[...] = mx.random.normal(v_pool.shape).astype(dtype)
     mx.eval(k_pool, v_pool)
     seqs = [SeqInput([1] * c.own, t, c.prefix) for t in tables]
-    batch = ForwardBatch(seqs, BLOCK_SIZE, num_blocks)
+    return pool, ForwardBatch(seqs, BLOCK_SIZE, num_blocks)
+
+
+def run_case(c: Case, dtype: mx.Dtype, repeat: int, kernel: bool) -> tuple[dict[str, float], bool]:
+    """Per-layer microseconds of each path (``*_cold``: first calls), and whether the batch's
+    mask is an array."""
+    rng = np.random.default_rng(c.batch * 100_003 + c.prefix + c.own)
+    ctx = c.prefix + c.own
+    per_seq = -(-ctx // BLOCK_SIZE)
+    pool, batch = paged_case(c, dtype, rng)
+    k_pool, v_pool = pool.layer_arrays(0)
     mask = batch.mask()
     q = (mx.random.normal((c.batch, c.heads, c.own, c.head_dim)) * 2.0).astype(dtype)
     scale = c.head_dim**-0.5

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx.core as mx
 import numpy as np
 from bench_models import gpu_name  # type: ignore[import-not-found]
-from prefill_attention import BLOCK_SIZE, CASES, timed  # type: ignore[import-not-found]
+from prefill_attention import BLOCK_SIZE, CASES, paged_case, timed  # type: ignore[import-not-found]
 
 from worker.model import block_attention, gpu_attention, gpu_prefill
 from worker.model.forward_batch import ForwardBatch, SeqInput
@@ -127,22 +127,9 @@ def bench(repeat: int) -> None:
 
 
 def bench_case(c, repeat: int, dtype: mx.Dtype) -> None:  # type: ignore[no-untyped-def]
-    rng = np.random.default_rng(c.batch * 7 + c.prefix)
     ctx = c.prefix + c.own
-    per_seq = -(-ctx // BLOCK_SIZE)
-    shared = c.prefix // BLOCK_SIZE if c.shared else 0
-    own_blocks = per_seq - shared
-    num_blocks = shared + c.batch * own_blocks
-    order = rng.permutation(num_blocks).tolist()
-    common, rest = order[:shared], order[shared:]
-    tables = [common + rest[i * own_blocks : (i + 1) * own_blocks] for i in range(c.batch)]
-    pool = KVPool([LayerSpec(c.kv_heads, c.head_dim, c.head_dim)], num_blocks, BLOCK_SIZE, dtype)
+    pool, batch = paged_case(c, dtype, np.random.default_rng(c.batch * 7 + c.prefix))
     k_pool, v_pool = pool.layer_arrays(0)
-    k_pool[...] = (mx.random.normal(k_pool.shape) * 0.5).astype(dtype)
-    v_pool[...] = mx.random.normal(v_pool.shape).astype(dtype)
-    batch = ForwardBatch(
-        [SeqInput([1] * c.own, t, c.prefix) for t in tables], BLOCK_SIZE, num_blocks
-    )
     q = (mx.random.normal((c.batch, c.heads, c.own, c.head_dim)) * 2.0).astype(dtype)
     kd = (mx.random.normal((c.batch, c.kv_heads, ctx, c.head_dim)) * 0.5).astype(dtype)
     vd = mx.random.normal((c.batch, c.kv_heads, ctx, c.head_dim)).astype(dtype)
