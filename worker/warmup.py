@@ -190,22 +190,17 @@ def plan(
         # common chunk. Without it the first long prompt after start paid both: the 8k-prefix
         # burst's first token came at 2.2 s instead of 0.5 (H100).
         steps.append(replace(steps[0], kernel=True))
-        long = min(KERNEL_LONG_BLOCKS, num_blocks, (max_context - 1) // bs)
-        for n in KERNEL_QUERIES:
-            for span in sorted({1, long}):
+        most = min(num_blocks, (max_context - 1) // bs)  # blocks a context may span here
+        long = min(KERNEL_LONG_BLOCKS, most)
+        prefill_long = min(most, blocks(PREFILL_LONG_TOKENS))
+        variants = [(n, (1, long)) for n in KERNEL_QUERIES]
+        variants.append((PREFILL_KERNEL_QUERIES, (1, prefill_long)))
+        for n, spans in variants:
+            for span in sorted({max(span, blocks(n + 1)) for span in spans}):
                 end = span * bs
-                if n > max_step_tokens or end < n + 1 or span < 1:
-                    continue
-                seq = SeqInput(tokens(n, 5 + n), list(range(span)), end - n)
-                steps.append(WarmupForward((seq,), (), rows(1), kernel=True))
-        n = PREFILL_KERNEL_QUERIES
-        short = blocks(n + 1)
-        long = min(num_blocks, (max_context - 1) // bs, max(short, blocks(PREFILL_LONG_TOKENS)))
-        for span in sorted({short, long}):
-            end = span * bs
-            if n <= max_step_tokens and n + 1 <= end < max_context and span <= num_blocks:
-                seq = SeqInput(tokens(n, 31 + span), list(range(span)), end - n)
-                steps.append(WarmupForward((seq,), (), rows(1), kernel=True))
+                if n <= max_step_tokens and span <= most:  # its n queries end the context
+                    seq = SeqInput(tokens(n, 5 + n + span), list(range(span)), end - n)
+                    steps.append(WarmupForward((seq,), (), rows(1), kernel=True))
     return steps
 
 

@@ -160,16 +160,25 @@ def _reads_pool(
     sequence), over exactly the K/V its cache fetched, with a mask attention from the pool
     blocks can apply."""
     batch = cache.batch
-    fetched = cache.fetched()
     n = queries.shape[2]
-    if not 1 <= n <= FEW_QUERIES or batch.query_len != n or fetched is None:
+    if not 1 <= n <= FEW_QUERIES or not _over_fetched(cache, queries, keys, values):
         return False
-    if keys is not fetched[0] or values is not fetched[1]:
-        return False  # the model changed the keys after fetching them: use what it passes
     if mask is None or isinstance(mask, str):
         return mask in (None, "causal")
     return (
         mask.ndim == 4 and mask.shape[1:] == (1, n, batch.key_len) and len(mask) in (1, batch.size)
+    )
+
+
+def _over_fetched(cache: PagedLayerCache, queries: mx.array, keys: Any, values: Any) -> bool:
+    """Whether the call computes the batch's queries over exactly the K/V its cache fetched
+    (else the model changed the keys after fetching them: attention must use what it passes)."""
+    fetched = cache.fetched()
+    return (
+        fetched is not None
+        and keys is fetched[0]
+        and values is fetched[1]
+        and cache.batch.query_len == queries.shape[2]
     )
 
 
@@ -271,17 +280,9 @@ def _gpu_prefill(
     first windowless layer. Sliding-window layers always take the kernel: cuDNN would need
     the array mask there (7-11x its causal kernel)."""
     batch = cache.batch
-    fetched = cache.fetched()
-    n = queries.shape[2]
-    if (
-        not gpu_prefill.active()
-        or fetched is None
-        or keys is not fetched[0]
-        or values is not fetched[1]
-        or batch.query_len != n
-    ):
+    if not gpu_prefill.active() or not _over_fetched(cache, queries, keys, values):
         return None
-    known, window = _kernel_window(batch, mask, n)
+    known, window = _kernel_window(batch, mask, queries.shape[2])
     pool_k, pool_v = cache.pool.layer_arrays(cache.layer)
     if not known or not gpu_prefill.supports(queries, pool_k, pool_v):
         return None

@@ -155,8 +155,8 @@ class ForwardBatch:
         self._row_masks: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}
         self.prefill_kernel: bool | None = None
         """Whether this forward's prefill attention takes the block-table prefill kernel
-        (``worker.model.gpu_prefill``); decided by the attention hook at its first layer, so
-        that every layer agrees (None: not decided yet)."""
+        (``worker.model.gpu_prefill``) in its windowless layers; decided by the attention hook
+        at the first of them, so that they all agree (None: not decided yet)."""
 
     def _tables(self, seqs: Sequence[SeqInput], num_blocks: int) -> np.ndarray:
         """Each sequence's blocks up to its end, padded with the trash block; one numpy

@@ -562,11 +562,13 @@ def launch(
 ) -> mx.array:
     """Run an attention kernel over the queries ``inputs[0]`` ``[B, Hq, Nq, D]`` and the pool
     ``inputs[1]``: its one-pass variant (``kernel("single")``, normalized output in the pool's
-    dtype) with one split, else its ``kernel("partial")`` variant (fp32 partial outputs and
-    their (max, sum) per split) and :func:`reduce_splits`. Shared with the prefill kernel
-    (``worker.model.gpu_prefill``)."""
+    dtype) with one split, else its ``kernel("partial")`` variant (fp32 partial outputs
+    ``[rows, S, D]`` and their (max, sum) ``[rows, S, 2]`` in base-2 scores, rows
+    ``(b * Hq + head) * Nq + query``) merged by the ``reduce`` kernel. Shared with the prefill
+    kernel (``worker.model.gpu_prefill``)."""
     shape = tuple(inputs[0].shape)
     dtype = inputs[1].dtype
+    b, hq, nq, d = shape
     if splits == 1:
         (out,) = kernel("single")(
             inputs=inputs,
@@ -577,7 +579,6 @@ def launch(
             output_dtypes=[dtype],
         )
         return out
-    b, hq, nq, d = shape
     rows = b * hq * nq
     o_part, ml_part = kernel("partial")(
         inputs=inputs,
@@ -587,25 +588,10 @@ def launch(
         output_shapes=[(rows, splits, d), (rows, splits, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
-    return reduce_splits(o_part, ml_part, (b, hq, nq, d), dtype, backend)
-
-
-def reduce_splits(
-    o_part: mx.array,
-    ml_part: mx.array,
-    shape: tuple[int, int, int, int],
-    dtype: mx.Dtype,
-    backend: str = "cuda",
-) -> mx.array:
-    """Merge split-K partial outputs ``o_part`` ``[rows, S, D]`` and their (max, sum)
-    ``ml_part`` ``[rows, S, 2]`` (fp32, base-2 scores) into ``shape`` ``[B, Hq, Nq, D]`` of
-    ``dtype``; rows are ``(b * Hq + head) * Nq + query``. Shared with the prefill kernel
-    (``worker.model.gpu_prefill``)."""
-    d = shape[-1]
     (out,) = _kernel(backend, "reduce")(
         inputs=[o_part, ml_part],
         template=[("T", dtype), ("D", d)],
-        grid=(o_part.shape[0] * d, 1, 1),
+        grid=(rows * d, 1, 1),
         threadgroup=(d, 1, 1),
         output_shapes=[shape],
         output_dtypes=[dtype],
