@@ -40,6 +40,7 @@ from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from worker.config import WorkerConfig
 from worker.device_defaults import MIB, Device, WorkerLimits, choose_limits
 from worker.errors import BatchError
+from worker.model import mlx_fixes
 from worker.model.forward_batch import SeqInput
 from worker.model.self_check import FP32_TOLERANCE, DenseSequence, SelfCheckResult, tolerance_for
 from worker.model.spec import LayerSpec, ModelSpec, cache_leaves, describe_caches
@@ -137,6 +138,7 @@ class DenseRunner:
         self._block_size = block_size
         self._num_blocks = num_blocks
         self._caches: dict[int, _SeqCache] = {}
+        mlx_fixes.install()  # kernels a device computes wrong (CUDA: sorted gather_mm)
 
     @property
     def block_size(self) -> int:

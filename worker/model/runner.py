@@ -24,7 +24,7 @@ import numpy as np
 
 from worker.errors import BatchError, PoolConfigError
 from worker.model import block_attention as block_attention_hook
-from worker.model import cpu_decode, cpu_math, gpu_attention
+from worker.model import cpu_decode, cpu_math, gpu_attention, mlx_fixes
 from worker.model.forward_batch import ForwardBatch, SeqInput
 from worker.model.kv_pool import DEFAULT_BLOCK_SIZE, KVPool
 from worker.model.paged_cache import PagedLayerCache
@@ -78,6 +78,7 @@ class ModelRunner:
         self._stand_ins = True
         if mx.default_device() == mx.cpu:
             cpu_math.install(model)  # MLX's CPU exp is ~5x slower than its multiplies
+        mlx_fixes.install()  # kernels a device computes wrong (CUDA: sorted gather_mm)
         if block_attention:
             block_attention_hook.install(model)
             if not gpu_attention.active():  # the CPU path splits attention over streams

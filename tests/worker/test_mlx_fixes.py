@@ -1,0 +1,143 @@
+"""The workaround for MLX's sorted ``gather_mm`` on CUDA (``worker.model.mlx_fixes``).
+
+On the CPU: which calls the wrapper sends unsorted, that dropping the sort hint leaves an MoE
+layer's result unchanged, and that every runner installs it where CUDA is. The ``cuda`` test
+reproduces the wrong kernel and checks the worker's call against the CPU (run on an H100).
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+from tests.worker.helpers import tiny_model
+from worker.model import gpu_attention, mlx_fixes
+from worker.model.runner import ModelRunner
+
+cuda = pytest.mark.skipif(
+    not gpu_attention.cuda_available(), reason="needs an NVIDIA GPU (MLX's CUDA backend)"
+)
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    was = mlx_fixes.installed()
+    yield
+    if not was:
+        mlx_fixes.uninstall()
+
+
+def _recorder():
+    calls = []
+
+    def op(*args, **kw):
+        calls.append(kw)
+        return mx.zeros((1,))
+
+    return op, calls
+
+
+@pytest.mark.parametrize("on_cuda", [True, False])
+def test_sorted_calls_run_unsorted_only_on_cuda(on_cuda):
+    op, calls = _recorder()
+    wrapped = mlx_fixes.unsorted_on_cuda(op)
+    with mock.patch.object(mlx_fixes, "_on_cuda", lambda stream: on_cuda):
+        wrapped(1, 2, rhs_indices=3, sorted_indices=True)
+        wrapped(1, 2, rhs_indices=3)
+    assert [c["sorted_indices"] for c in calls] == [not on_cuda, False]
+    assert all(c["rhs_indices"] == 3 for c in calls)
+
+
+def test_the_device_a_call_runs_on():
+    with mock.patch.object(gpu_attention, "cuda_available", lambda: True):
+        assert not mlx_fixes._on_cuda(None)  # this machine's default device is the CPU
+        assert not mlx_fixes._on_cuda(mx.cpu)
+        assert not mlx_fixes._on_cuda(mx.default_stream(mx.cpu))
+        assert mlx_fixes._on_cuda(mx.gpu)
+        assert mlx_fixes._on_cuda(mx.Device(mx.gpu))
+    with mock.patch.object(gpu_attention, "cuda_available", lambda: False):
+        assert not mlx_fixes._on_cuda(mx.gpu)  # Metal: MLX's sorted kernel is kept
+
+
+def test_install_is_once_per_process_and_only_with_cuda(monkeypatch):
+    mlx_fixes.uninstall()
+    original = mx.gather_mm
+    with mock.patch.object(gpu_attention, "cuda_available", lambda: False):
+        assert not mlx_fixes.install()
+        assert mx.gather_mm is original
+    with mock.patch.object(gpu_attention, "cuda_available", lambda: True):
+        monkeypatch.setenv("KVSERVE_CUDA_SORTED_GATHER", "1")
+        assert not mlx_fixes.install()
+        assert mx.gather_mm is original
+        monkeypatch.delenv("KVSERVE_CUDA_SORTED_GATHER")
+        assert mlx_fixes.install()
+        wrapped = mx.gather_mm
+        assert wrapped is not original
+        assert mlx_fixes.install() and mx.gather_mm is wrapped  # not wrapped twice
+    mlx_fixes.uninstall()
+    assert mx.gather_mm is original
+
+
+def test_every_runner_installs_it_where_cuda_is():
+    mlx_fixes.uninstall()
+    model = tiny_model("llama", 0)
+    with mock.patch.object(gpu_attention, "cuda_available", lambda: True):
+        ModelRunner.create(model, block_size=16, num_blocks=8)
+    assert mlx_fixes.installed()
+
+
+@pytest.mark.parametrize("layer", ["glu", "mlp"])
+def test_a_moe_layer_is_unchanged_when_its_sort_is_dropped(layer):
+    """mlx-lm's MoE layers sort at 64+ (token, expert) pairs; the unsorted kernel must give
+    the same result, the premise of the workaround."""
+    mx.random.seed(3)
+    cls = SwitchGLU if layer == "glu" else SwitchMLP
+    m = cls(32, 48, 4, bias=True)
+    m.update(
+        {k: mx.random.normal(v.shape) * 0.2 for k, v in _flat(m.parameters()).items()},
+        strict=False,
+    )
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((40, 32)).astype(np.float32))
+    idx = mx.array(rng.integers(0, 4, (40, 2)).astype(np.uint32))  # 80 pairs: sorted
+    sorted_out = m(x, idx)
+    mlx_fixes.uninstall()
+    mx.gather_mm = mlx_fixes.unsorted_on_cuda(mx.gather_mm)
+    with mock.patch.object(mlx_fixes, "_on_cuda", lambda stream: True):
+        unsorted_out = m(x, idx)
+    assert float(mx.max(mx.abs(sorted_out - unsorted_out))) < 1e-5
+
+
+def _flat(params, prefix=""):
+    out = {}
+    for k, v in params.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@cuda
+@pytest.mark.parametrize("shape", [(4, 81, 256, 64), (4, 81, 128, 64), (8, 150, 1024, 512)])
+def test_the_workers_gather_is_right_on_cuda(shape):
+    """MLX's sorted kernel reads memory it did not write (wrong after the buffer cache is
+    dirtied); the worker's call, through the workaround, matches the CPU."""
+    experts, tokens, k, n = shape
+    rng = np.random.default_rng(1)
+    idx = np.sort(rng.integers(0, experts, tokens * 2).astype(np.uint32))
+    x = mx.array(rng.standard_normal((tokens * 2, 1, k)).astype(np.float32))
+    w = mx.array((rng.standard_normal((experts, n, k)) / np.sqrt(k)).astype(np.float32))
+    rhs = mx.array(idx)
+    with mx.stream(mx.cpu):
+        ref = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=rhs)
+        mx.eval(ref)
+    assert mlx_fixes.install()
+    for _ in range(3):
+        mlx_fixes.dirty_buffer_cache()
+        out = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=rhs, sorted_indices=True)
+        assert float(mx.max(mx.abs(out - ref))) < 1e-4 * float(mx.max(mx.abs(ref)))
