@@ -17,7 +17,9 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from tests.worker import families, sweep
 from tests.worker.helpers import tiny_model
 from worker.model import gpu_attention, mlx_fixes
+from worker.model.dense_runner import DenseRunner, check_dense_parity, estimate_state
 from worker.model.runner import ModelRunner
+from worker.model.self_check import check_paged_parity
 
 cuda = pytest.mark.skipif(
     not gpu_attention.cuda_available(), reason="needs an NVIDIA GPU (MLX's CUDA backend)"
@@ -156,3 +158,42 @@ def test_moe_families_match_dense_on_dirty_memory_on_cuda():
         mlx_fixes.dirty_buffer_cache()
         parity = sweep.run_parity(model, sweep.FULL, 6)
         assert parity.passed, (family, parity.max_diff, parity.mismatches[:3], parity.error)
+
+
+def test_the_start_up_checks_run_on_dirty_memory():
+    """Both start-up parity checks dirty the buffer cache before their first forward, so a
+    kernel of this device that reads memory it did not write fails them (the sorted
+    gather_mm did, on the paged side's batched MoE rows), and give the memory back after."""
+    events: list[str] = []
+    real_dirty = mlx_fixes.dirty_buffer_cache
+
+    def dirty(*args, **kw):
+        events.append("dirty")
+        real_dirty(*args, **kw)
+
+    def spy(cls, name):
+        real = getattr(cls, name)
+
+        def call(self, *args, **kw):
+            events.append(name)
+            return real(self, *args, **kw)
+
+        return mock.patch.object(cls, name, call)
+
+    paged = tiny_model("llama", 0)
+    recurrent = families.classify("mamba").model
+    assert recurrent is not None
+    with (
+        mock.patch.object(mlx_fixes, "dirty_buffer_cache", dirty),
+        mock.patch.object(mx, "clear_cache", lambda: events.append("clear")),
+        spy(ModelRunner, "forward"),
+        spy(DenseRunner, "forward"),
+    ):
+        assert check_paged_parity(paged).ok
+        assert events[0] == "dirty" and events[1] == "forward" and events[-1] == "clear"
+        events.clear()
+        runner = DenseRunner(
+            recurrent, estimate_state(recurrent), block_size=sweep.BS, num_blocks=8
+        )
+        assert check_dense_parity(recurrent, runner).ok
+        assert events[0] == "dirty" and events[1] == "forward" and events[-1] == "clear"

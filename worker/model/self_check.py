@@ -35,6 +35,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from worker.errors import UnsupportedModelError
+from worker.model import mlx_fixes
 from worker.model.forward_batch import SeqInput
 from worker.model.runner import ModelRunner
 
@@ -128,12 +129,17 @@ def check_paged_parity(
     if runner is None or runner.num_blocks < blocks:
         runner = ModelRunner.create(model, block_size=block_size, num_blocks=blocks)
     plan = _Plan.make(block_size, runner.spec.vocab_size, tables)
+    # Recycled memory first: a kernel of this device that reads memory it did not write shows
+    # (mlx-cuda's sorted gather_mm did, on the paged side's batched MoE rows only).
+    mlx_fixes.dirty_buffer_cache()
     try:
         diffs, scale = plan.compare(model, runner)
     except Exception as e:  # whatever the model raises on the paged or the dense path
         message = str(e).splitlines()[0] if str(e) else ""
         error = f"{type(e).__name__}: {message}" if message else type(e).__name__
         return SelfCheckResult(float("inf"), tolerance or 0.0, time.perf_counter() - t0, error)
+    finally:
+        mx.clear_cache()
     tol = tolerance if tolerance is not None else tolerance_for(runner.spec.dtype, scale)
     return SelfCheckResult(max(diffs), tol, time.perf_counter() - t0)
 
