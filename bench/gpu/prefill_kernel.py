@@ -31,7 +31,7 @@ import numpy as np
 from bench_models import gpu_name  # type: ignore[import-not-found]
 from prefill_attention import BLOCK_SIZE, CASES, paged_case, timed  # type: ignore[import-not-found]
 
-from worker.model import block_attention, gpu_attention, gpu_prefill
+from worker.model import block_attention, gpu_attention, gpu_prefill, mlx_fixes
 from worker.model.forward_batch import ForwardBatch, SeqInput
 from worker.model.kv_pool import KVPool
 from worker.model.spec import LayerSpec
@@ -95,6 +95,8 @@ def check() -> bool:
         batch, pool_k, pool_v, q = random_case(rng, starts, own, d, rep, bs, dtype)
         tables, ends, q_lens = batch.kernel_inputs()
         scale = d**-0.5
+        mx.eval(q, pool_k, pool_v, tables, ends, q_lens)
+        mlx_fixes.dirty_buffer_cache()  # an output the kernel leaves unwritten shows
         got = gpu_prefill.paged_prefill_attention(
             q, pool_k, pool_v, tables, ends, scale, window, q_lens, splits=splits
         )

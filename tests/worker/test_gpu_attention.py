@@ -22,7 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import tests.worker.test_paged_parity as parity
 from tests.worker.helpers import TOL, reference_kernel, tiny_model
-from worker.model import block_attention, gpu_attention
+from worker.model import block_attention, gpu_attention, mlx_fixes
 from worker.model.forward_batch import ForwardBatch, SeqInput
 from worker.model.kv_pool import KVPool
 from worker.model.paged_cache import PagedLayerCache
@@ -462,6 +462,8 @@ def test_kernel_matches_the_reference(dtype, lengths, nq, q_lens, window, d, rep
     pool_k, pool_v, q = pool_k.astype(dtype), pool_v.astype(dtype), q.astype(dtype)
     tables, ends, query_lens = batch.kernel_inputs()
     scale = d**-0.5
+    mx.eval(q, pool_k, pool_v, tables, ends, query_lens)
+    mlx_fixes.dirty_buffer_cache()  # an output the kernel leaves unwritten shows
     got = gpu_attention.paged_decode_attention(
         q, pool_k, pool_v, tables, ends, scale, window, query_lens
     )

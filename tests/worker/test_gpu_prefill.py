@@ -17,7 +17,7 @@ import pytest
 import tests.worker.test_paged_parity as parity
 from tests.worker.helpers import TOL, reference_kernel, tiny_model
 from tests.worker.test_gpu_attention import _random_case
-from worker.model import block_attention, gpu_attention, gpu_prefill
+from worker.model import block_attention, gpu_attention, gpu_prefill, mlx_fixes
 from worker.model.forward_batch import ForwardBatch, SeqInput
 from worker.model.kv_pool import KVPool
 from worker.model.paged_cache import PagedLayerCache
@@ -215,6 +215,8 @@ def test_kernel_matches_the_reference(dtype, lengths, q_lens, window, d, rep, bs
     pool_k, pool_v, q = pool_k.astype(dtype), pool_v.astype(dtype), q.astype(dtype)
     tables, ends, query_lens = batch.kernel_inputs()
     scale = d**-0.5
+    mx.eval(q, pool_k, pool_v, tables, ends, query_lens)
+    mlx_fixes.dirty_buffer_cache()  # an output the kernel leaves unwritten shows
     got = gpu_prefill.paged_prefill_attention(
         q, pool_k, pool_v, tables, ends, scale, window, query_lens, splits=splits
     )
