@@ -10,6 +10,7 @@ from __future__ import annotations
 from unittest import mock
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
@@ -68,21 +69,21 @@ def test_the_device_a_call_runs_on():
 
 def test_install_is_once_per_process_and_only_with_cuda(monkeypatch):
     mlx_fixes.uninstall()
-    original = mx.gather_mm
+    originals = (mx.gather_mm, mx.gather_qmm)
     with mock.patch.object(gpu_attention, "cuda_available", lambda: False):
         assert not mlx_fixes.install()
-        assert mx.gather_mm is original
+        assert (mx.gather_mm, mx.gather_qmm) == originals
     with mock.patch.object(gpu_attention, "cuda_available", lambda: True):
         monkeypatch.setenv("KVSERVE_CUDA_SORTED_GATHER", "1")
         assert not mlx_fixes.install()
-        assert mx.gather_mm is original
+        assert (mx.gather_mm, mx.gather_qmm) == originals
         monkeypatch.delenv("KVSERVE_CUDA_SORTED_GATHER")
         assert mlx_fixes.install()
-        wrapped = mx.gather_mm
-        assert wrapped is not original
-        assert mlx_fixes.install() and mx.gather_mm is wrapped  # not wrapped twice
+        wrapped = (mx.gather_mm, mx.gather_qmm)
+        assert wrapped[0] is not originals[0] and wrapped[1] is not originals[1]
+        assert mlx_fixes.install() and (mx.gather_mm, mx.gather_qmm) == wrapped  # once
     mlx_fixes.uninstall()
-    assert mx.gather_mm is original
+    assert (mx.gather_mm, mx.gather_qmm) == originals
 
 
 def test_every_runner_installs_it_where_cuda_is():
@@ -93,25 +94,34 @@ def test_every_runner_installs_it_where_cuda_is():
     assert mlx_fixes.installed()
 
 
+@pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("layer", ["glu", "mlp"])
-def test_a_moe_layer_is_unchanged_when_its_sort_is_dropped(layer):
-    """mlx-lm's MoE layers sort at 64+ (token, expert) pairs; the unsorted kernel must give
-    the same result, the premise of the workaround."""
+def test_a_moe_layer_is_unchanged_when_its_sort_is_dropped(layer, quantized):
+    """mlx-lm's MoE layers sort at 64+ (token, expert) pairs; the unsorted kernels (gather_mm,
+    and gather_qmm for quantized experts) must give the same result, the premise of the
+    workaround."""
     mx.random.seed(3)
     cls = SwitchGLU if layer == "glu" else SwitchMLP
-    m = cls(32, 48, 4, bias=True)
+    m = cls(64, 128, 4, bias=True)
     m.update(
         {k: mx.random.normal(v.shape) * 0.2 for k, v in _flat(m.parameters()).items()},
         strict=False,
     )
+    if quantized:
+        nn.quantize(m, group_size=32, bits=4)
+    calls: list[bool] = []
     rng = np.random.default_rng(0)
-    x = mx.array(rng.standard_normal((40, 32)).astype(np.float32))
+    x = mx.array(rng.standard_normal((40, 64)).astype(np.float32))
     idx = mx.array(rng.integers(0, 4, (40, 2)).astype(np.uint32))  # 80 pairs: sorted
     sorted_out = m(x, idx)
-    mlx_fixes.uninstall()
-    mx.gather_mm = mlx_fixes.unsorted_on_cuda(mx.gather_mm)
-    with mock.patch.object(mlx_fixes, "_on_cuda", lambda stream: True):
+    with (
+        mock.patch.object(gpu_attention, "cuda_available", lambda: True),
+        mock.patch.object(mlx_fixes, "_on_cuda", lambda stream: calls.append(True) or True),
+    ):
+        mlx_fixes.uninstall()
+        assert mlx_fixes.install()
         unsorted_out = m(x, idx)
+    assert len(calls) == (3 if layer == "glu" else 2)  # every projection went unsorted
     assert float(mx.max(mx.abs(sorted_out - unsorted_out))) < 1e-5
 
 

@@ -1,20 +1,23 @@
 """Workarounds for MLX kernels that compute wrong results on a device, installed by every runner.
 
-**Sorted ``gather_mm`` on NVIDIA GPUs.** mlx-lm's mixture-of-experts layers
+**Sorted expert gathers on NVIDIA GPUs.** mlx-lm's mixture-of-experts layers
 (``switch_layers.SwitchGLU`` / ``SwitchMLP``) sort their rows by expert once a forward has 64
-or more (token, expert) pairs and call ``mx.gather_mm(..., sorted_indices=True)``. On MLX's CUDA
-backend (mlx-cuda 0.32.4, a CUTLASS grouped GEMM) that call reads memory it did not write: with
-MLX's buffer cache holding recycled buffers its result is wrong, 8.0 in an output of scale 6
-for phixtral's second expert projection (162 rows, K 256, N 64), while the same call unsorted,
-or on the CPU, is exact (``bench/gpu/moe_gather.py`` reproduces it). It hit any prefill of 32+
-tokens on a top-2 MoE model, dense mlx-lm included, and only after earlier work had left the
-cache dirty: the family sweep failed gpt_oss or phixtral inside a full run and never alone.
+or more (token, expert) pairs and call ``mx.gather_mm(..., sorted_indices=True)`` (quantized
+experts: ``mx.gather_qmm``). On MLX's CUDA backend (mlx-cuda 0.32.4, a CUTLASS grouped GEMM)
+the sorted ``gather_mm`` reads memory it did not write: once earlier work had left MLX's buffer
+cache holding recycled buffers, phixtral's second expert projection (162 rows, K 256, N 64)
+came out 8.0 off on outputs of scale 6, while the same call unsorted, or on the CPU, was exact.
+It hit any prefill of 32+ tokens on a top-2 MoE model, dense mlx-lm included: the family sweep
+failed gpt_oss or phixtral inside every full run on an H100 and never alone. A standalone call
+on fresh inputs (``bench/gpu/moe_gather.py``) was right: the wrong read needs state earlier
+calls leave, and its cause inside MLX is not pinned down (docs/gpu-attention.md).
 
-:func:`install` wraps ``mx.gather_mm`` so that a call bound for a CUDA GPU runs unsorted (the
-path every decode already takes); calls on the CPU, or on Metal, are left as they are.
-``KVSERVE_CUDA_SORTED_GATHER=1`` keeps the sorted kernel (for an MLX that has fixed it: run
-``bench/gpu/moe_gather.py`` first). ``gather_qmm`` (quantized experts) is left alone:
-``bench/gpu/moe_gather.py`` checks it too.
+:func:`install` wraps ``mx.gather_mm`` and ``mx.gather_qmm`` so that a call bound for a CUDA
+GPU runs unsorted (the kernels every decode already takes; the sort is a speed hint, the
+result is the same). The sorted ``gather_qmm`` was not caught wrong, but it may share the
+fault and its unsorted kernel measured as fast (3.71 against 3.73 ms, 64 experts, 3,072 rows,
+4-bit). Calls on the CPU, or on Metal, are left as they are. ``KVSERVE_CUDA_SORTED_GATHER=1``
+keeps the sorted kernels (for an MLX that has fixed them).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def _on_cuda(stream: Any) -> bool:
 
 
 def unsorted_on_cuda(op: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    """``op`` (``mx.gather_mm``'s signature) with ``sorted_indices`` dropped on a CUDA GPU:
+    """``op`` (``mx.gather_mm`` or ``mx.gather_qmm``) with ``sorted_indices`` dropped on a CUDA GPU:
     sorted indices are a speed hint, so the result is the same, computed by the unsorted
     kernel."""
 
@@ -62,25 +65,33 @@ def unsorted_on_cuda(op: Callable[..., mx.array]) -> Callable[..., mx.array]:
     return call
 
 
+_OPS = ("gather_mm", "gather_qmm")
+
+
 def install() -> bool:
-    """Route ``mx.gather_mm``'s sorted calls on a CUDA GPU to the unsorted kernel, once per
-    process (every caller looks ``mx.gather_mm`` up at call time, mlx-lm's included). Returns
-    whether the wrapper is in place. No-op without CUDA or with the sorted kernel kept."""
+    """Route the sorted calls of ``mx.gather_mm`` and ``mx.gather_qmm`` on a CUDA GPU to the
+    unsorted kernels, once per process (every caller looks them up on ``mx`` at call time,
+    mlx-lm's included). Returns whether the wrappers are in place. No-op without CUDA or with
+    the sorted kernels kept."""
     if not gpu_attention.cuda_available() or sorted_gather_allowed():
         return installed()
-    if not installed():
-        mx.gather_mm = unsorted_on_cuda(mx.gather_mm)
+    for name in _OPS:
+        op = getattr(mx, name)
+        if not hasattr(op, _WRAPPED):
+            setattr(mx, name, unsorted_on_cuda(op))
     return True
 
 
 def installed() -> bool:
-    return hasattr(mx.gather_mm, _WRAPPED)
+    return all(hasattr(getattr(mx, name), _WRAPPED) for name in _OPS)
 
 
 def uninstall() -> None:
-    """Put MLX's own ``gather_mm`` back (tests)."""
-    if installed():
-        mx.gather_mm = getattr(mx.gather_mm, _WRAPPED)
+    """Put MLX's own gathers back (tests)."""
+    for name in _OPS:
+        op = getattr(mx, name)
+        if hasattr(op, _WRAPPED):
+            setattr(mx, name, getattr(op, _WRAPPED))
 
 
 def dirty_buffer_cache(value: float = 1e30, max_bytes: int | None = None) -> None:
