@@ -230,6 +230,7 @@ async def running(
             max_batch_size=limits.max_batch_size,
             max_step_tokens=limits.max_step_tokens,
             max_context=max_context,
+            draft_tokens=config.num_draft_tokens,
         )
         log.info("%s", report.describe())
     await engine.start()

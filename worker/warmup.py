@@ -16,7 +16,10 @@ So the warm-up runs, on the model thread and through the executor's own step pat
 chunk of the step size, a batch of two prefill chunks (one continuing a context, an array
 mask, a copy-on-write copy), decodes at batch sizes 1, 2, 4, ... up to the batch limit, and
 sampling (greedy, temperature 1.0 -- the OpenAI default --, seeded with logprobs, top-k with a
-repetition penalty), then tokenizes and detokenizes a little text.
+repetition penalty), a step of two speculative decodes (greedy and temperature: the verify
+forward and ``verify_rows``; with ``--draft-model``, the draft model's prefill and decodes, a
+second model whose kernels and cuDNN graphs would otherwise compile on the first speculative
+request), then tokenizes and detokenizes a little text.
 
 It runs before the pool is registered with the cache service: no lease exists, so every block
 is free to scribble on. Only K/V contents change; which blocks are free is the cache service's
@@ -49,7 +52,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from worker.engine.executor import ModelExecutor, SampleRow
+from worker.engine.executor import ModelExecutor, SampleRow, Speculation
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import TextStream
 from worker.model import gpu_attention
@@ -79,10 +82,28 @@ class WarmupForward:
     copies: tuple[tuple[int, int], ...]
     samplers: tuple[SamplingParams, ...]  # one per input: every row samples
     kernel: bool = False  # there for a GPU kernel variant
+    # Speculative decodes (every input a decode): the drafts each row's verify forward checks,
+    # given (as n-gram speculation gives them), or ``draft_slots`` from the draft model.
+    drafts: tuple[tuple[int, ...], ...] = ()
+    draft_slots: int = 0
+    histories: tuple[tuple[int, ...], ...] = ()  # each row's tokens so far (the draft's input)
 
     @property
     def is_decode(self) -> bool:
         return all(len(s.token_ids) == 1 for s in self.inputs)
+
+    @property
+    def speculative(self) -> bool:
+        return bool(self.drafts or self.draft_slots)
+
+    def verify_inputs(self) -> list[SeqInput]:
+        """The verify forward a speculative step runs: each row's token, then its drafts
+        (placeholders for the draft model's), from the same position."""
+        out = []
+        for i, s in enumerate(self.inputs):
+            drafts = self.drafts[i] if self.drafts else (0,) * self.draft_slots
+            out.append(SeqInput([*s.token_ids, *drafts], s.block_table, s.start, s.seq_key))
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +113,7 @@ class WarmupReport:
     decode_sizes: tuple[int, ...]
     forwards: int
     kernel_forwards: int = 0  # of them, for the GPU kernel's variants
+    speculative_forwards: int = 0  # of them, verifying drafts (n-gram or the draft model's)
 
     def describe(self) -> str:
         sizes = ",".join(map(str, self.decode_sizes)) or "none"
@@ -99,6 +121,7 @@ class WarmupReport:
             f"warm-up: {self.forwards} steps (prefill chunk of {self.prefill_tokens} tokens, "
             f"decode batches {sizes}, "
             + (f"{self.kernel_forwards} for kernel variants, " if self.kernel_forwards else "")
+            + (f"{self.speculative_forwards} speculative, " if self.speculative_forwards else "")
             + f"sampling, detokenizer) in {self.seconds:.2f} s"
         )
 
@@ -138,10 +161,15 @@ def plan(
     max_context: int,
     vocab_size: int,
     kernel_variants: bool = False,
+    draft_tokens: int = 0,
+    draft_model: bool = False,
 ) -> list[WarmupForward]:
     """The warm-up steps for these limits; every block table stays inside the pool, and no two
     sequences of one step write the same block. ``kernel_variants``: also the GPU attention
-    kernel's variants (``KERNEL_QUERIES`` over a short and a long context)."""
+    kernel's variants (``KERNEL_QUERIES`` over a short and a long context). ``draft_tokens``:
+    also a step of speculative decodes verifying that many drafts, a greedy row and a
+    temperature row, drafted by the draft model with ``draft_model`` (its prefill and decodes
+    run too), else given as n-gram speculation gives them."""
     bs = block_size
     sampling = samplers(vocab_size)
 
@@ -184,6 +212,14 @@ def plan(
             table = list(range(i * per_seq, i * per_seq + blocks(start + 1)))
             seqs.append(SeqInput(tokens(1, 4 + i), table, start))
         steps.append(WarmupForward(tuple(seqs), (), rows(size)))
+    if draft_tokens > 0:
+        spec = _speculative_step(
+            bs, num_blocks, max_context, draft_tokens, draft_model, sampling, vocab_size
+        )
+        if spec is not None and sum(len(i.token_ids) for i in spec.verify_inputs()) <= (
+            max_step_tokens
+        ):
+            steps.append(spec)
     if kernel_variants:
         # The first chunk once more: a prefill shape seen before goes to cuDNN
         # (``gpu_prefill.ShapeHistory``), so this loads cuDNN and builds the graph of the most
@@ -204,6 +240,48 @@ def plan(
     return steps
 
 
+WARMUP_SEQ_KEYS = (-1, -2)  # the speculative step's sequences: never a lease id (those are >= 0)
+
+
+def _speculative_step(
+    bs: int,
+    num_blocks: int,
+    max_context: int,
+    k: int,
+    draft_model: bool,
+    sampling: tuple[SamplingParams, ...],
+    vocab_size: int,
+) -> WarmupForward | None:
+    """Two speculative decodes, greedy and temperature 1.0 (``verify_rows`` takes a different
+    path for each), over contexts of a block and a few tokens; None where they do not fit."""
+    inputs, histories, used = [], [], 0
+    for i, key in enumerate(WARMUP_SEQ_KEYS):
+        start = min(bs + 3 + i, max_context - k - 1)
+        if start < 1:
+            return None
+        need = -(-(start + k + 1) // bs)
+        if used + need > num_blocks:
+            return None
+        history = tuple((11 + 3 * i + 5 * j) % vocab_size for j in range(start + 1))
+        inputs.append(SeqInput([history[-1]], list(range(used, used + need)), start, key))
+        histories.append(history)
+        used += need
+    drafts = (
+        ()
+        if draft_model
+        else tuple(tuple((h[-1] + 1 + j) % vocab_size for j in range(k)) for h in histories)
+    )
+    greedy, temperature = sampling[0], sampling[1]
+    return WarmupForward(
+        tuple(inputs),
+        (),
+        (greedy, temperature),
+        drafts=drafts,
+        draft_slots=k if draft_model else 0,
+        histories=tuple(histories),
+    )
+
+
 async def warm_up(
     executor: ModelExecutor,
     tokenizer: Any,
@@ -212,10 +290,13 @@ async def warm_up(
     max_step_tokens: int,
     max_context: int,
     kernel_variants: bool | None = None,
+    draft_tokens: int = 0,
 ) -> WarmupReport:
     """Run :func:`plan` for ``executor``'s pool through the executor's step path, then the
-    tokenizer and a streaming detokenizer. Raises whatever a forward raises: a worker whose
-    model cannot run its own shapes should not say it is ready."""
+    tokenizer and a streaming detokenizer. ``draft_tokens`` (the worker's drafts per step):
+    a speculative step too, on the paged runner, drafted by the executor's draft model if it
+    has one. Raises whatever a forward raises: a worker whose model cannot run its own shapes
+    should not say it is ready."""
     runner = executor.runner
     if kernel_variants is None:  # the paged runner's decodes on the GPU kernel
         kernel_variants = gpu_attention.active() and bool(getattr(runner, "block_decode", False))
@@ -228,20 +309,32 @@ async def warm_up(
         max_context=max_context,
         vocab_size=runner.spec.vocab_size,
         kernel_variants=kernel_variants,
+        draft_tokens=draft_tokens if runner.kind == "paged" else 0,
+        draft_model=executor.draft is not None,
     )
     for step in steps:
         samples = [
             SampleRow(i, RowSampler(p), list(s.token_ids), s.end)
             for i, (s, p) in enumerate(zip(step.inputs, step.samplers, strict=True))
         ]
+        speculations = [
+            Speculation(
+                i,
+                step.drafts[i] if step.drafts else (),
+                step.draft_slots,
+                list(step.histories[i]) if step.draft_slots else [],
+            )
+            for i in range(len(step.inputs) if step.speculative else 0)
+        ]
         t = time.perf_counter()
-        await executor.run_batch(list(step.inputs), list(step.copies), samples)
+        await executor.run_batch(list(step.inputs), list(step.copies), samples, speculations)
         log.debug(
             "warm-up step: %d sequences x %d tokens in %.2f s",
             len(step.inputs),
             max(len(s.token_ids) for s in step.inputs),
             time.perf_counter() - t,
         )
+    await executor.retain(frozenset())  # the draft model's state of the warm-up's sequences
     _warm_tokenizer(tokenizer)
     return WarmupReport(
         seconds=time.perf_counter() - t0,
@@ -249,6 +342,7 @@ async def warm_up(
         decode_sizes=tuple(len(s.inputs) for s in steps if s.is_decode),
         forwards=len(steps),
         kernel_forwards=sum(s.kernel for s in steps),
+        speculative_forwards=sum(s.speculative for s in steps),
     )
 
 

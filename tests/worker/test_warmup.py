@@ -30,10 +30,11 @@ LIMITS = [
 ]
 
 
+@pytest.mark.parametrize(("draft_tokens", "draft_model"), [(0, False), (4, False), (16, True)])
 @pytest.mark.parametrize("kernel_variants", [False, True])
 @pytest.mark.parametrize(("bs", "blocks", "batch", "step", "context"), LIMITS)
 def test_every_step_fits_the_pool_and_the_limits(
-    bs, blocks, batch, step, context, kernel_variants
+    bs, blocks, batch, step, context, kernel_variants, draft_tokens, draft_model
 ) -> None:
     steps = plan(
         block_size=bs,
@@ -43,7 +44,19 @@ def test_every_step_fits_the_pool_and_the_limits(
         max_context=context,
         vocab_size=100,
         kernel_variants=kernel_variants,
+        draft_tokens=draft_tokens,
+        draft_model=draft_model,
     )
+    for s in steps:
+        if s.speculative:  # its verify forward: each row's token and drafts, from one position
+            verify = s.verify_inputs()
+            ForwardBatch(verify, bs, blocks)
+            assert sum(len(i.token_ids) for i in verify) <= step
+            assert all(i.end <= context for i in verify)
+            assert all(len(i.token_ids) == draft_tokens + 1 for i in verify)
+            assert all(0 <= t < 100 for h in s.histories for t in h)
+            assert [h[-1] for h in s.histories] == [i.token_ids[0] for i in s.inputs]
+            assert bool(s.draft_slots) == draft_model and bool(s.drafts) != draft_model
     assert not steps[0].is_decode or step == 1
     assert any(s.is_decode for s in steps)
     for s in steps:
@@ -57,6 +70,20 @@ def test_every_step_fits_the_pool_and_the_limits(
         assert len(s.samplers) == len(s.inputs)
         for src, dst in s.copies:
             assert src != dst and 0 <= src < blocks and 0 <= dst < blocks
+
+
+def test_the_plan_has_a_speculative_step_where_one_fits() -> None:
+    kw = {"num_blocks": 2048, "max_batch_size": 16, "max_context": 4096, "vocab_size": 100}
+    for draft_model in (False, True):
+        steps = plan(
+            block_size=32, max_step_tokens=256, draft_tokens=4, draft_model=draft_model, **kw
+        )
+        assert sum(s.speculative for s in steps) == 1
+    assert not any(s.speculative for s in plan(block_size=32, max_step_tokens=256, **kw))
+    # 2 rows of 17 tokens do not fit a step of 16 tokens: no speculative step, no error
+    assert not any(
+        s.speculative for s in plan(block_size=32, max_step_tokens=16, draft_tokens=16, **kw)
+    )
 
 
 def test_the_default_plan_covers_prefill_decode_and_sampling() -> None:

@@ -193,10 +193,24 @@ class ModelExecutor:
         inputs: list[SeqInput],
         copies: list[tuple[int, int]],
         samples: list[SampleRow],
+        speculations: Sequence[Speculation] = (),
     ) -> list[Sampled | Accepted | RowFailed]:
         """One step as plain inputs (the warm-up drives it too): applies ``copies``, runs
-        ``inputs``, and samples ``samples``, answering in their order."""
-        return (await self._submit(_Job(inputs, copies, samples)))[0]
+        ``inputs`` (``speculations``: those items are speculative decodes), and samples
+        ``samples``, answering in their order."""
+        job = _Job(inputs, copies, samples, speculations=tuple(speculations))
+        return (await self._submit(job))[0]
+
+    async def retain(self, live: frozenset[int]) -> None:
+        """Drop the per-sequence state (the runner's, the draft model's) of every sequence
+        not in ``live``, on the model thread."""
+
+        def drop() -> None:
+            self.runner.retain(live)
+            if self.draft is not None:
+                self.draft.retain(live)
+
+        await asyncio.get_running_loop().run_in_executor(self._thread, drop)
 
     async def _submit(self, job: _Job) -> tuple[list[Sampled | Accepted | RowFailed], ForwardTime]:
         loop = asyncio.get_running_loop()
