@@ -45,6 +45,7 @@ import functools
 import os
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from string import Template
 from typing import Any
 
@@ -514,27 +515,58 @@ def paged_decode_attention(
     they must index ``pool_k``. ``splits`` overrides :func:`choose_splits` (benchmarks).
     ``backend="metal"`` builds the Metal twin: untested on hardware.
     """
-    b, hq, nq, d = queries.shape
-    h, _, bs, _ = pool_k.shape
-    rep = hq // h
-    dtype = pool_k.dtype
-    rt = rows_per_tile(rep, nq)
-    tiles = -(-(rep * nq) // rt)
-    nw = WARPS
-    while nw > 1 and (nw * rt * d + 2 * nw * rt) * 4 > _SMEM_LIMIT[backend]:
-        nw //= 2
     if window is not None and window <= 0:
         raise ValueError(f"window must be positive, got {window}")
-    if splits is None:
-        key_blocks = visible_blocks(tables.shape[1], bs, nq, window)
-        splits = choose_splits(b * h * tiles, key_blocks, nw)
+    dtype = pool_k.dtype
+    plan = _plan(
+        tuple(queries.shape), tuple(pool_k.shape), dtype, tables.shape[1], window, splits, backend
+    )
+    b, _, nq, _ = queries.shape
     if query_lens is None:
         query_lens = cached_array(("q_lens", b, nq), lambda: mx.full((b,), nq, dtype=mx.int32))
     params = cached_array(
         ("params", scale, window),
         lambda: mx.array([scale * LOG2E, float(window or 0)], dtype=mx.float32),
     )
-    q = queries.astype(dtype)
+    inputs = [queries.astype(dtype), pool_k, pool_v, tables, context_lens, query_lens, params]
+    kernel = functools.partial(_kernel, backend)
+    out = launch(kernel, inputs, plan.template, plan.grid, plan.threads, plan.splits, backend)
+    return out if queries.dtype == dtype else out.astype(queries.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """How one call shape launches: the kernel's template arguments, grid and splits."""
+
+    template: list[tuple[str, Any]]
+    grid: tuple[int, int, int]
+    threads: int
+    splits: int
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(
+    q_shape: tuple[int, ...],
+    pool_shape: tuple[int, ...],
+    dtype: mx.Dtype,
+    max_blocks: int,
+    window: int | None,
+    splits: int | None,
+    backend: str,
+) -> _Plan:
+    """The launch of :func:`paged_decode_attention` for these shapes, worked out once: every
+    layer of a forward, and every step of a steady batch, makes the same call (host time is
+    most of a small model's decode step on a GPU)."""
+    b, hq, nq, d = q_shape
+    h, _, bs, _ = pool_shape
+    rep = hq // h
+    rt = rows_per_tile(rep, nq)
+    tiles = -(-(rep * nq) // rt)
+    nw = WARPS
+    while nw > 1 and (nw * rt * d + 2 * nw * rt) * 4 > _SMEM_LIMIT[backend]:
+        nw //= 2
+    if splits is None:
+        splits = choose_splits(b * h * tiles, visible_blocks(max_blocks, bs, nq, window), nw)
     template: list[tuple[str, Any]] = [
         ("T", dtype),
         ("D", d),
@@ -543,12 +575,8 @@ def paged_decode_attention(
         ("BS", bs),
         ("NW", nw),
     ]
-    inputs = [q, pool_k, pool_v, tables, context_lens, query_lens, params]
     grid = (32 * nw * b * h * splits, tiles, 1)
-    out = launch(
-        functools.partial(_kernel, backend), inputs, template, grid, 32 * nw, splits, backend
-    )
-    return out if queries.dtype == dtype else out.astype(queries.dtype)
+    return _Plan(template, grid, 32 * nw, splits)
 
 
 def launch(
