@@ -214,7 +214,14 @@ def plan(
         steps.append(WarmupForward(tuple(seqs), (), rows(size)))
     if draft_tokens > 0:
         spec = _speculative_step(
-            bs, num_blocks, max_context, draft_tokens, draft_model, sampling, vocab_size
+            bs,
+            num_blocks,
+            max_batch_size,
+            max_context,
+            draft_tokens,
+            draft_model,
+            sampling,
+            vocab_size,
         )
         if spec is not None and sum(len(i.token_ids) for i in spec.verify_inputs()) <= (
             max_step_tokens
@@ -246,16 +253,19 @@ WARMUP_SEQ_KEYS = (-1, -2)  # the speculative step's sequences: never a lease id
 def _speculative_step(
     bs: int,
     num_blocks: int,
+    max_batch_size: int,
     max_context: int,
     k: int,
     draft_model: bool,
     sampling: tuple[SamplingParams, ...],
     vocab_size: int,
 ) -> WarmupForward | None:
-    """Two speculative decodes, greedy and temperature 1.0 (``verify_rows`` takes a different
-    path for each), over contexts of a block and a few tokens; None where they do not fit."""
+    """Two speculative decodes (one at a batch limit of one), greedy and temperature 1.0
+    (``verify_rows`` takes a different path for each), over contexts of a block and a few
+    tokens; None where they do not fit."""
     inputs, histories, used = [], [], 0
-    for i, key in enumerate(WARMUP_SEQ_KEYS):
+    keys = WARMUP_SEQ_KEYS[: max(1, max_batch_size)]
+    for i, key in enumerate(keys):
         start = min(bs + 3 + i, max_context - k - 1)
         if start < 1:
             return None
@@ -271,11 +281,10 @@ def _speculative_step(
         if draft_model
         else tuple(tuple((h[-1] + 1 + j) % vocab_size for j in range(k)) for h in histories)
     )
-    greedy, temperature = sampling[0], sampling[1]
     return WarmupForward(
         tuple(inputs),
         (),
-        (greedy, temperature),
+        (sampling[0], sampling[1])[: len(inputs)],  # greedy, temperature 1.0
         drafts=drafts,
         draft_slots=k if draft_model else 0,
         histories=tuple(histories),
@@ -339,7 +348,7 @@ async def warm_up(
     return WarmupReport(
         seconds=time.perf_counter() - t0,
         prefill_tokens=len(steps[0].inputs[0].token_ids),
-        decode_sizes=tuple(len(s.inputs) for s in steps if s.is_decode),
+        decode_sizes=tuple(len(s.inputs) for s in steps if s.is_decode and not s.speculative),
         forwards=len(steps),
         kernel_forwards=sum(s.kernel for s in steps),
         speculative_forwards=sum(s.speculative for s in steps),

@@ -27,6 +27,7 @@ LIMITS = [
     (8, 3, 4, 100, 4096),  # a pool smaller than a step
     (1, 1, 1, 1, 2),  # everything at its minimum
     (32, 64, 8, 512, 48),  # a context shorter than a step
+    (16, 256, 1, 256, 4096),  # one sequence at a time
 ]
 
 
@@ -57,6 +58,7 @@ def test_every_step_fits_the_pool_and_the_limits(
             assert all(0 <= t < 100 for h in s.histories for t in h)
             assert [h[-1] for h in s.histories] == [i.token_ids[0] for i in s.inputs]
             assert bool(s.draft_slots) == draft_model and bool(s.drafts) != draft_model
+            assert len(s.inputs) <= batch
     assert not steps[0].is_decode or step == 1
     assert any(s.is_decode for s in steps)
     for s in steps:
