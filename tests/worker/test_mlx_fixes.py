@@ -1,8 +1,11 @@
-"""The workaround for MLX's sorted ``gather_mm`` on CUDA (``worker.model.mlx_fixes``).
+"""The workaround for MLX's sorted ``gather_mm`` / ``gather_qmm`` on CUDA
+(``worker.model.mlx_fixes``), and the start-up checks' dirty memory.
 
 On the CPU: which calls the wrapper sends unsorted, that dropping the sort hint leaves an MoE
-layer's result unchanged, and that every runner installs it where CUDA is. The ``cuda`` test
-reproduces the wrong kernel and checks the worker's call against the CPU (run on an H100).
+layer's result unchanged (plain and quantized experts), that every runner installs it where
+CUDA is, and that both start-up parity checks run on a dirtied buffer cache. The ``cuda`` tests
+check the worker's call against the CPU on dirty memory, and gpt_oss and phixtral against
+dense mlx-lm on dirty memory, which failed before the workaround.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ cuda = pytest.mark.skipif(
 def _restore():
     was = mlx_fixes.installed()
     yield
-    if not was:
+    if was:
+        mlx_fixes.install()  # as a runner of this process left it (a CUDA machine)
+    else:
         mlx_fixes.uninstall()
 
 
