@@ -59,9 +59,11 @@ document.addEventListener('securitypolicyviolation',
   (e) => window.__csp.push(e.violatedDirective + ' ' + e.blockedURI));
 window.addEventListener('error', (e) => window.__errors.push(String(e.message)));
 """
-# Within one tree node's preview (its first 64 tokens: bytes, with this tokenizer).
-HOSTILE = '<img src=x onerror="window.__pwned=1"><b id=injected>b</b>\u202e!'
-assert len(HOSTILE.encode()) <= 64
+# Exactly two blocks of 32 tokens (bytes, with this tokenizer): one tree node's preview (its
+# first 64 tokens), filled by the prompt alone. (At 62 bytes its second block waited on two
+# sampled tokens, and a request that stopped sooner left the text half shown: a flaky test.)
+HOSTILE = '<img src=x onerror="window.__pwned=1"><b id=injected>b</b>\u202e!!!'
+assert len(HOSTILE.encode()) == 64
 SYSTEMS = [
     "You are the support team's terse assistant. Answer in one line, never apologize. " * 3,
     "You review code. Point out bugs only, with the line they are on, nothing else. " * 3,
