@@ -189,7 +189,8 @@ def check(small: bool, start: int = 0, stop: int = 1000) -> bool:
             gpu_attention.visible_blocks(batch.key_blocks, case.bs, batch.query_len, case.window),
         )
         for splits in (auto, 1 if auto > 1 else min(3, batch.key_blocks)):
-            mlx_fixes.dirty_buffer_cache()  # an output the kernel leaves unwritten shows
+            # An output the kernel leaves unwritten shows.
+            mlx_fixes.dirty_buffer_cache(q, pool_k, pool_v, tables, ends, q_lens)
             got = as_f32(
                 gpu_attention.paged_decode_attention(
                     q, pool_k, pool_v, tables, ends, scale, case.window, q_lens, splits=splits

@@ -63,10 +63,8 @@ def check(case) -> tuple[list[str], bool]:
     _, e, top_k, tokens, k, n, dtype, bits = case
     x, w, idx = case_arrays(e, top_k, tokens, k, n, dtype, 0)
     q = mx.quantize(w, group_size=64, bits=bits) if bits else None
-    mlx_op = (
-        mx.gather_qmm if bits else getattr(mx.gather_mm, "_kvserve_unsorted_on_cuda", mx.gather_mm)
-    )
-    base = getattr(mx.gather_mm, "_kvserve_unsorted_on_cuda", mx.gather_mm)
+    mlx_op = mx.gather_qmm if bits else mlx_fixes.original("gather_mm")
+    base = mlx_fixes.original("gather_mm")
     with mx.stream(mx.cpu):  # the CPU's gather_mm is float32 only
         w_ref = mx.dequantize(*q, group_size=64, bits=bits) if q else w
         ref = call(base, x.astype(mx.float32), w_ref.astype(mx.float32), None, idx, False)
@@ -99,7 +97,7 @@ def speed(case, iters: int = 20) -> tuple[float, float]:
     _, e, top_k, tokens, k, n, dtype, bits = case
     x, w, idx = case_arrays(e, top_k, tokens, k, n, dtype, 1)
     q = mx.quantize(w, group_size=64, bits=bits) if bits else None
-    op = mx.gather_qmm if bits else getattr(mx.gather_mm, "_kvserve_unsorted_on_cuda", mx.gather_mm)
+    op = mx.gather_qmm if bits else mlx_fixes.original("gather_mm")
     out = []
     for sort in (True, False):
         mx.eval(call(op, x, w, q, idx, sort))

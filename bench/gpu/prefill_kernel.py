@@ -95,8 +95,8 @@ def check() -> bool:
         batch, pool_k, pool_v, q = random_case(rng, starts, own, d, rep, bs, dtype)
         tables, ends, q_lens = batch.kernel_inputs()
         scale = d**-0.5
-        mx.eval(q, pool_k, pool_v, tables, ends, q_lens)
-        mlx_fixes.dirty_buffer_cache()  # an output the kernel leaves unwritten shows
+        # An output the kernel leaves unwritten shows.
+        mlx_fixes.dirty_buffer_cache(q, pool_k, pool_v, tables, ends, q_lens)
         got = gpu_prefill.paged_prefill_attention(
             q, pool_k, pool_v, tables, ends, scale, window, q_lens, splits=splits
         )

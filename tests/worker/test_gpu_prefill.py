@@ -215,8 +215,8 @@ def test_kernel_matches_the_reference(dtype, lengths, q_lens, window, d, rep, bs
     pool_k, pool_v, q = pool_k.astype(dtype), pool_v.astype(dtype), q.astype(dtype)
     tables, ends, query_lens = batch.kernel_inputs()
     scale = d**-0.5
-    mx.eval(q, pool_k, pool_v, tables, ends, query_lens)
-    mlx_fixes.dirty_buffer_cache()  # an output the kernel leaves unwritten shows
+    # An output the kernel leaves unwritten shows.
+    mlx_fixes.dirty_buffer_cache(q, pool_k, pool_v, tables, ends, query_lens)
     got = gpu_prefill.paged_prefill_attention(
         q, pool_k, pool_v, tables, ends, scale, window, query_lens, splits=splits
     )

@@ -86,20 +86,28 @@ def installed() -> bool:
     return all(hasattr(getattr(mx, name), _WRAPPED) for name in _OPS)
 
 
+def original(name: str) -> Callable[..., mx.array]:
+    """MLX's own ``mx.<name>``, wrapped or not (benchmarks call the sorted kernel itself)."""
+    op = getattr(mx, name)
+    return getattr(op, _WRAPPED, op)
+
+
 def uninstall() -> None:
     """Put MLX's own gathers back (tests)."""
     for name in _OPS:
-        op = getattr(mx, name)
-        if hasattr(op, _WRAPPED):
-            setattr(mx, name, getattr(op, _WRAPPED))
+        setattr(mx, name, original(name))
 
 
-def dirty_buffer_cache(value: float = 1e30, max_bytes: int | None = None) -> None:
+def dirty_buffer_cache(
+    *inputs: mx.array, value: float = 1e30, max_bytes: int | None = None
+) -> None:
     """Leave MLX's buffer cache full of freed buffers holding ``value``, sizes 16 B to
     ``max_bytes`` (default 64 MiB on a GPU, 4 MiB on the CPU, where filling is slower): a
     kernel that reads memory it never wrote then shows it, where fresh memory (often zeros)
-    can hide such a read. The start-up self-checks and the tests' parity runs call it first;
-    ``mx.clear_cache()`` gives the memory back."""
+    can hide such a read. ``inputs`` (a checked call's) are evaluated first, so that they do
+    not take the dirtied buffers. The start-up self-checks and the tests' parity runs call it
+    first; ``mx.clear_cache()`` gives the memory back."""
+    mx.eval(*inputs)
     if max_bytes is None:
         max_bytes = 1 << (26 if mx.default_device() == mx.gpu else 22)
     keep = []
