@@ -19,7 +19,10 @@ sampling (greedy, temperature 1.0 -- the OpenAI default --, seeded with logprobs
 repetition penalty), a step of two speculative decodes (greedy and temperature: the verify
 forward and ``verify_rows``; with ``--draft-model``, the draft model's prefill and decodes, a
 second model whose kernels and cuDNN graphs would otherwise compile on the first speculative
-request), then tokenizes and detokenizes a little text.
+request), then, where decodes run compiled (``worker.model.compiled_decode``, an NVIDIA GPU),
+traces their graph for every batch and table-width bucket up to the batch and context limits
+(``ModelRunner.prepare_compiled_decodes``: a new shape's trace cost 30-70 ms on this 2-core
+CPU for a 22-layer model), then tokenizes and detokenizes a little text.
 
 It runs before the pool is registered with the cache service: no lease exists, so every block
 is free to scribble on. Only K/V contents change; which blocks are free is the cache service's
@@ -114,6 +117,7 @@ class WarmupReport:
     forwards: int
     kernel_forwards: int = 0  # of them, for the GPU kernel's variants
     speculative_forwards: int = 0  # of them, verifying drafts (n-gram or the draft model's)
+    compiled_shapes: int = 0  # compiled decode shapes traced (worker.model.compiled_decode)
 
     def describe(self) -> str:
         sizes = ",".join(map(str, self.decode_sizes)) or "none"
@@ -122,6 +126,7 @@ class WarmupReport:
             f"decode batches {sizes}, "
             + (f"{self.kernel_forwards} for kernel variants, " if self.kernel_forwards else "")
             + (f"{self.speculative_forwards} speculative, " if self.speculative_forwards else "")
+            + (f"{self.compiled_shapes} compiled decode shapes, " if self.compiled_shapes else "")
             + f"sampling, detokenizer) in {self.seconds:.2f} s"
         )
 
@@ -344,6 +349,9 @@ async def warm_up(
             time.perf_counter() - t,
         )
     await executor.retain(frozenset())  # the draft model's state of the warm-up's sequences
+    # The compiled decode's shapes (an NVIDIA GPU): traced now, not on a request's step.
+    prepare = getattr(runner, "prepare_compiled_decodes", None)
+    compiled = 0 if prepare is None else await executor.call(prepare, max_batch_size, max_context)
     _warm_tokenizer(tokenizer)
     return WarmupReport(
         seconds=time.perf_counter() - t0,
@@ -352,6 +360,7 @@ async def warm_up(
         forwards=len(steps),
         kernel_forwards=sum(s.kernel for s in steps),
         speculative_forwards=sum(s.speculative for s in steps),
+        compiled_shapes=compiled,
     )
 
 

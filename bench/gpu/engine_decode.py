@@ -2,8 +2,9 @@
 cache service and worker on loopback gRPC in this process, 32 greedy requests of 96-token
 prompts (the serving benchmark's decode-heavy shape, without the gateway and HTTP) sent over
 one ``GenerateMany`` call by a client in another process (as the gateway sends them: its work
-must not take the worker's interpreter lock), the worker's decode lookahead off and on,
-alternated, each round with where
+must not take the worker's interpreter lock), the worker's decode forwards uncompiled, compiled
+(``worker.model.compiled_decode``) and compiled with the decode lookahead, alternated, each
+round with where
 its steps' time went (the thread's forward, the loop's postprocess and scheduling); and
 ``batch_generate`` on the same prompts in this process, before and after the worker.
 
@@ -43,7 +44,12 @@ from worker.model.loader import load_model
 from worker.server import running as worker_running
 
 PROMPT = 96
-MODES = {"lookahead off": False, "lookahead on": True}  # mode: the worker's decode lookahead
+# mode: (compiled decode forwards, the decode lookahead)
+MODES = {
+    "uncompiled": (False, False),
+    "compiled": (True, False),
+    "compiled, lookahead": (True, True),
+}
 
 
 class Phases:
@@ -168,7 +174,8 @@ async def serve_and_measure(loaded, args) -> dict[str, list[float]]:
         phases.wrap(engine.scheduler, "schedule", "schedule")
         await one_round(w.address, args.batch, 8)  # first shapes
         for r in range(args.rounds):
-            for mode, lookahead in MODES.items():
+            for mode, (compiled, lookahead) in MODES.items():
+                executor.runner.compile_decodes = compiled  # type: ignore[attr-defined]
                 executor.lookahead = lookahead
                 hits = executor.lookahead_hits
                 steps = engine.stats.steps
@@ -176,10 +183,12 @@ async def serve_and_measure(loaded, args) -> dict[str, list[float]]:
                 rate, n = await one_round(w.address, args.batch, args.out)
                 rates[mode].append(rate)
                 steps = engine.stats.steps - steps
+                compiled_forward = executor.runner.compiled_decode  # type: ignore[attr-defined]
+                traces = compiled_forward.traces if compiled_forward is not None else 0
                 print(
                     f"round {r} {mode}: {rate:,.0f} decode tok/s "
                     f"({n} tokens, {steps} steps, {executor.lookahead_hits - hits} lookahead "
-                    f"hits); ms a step: {phases.report(steps)}",
+                    f"hits, {traces} compiled traces so far); ms a step: {phases.report(steps)}",
                     flush=True,
                 )
     return rates

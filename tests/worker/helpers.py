@@ -217,3 +217,39 @@ def reference_kernel(
         None if q_lens is None else np.array(q_lens),
     )
     return mx.array(out.astype(np.float32)).astype(queries.dtype)
+
+
+def traceable_kernel(
+    queries: mx.array,
+    pool_k: mx.array,
+    pool_v: mx.array,
+    tables: mx.array,
+    context_lens: mx.array,
+    scale: float,
+    window: int | None = None,
+    q_lens: mx.array | None = None,
+) -> mx.array:
+    """The GPU block-table kernel's computation in lazy MLX ops (fp32), with its signature:
+    stands in for it off an NVIDIA GPU where the forward is compiled (``mx.compile`` traces
+    it, so nothing here may evaluate; :func:`reference_kernel` converts to numpy)."""
+    b, _, nq, d = queries.shape
+    h, _, bs, dv = pool_v.shape
+    width = tables.shape[1] * bs
+    k = pool_k[:, tables].transpose(1, 0, 2, 3, 4).reshape(b, h, width, d)
+    v = pool_v[:, tables].transpose(1, 0, 2, 3, 4).reshape(b, h, width, dv)
+    ends = context_lens.astype(mx.int32)[:, None]
+    real = ends * 0 + nq if q_lens is None else q_lens.astype(mx.int32)[:, None]
+    rows = mx.minimum(mx.arange(nq, dtype=mx.int32)[None, :], real - 1)
+    at = (ends - real + rows)[:, :, None]  # [B, Nq, 1]: each query's position
+    keys = mx.arange(width, dtype=mx.int32)[None, None, :]
+    seen = keys <= at
+    if window is not None:
+        seen = mx.logical_and(seen, keys > at - window)
+    out = mx.fast.scaled_dot_product_attention(
+        queries.astype(mx.float32),
+        k.astype(mx.float32),
+        v.astype(mx.float32),
+        scale=scale,
+        mask=seen[:, None],
+    )
+    return out.astype(queries.dtype)

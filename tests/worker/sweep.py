@@ -22,7 +22,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from tests.worker.helpers import TOL, DenseSeq, PagedSeq, max_diff, prompts, reference_kernel
+from tests.worker.helpers import (
+    TOL,
+    DenseSeq,
+    PagedSeq,
+    max_diff,
+    prompts,
+    reference_kernel,
+    traceable_kernel,
+)
 from worker.model import gpu_attention, gpu_prefill, mlx_fixes
 from worker.model.runner import ModelRunner
 
@@ -272,15 +280,16 @@ def run_parity(
 def _gpu_routing(on: bool) -> Iterator[None]:
     """With ``on``, attention is routed as on an NVIDIA GPU (``block_attention._gpu_sdpa``:
     decodes to the block-table kernel, prefill chunks to the block-table prefill kernel, or
-    to the exact-context path once their shapes recur), the kernels' float64 reference
-    standing in for both, the prefill kernel's dtype and head-dim limits opened to the tiny
-    fp32 models."""
+    to the exact-context path once their shapes recur), references standing in for both
+    kernels (the decode kernel's in lazy MLX ops, so that decodes run compiled as on a GPU:
+    ``worker.model.compiled_decode``; the prefill kernel's in float64), the prefill kernel's
+    dtype and head-dim limits opened to the tiny fp32 models."""
     if not on:
         yield
         return
     with (
         mock.patch.object(gpu_attention, "active", lambda: True),
-        mock.patch.object(gpu_attention, "paged_decode_attention", reference_kernel),
+        mock.patch.object(gpu_attention, "paged_decode_attention", traceable_kernel),
         mock.patch.object(gpu_prefill, "paged_prefill_attention", reference_kernel),
         mock.patch.object(gpu_prefill, "DTYPES", (*gpu_prefill.DTYPES, mx.float32)),
         mock.patch.object(gpu_prefill, "HEAD_DIMS", tuple(range(8, 257, 8))),

@@ -212,6 +212,10 @@ class ModelExecutor:
 
         await asyncio.get_running_loop().run_in_executor(self._thread, drop)
 
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the model thread (what touches the runner or MLX streams)."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
     async def _submit(self, job: _Job) -> tuple[list[Sampled | Accepted | RowFailed], ForwardTime]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, self._run, job)

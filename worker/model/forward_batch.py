@@ -82,6 +82,7 @@ class ForwardBatch:
         "_masks",
         "_row_masks",
         "_rows",
+        "_traced_ends",
         "block_size",
         "ends",
         "key_blocks",
@@ -91,6 +92,7 @@ class ForwardBatch:
         "prefill_kernel",
         "query_len",
         "query_lens",
+        "real_size",
         "size",
         "starts",
         "tables",
@@ -102,8 +104,19 @@ class ForwardBatch:
     )
 
     def __init__(
-        self, seqs: Sequence[SeqInput], block_size: int, num_blocks: int, mask_rank: int = 4
+        self,
+        seqs: Sequence[SeqInput],
+        block_size: int,
+        num_blocks: int,
+        mask_rank: int = 4,
+        key_blocks: int = 0,
+        rows: int = 0,
     ) -> None:
+        """A compiled decode (``worker.model.compiled_decode``) buckets its shapes, so that a
+        growing context or batch does not make a new one every step: ``key_blocks`` pads the
+        tables (and the keys, L) to at least this many blocks with the trash block; ``rows``
+        pads a decode batch to at least this many rows, each writing and reading only the
+        trash block's first slot (a context of one token; their logits are not used)."""
         if not seqs:
             raise BatchError("a forward needs at least one sequence")
         self.mask_rank = mask_rank
@@ -111,16 +124,25 @@ class ForwardBatch:
         apply it to grouped-query scores ``[B, kv_heads, rep, N, L]`` (``ModelSpec.mask_rank``)."""
         self.block_size = bs = block_size
         self.trash_block = num_blocks
-        self.size = len(seqs)
-        self.starts = np.array([s.start for s in seqs], dtype=np.int64)
-        self.query_lens = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
+        self.real_size = len(seqs)
+        """The rows that are sequences; those after them pad the batch (``rows``)."""
+        pad = max(0, rows - len(seqs))
+        if pad and any(len(s.token_ids) != 1 for s in seqs):
+            raise BatchError("only a decode batch is padded with rows")
+        self.size = len(seqs) + pad
+        self.starts = np.array([s.start for s in seqs] + [0] * pad, dtype=np.int64)
+        self.query_lens = np.array([len(s.token_ids) for s in seqs] + [1] * pad, dtype=np.int64)
         self.ends = self.starts + self.query_lens
         self.query_len = n = int(self.query_lens.max())
-        self.key_blocks = int(-(-self.ends.max() // bs))
+        self.key_blocks = max(key_blocks, int(-(-self.ends.max() // bs)))
         self.tables_np = self._tables(seqs, num_blocks)
+        if pad:
+            trash = np.full((pad, self.key_blocks), num_blocks, dtype=np.int32)
+            self.tables_np = np.concatenate([self.tables_np, trash])
 
         if n == 1:  # a decode step: one token each
-            tokens = np.array([s.token_ids[0] for s in seqs], dtype=np.int32).reshape(-1, 1)
+            tokens = np.array([s.token_ids[0] for s in seqs] + [0] * pad, dtype=np.int32)
+            tokens = tokens.reshape(-1, 1)
         else:
             tokens = np.zeros((self.size, n), dtype=np.int32)
             for i, s in enumerate(seqs):
@@ -136,8 +158,9 @@ class ForwardBatch:
             num_blocks,
         )
         slots = np.where(real, pos % bs, j[None, :] % bs)
-        flat = (blocks * bs + slots)[real]
-        if self.size > 1 and len(np.unique(flat)) != len(flat):
+        seqs_only = slice(0, self.real_size)  # padding rows all write the trash block
+        flat = (blocks * bs + slots)[seqs_only][real[seqs_only]]
+        if self.real_size > 1 and len(np.unique(flat)) != len(flat):
             raise BatchError("two sequences of one batch write the same block slot")
         self.write_blocks = mx.array(blocks[:, None, :].astype(np.int32))
         self.write_slots = mx.array(slots[:, None, :].astype(np.int32))
@@ -153,6 +176,7 @@ class ForwardBatch:
         self._context_groups: ContextGroups | None = None
         self._rows: dict[int, mx.array] = {}
         self._row_masks: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}
+        self._traced_ends: mx.array | None = None
         self.prefill_kernel: bool | None = None
         """Whether this forward's prefill attention takes the block-table prefill kernel
         (``worker.model.gpu_prefill``) in its windowless layers; decided by the attention hook
@@ -171,8 +195,8 @@ class ForwardBatch:
                     f"{s.end} tokens at block size {self.block_size}"
                 )
             rows.append([*s.block_table[:need], *[num_blocks] * (width - need)])
-        tables = np.array(rows, dtype=np.int64).reshape(self.size, width)
-        needs = -(-self.ends // bs)
+        tables = np.array(rows, dtype=np.int64).reshape(len(seqs), width)
+        needs = -(-self.ends[: len(seqs)] // bs)
         used = np.arange(width)[None, :] < needs[:, None]
         bad = used & ((tables < 0) | (tables >= num_blocks))
         if bad.any():
@@ -201,7 +225,48 @@ class ForwardBatch:
             self._masks[key] = self._build_mask(window_size, return_array)
         return self._masks[key]
 
+    def bind(
+        self,
+        tokens: mx.array,
+        offset: mx.array,
+        write_blocks: mx.array,
+        write_slots: mx.array,
+        tables: mx.array,
+        ends: mx.array,
+        query_lens: mx.array,
+    ) -> None:
+        """Replace every array a decode forward reads with ``mx.compile``'s inputs (the same
+        values, as placeholders): a value the trace took from here otherwise would be baked
+        into the compiled graph and reused, stale, by every later step of the same shapes.
+        ``tables`` ``[B, key_blocks]``, ``ends``/``query_lens`` ``[B]`` int32. From now on
+        masks are computed from ``ends`` (:meth:`traced`)."""
+        if not self.is_decode:
+            raise BatchError("only a decode forward is traced")
+        self.tokens = tokens
+        self.offset = offset
+        self.write_blocks = write_blocks
+        self.write_slots = write_slots
+        self.tables = tables[:, None, :]
+        self._kernel_inputs = (tables, ends, query_lens)
+        self._traced_ends = ends
+        self._masks = {}
+        self._rows = {}
+        self._row_masks = {}
+
+    @property
+    def traced(self) -> bool:
+        """Whether this batch is being traced by ``mx.compile`` (:meth:`bind`): its numpy
+        fields hold the traced step's values, which later steps do not share."""
+        return self._traced_ends is not None
+
     def _build_mask(self, window_size: int | None, return_array: bool) -> Any:
+        if self._traced_ends is not None:  # one query a sequence, at its last position
+            at = (self._traced_ends - 1)[:, None]
+            keys = mx.arange(self.key_len, dtype=mx.int32)[None, :]
+            seen = keys <= at
+            if window_size is not None:
+                seen = mx.logical_and(seen, keys > at - window_size)
+            return seen.reshape(self.size, *(1,) * (self.mask_rank - 2), self.key_len)
         full = bool((self.ends == self.key_len).all() and (self.query_lens == self.query_len).all())
         windowless = window_size is None or window_size >= self.key_len
         if full and windowless and not return_array:

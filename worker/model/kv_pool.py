@@ -110,6 +110,14 @@ class KVPool:
         """Every pool array, to evaluate together with a forward's outputs."""
         return [*self._keys, *self._values]
 
+    def replace(self, arrays: Sequence[mx.array]) -> None:
+        """Take ``arrays`` (in :meth:`arrays`' order) as the pool: a compiled forward's
+        written pool, or its inputs while it is traced (``worker.model.compiled_decode``)."""
+        n = self.num_layers
+        if len(arrays) != 2 * n:
+            raise BatchError(f"a pool of {n} layers has {2 * n} arrays, got {len(arrays)}")
+        self._keys, self._values = list(arrays[:n]), list(arrays[n:])
+
     def layer_arrays(self, layer: int) -> tuple[mx.array, mx.array]:
         """The K and V arrays of ``layer``, for one forward's attention; do not keep them."""
         return self._keys[layer], self._values[layer]

@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from worker.errors import BatchError
 from worker.model.forward_batch import ForwardBatch
 from worker.model.kv_pool import KVPool
 
@@ -120,6 +121,8 @@ class PagedLayerCache:
         return False
 
     def size(self) -> int:
+        if self._batch.traced:  # the traced step's value would hold for every later step
+            raise BatchError("cache.size() is not traceable: this forward is not compiled")
         return int(self._batch.ends.max())
 
     @property

@@ -24,7 +24,8 @@ import numpy as np
 
 from worker.errors import BatchError, PoolConfigError
 from worker.model import block_attention as block_attention_hook
-from worker.model import cpu_decode, cpu_math, gpu_attention, mlx_fixes
+from worker.model import compiled_decode, cpu_decode, cpu_math, gpu_attention, mlx_fixes
+from worker.model.compiled_decode import CompiledDecode
 from worker.model.forward_batch import ForwardBatch, SeqInput
 from worker.model.kv_pool import DEFAULT_BLOCK_SIZE, KVPool
 from worker.model.paged_cache import PagedLayerCache
@@ -76,6 +77,10 @@ class ModelRunner:
         # Kernel-served forwards skip building the per-layer gather (PagedLayerCache.stand_ins)
         # until a model shows it needs it.
         self._stand_ins = True
+        self.compile_decodes = compiled_decode.enabled() and not self.spec.int_offsets
+        """Whether decodes the GPU kernel serves run compiled (``worker.model.
+        compiled_decode``); off for good once a model shows it cannot be traced."""
+        self._compiled: CompiledDecode | None = None
         if mx.default_device() == mx.cpu:
             cpu_math.install(model)  # MLX's CPU exp is ~5x slower than its multiplies
         mlx_fixes.install()  # kernels a device computes wrong (CUDA: sorted gather_mm)
@@ -162,8 +167,96 @@ class ModelRunner:
 
     def _last_logits(self, seqs: Sequence[SeqInput], tokens: mx.array | None = None) -> mx.array:
         """One group's forward, lazy: fp32 logits at each sequence's last new token."""
+        if self._compiles(seqs):
+            logits = self._run_compiled(seqs, tokens)
+            if logits is not None:
+                return logits
         batch, logits = self._run(seqs, tokens)
         return logits[mx.arange(batch.size), batch.last_index].astype(mx.float32)
+
+    @property
+    def compiled_decode(self) -> CompiledDecode | None:
+        """The compiled decode forward, once a decode took it (None: none has yet, or the
+        model cannot be traced)."""
+        return self._compiled if self.compile_decodes else None
+
+    def _compiles(self, seqs: Sequence[SeqInput]) -> bool:
+        """Whether this forward runs compiled: decodes only, every layer's attention served
+        by the GPU block-table kernel (``worker.model.compiled_decode``)."""
+        return (
+            self.compile_decodes
+            and self._stand_ins
+            and self.block_decode
+            and all(len(s.token_ids) == 1 for s in seqs)
+            and gpu_attention.active()
+        )
+
+    def _run_compiled(self, seqs: Sequence[SeqInput], tokens: mx.array | None) -> mx.array | None:
+        """The decode forward through the compiled graph; None where the model cannot be
+        traced (then every later forward runs uncompiled)."""
+        if tokens is None:
+            self._check_tokens(seqs)
+        pool = self.pool
+        blocks = max(-(-s.end // pool.block_size) for s in seqs)
+        batch = ForwardBatch(
+            seqs,
+            pool.block_size,
+            pool.num_blocks,
+            self.spec.mask_rank,
+            key_blocks=compiled_decode.bucket_blocks(blocks),
+            rows=compiled_decode.bucket_rows(len(seqs)),
+        )
+        if tokens is not None:  # sampled from this model's logits: in its vocabulary
+            if tokens.shape != (len(seqs),):
+                raise BatchError("lazy tokens stand for one decode token a sequence")
+            pad = mx.zeros((batch.size - len(seqs),), dtype=mx.int32)
+            batch.tokens = mx.concatenate([tokens.astype(mx.int32), pad]).reshape(-1, 1)
+        try:
+            return self._compiled_forward()(batch)
+        except Exception as err:  # raised while tracing: nothing was evaluated or written
+            self._no_compiling(err)
+            return None
+
+    def _no_compiling(self, err: Exception) -> None:
+        log.warning(
+            "this model's decode forward cannot be compiled (%s: %s): it decodes uncompiled",
+            type(err).__name__,
+            err,
+        )
+        self.compile_decodes = False
+
+    def _compiled_forward(self) -> CompiledDecode:
+        if self._compiled is None:
+            self._compiled = CompiledDecode(
+                self.model,
+                self.pool,
+                lambda b: self._layer_caches(b, stand_ins=True),
+                self.spec.mask_rank,
+            )
+        return self._compiled
+
+    def prepare_compiled_decodes(self, max_batch_size: int, max_context: int, most: int = 0) -> int:
+        """Trace the compiled decode (``worker.model.compiled_decode``) of every batch bucket
+        up to ``max_batch_size`` over every table-width bucket up to ``max_context`` tokens,
+        narrowest first, at most ``most`` shapes (0: :data:`MAX_PREPARED_SHAPES`): at start,
+        not on the first request of each shape. Builds graphs only (no forward runs).
+        Returns the shapes traced; 0 where decodes do not run compiled."""
+        if not (self.compile_decodes and self._stand_ins and self.block_decode):
+            return 0
+        if not gpu_attention.active():
+            return 0
+        rows = compiled_decode.buckets(max_batch_size, compiled_decode.bucket_rows)
+        widths = compiled_decode.buckets(
+            -(-max_context // self.pool.block_size), compiled_decode.bucket_blocks
+        )
+        shapes = [(r, w) for w in widths for r in rows][: most or MAX_PREPARED_SHAPES]
+        try:
+            for r, w in shapes:
+                self._compiled_forward().prepare(r, w)
+        except Exception as err:  # the model cannot be traced: it decodes uncompiled
+            self._no_compiling(err)
+            return 0
+        return len(shapes)
 
     def forward_all(self, seqs: Sequence[SeqInput]) -> list[mx.array]:
         """Like :meth:`forward`, but fp32 logits ``[len(token_ids), vocab]`` at every position."""
@@ -174,6 +267,11 @@ class ModelRunner:
                 for i, logits in zip(g, self.forward_all([seqs[i] for i in g]), strict=True):
                     out[i] = logits
             return out
+        if self._compiles(seqs):  # decodes only: one position each
+            last = self._run_compiled(seqs, None)
+            if last is not None:
+                mx.eval(last, *self.pool.arrays())
+                return [last[i : i + 1] for i in range(len(seqs))]
         batch, all_logits = self._run(seqs)
         all_logits = all_logits.astype(mx.float32)
         mx.eval(all_logits, *self.pool.arrays())
@@ -283,19 +381,7 @@ class ModelRunner:
             and batch.query_len <= block_attention_hook.FEW_QUERIES
             and gpu_attention.active()
         )
-        caches = [
-            PagedLayerCache(
-                batch,
-                self.pool,
-                layer,
-                self.block_attention,
-                self._streams,
-                self.block_decode,
-                stand_ins,
-                self.decode_kernel,
-            )
-            for layer in range(self.pool.num_layers)
-        ]
+        caches = self._layer_caches(batch, stand_ins)
         if not stand_ins:
             return batch, self.model(batch.tokens, cache=caches)
         try:
@@ -315,6 +401,22 @@ class ModelRunner:
             return self._run(seqs, tokens)
         return batch, logits
 
+    def _layer_caches(self, batch: ForwardBatch, stand_ins: bool) -> list[PagedLayerCache]:
+        """Every layer's cache view of ``batch`` for one forward."""
+        return [
+            PagedLayerCache(
+                batch,
+                self.pool,
+                layer,
+                self.block_attention,
+                self._streams,
+                self.block_decode,
+                stand_ins,
+                self.decode_kernel,
+            )
+            for layer in range(self.pool.num_layers)
+        ]
+
     def _check_tokens(self, seqs: Sequence[SeqInput]) -> None:
         vocab = self.spec.vocab_size
         for i, s in enumerate(seqs):
@@ -323,6 +425,9 @@ class ModelRunner:
 
 
 GATHER_MARGIN = 0.9
+
+# Compiled decode shapes the warm-up traces at most (each ~one uncompiled forward's host time).
+MAX_PREPARED_SHAPES = 128
 
 
 @dataclass(frozen=True, slots=True)
