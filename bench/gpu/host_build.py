@@ -7,7 +7,8 @@ Building the graph needs no GPU: on a machine without MLX's CUDA backend the blo
 kernel is replaced by a stand-in that returns lazy arrays of its output shapes (nothing is
 evaluated, so nothing it would compute is needed), and ``gpu_attention.active()`` is forced
 on, so that the worker's runner takes exactly the GPU's decode path through its Python:
-``ForwardBatch``, the pool writes, the attention hook's checks, the kernel's launch plan.
+``ForwardBatch``, the pool writes, the attention hook's checks, the kernel's launch plan;
+and the same forward compiled (``worker.model.compiled_decode``: the traced graph replayed).
 On a GPU machine the real kernel is used (built, not run). The graph is built lazily and
 dropped, many times; medians of ``--repeats``.
 
@@ -87,6 +88,11 @@ def main() -> None:
     seqs = [SeqInput([65], t, args.context - (i % 8), i) for i, t in enumerate(tables, start=1)]
 
     def paged() -> mx.array:
+        runner.compile_decodes = False
+        return runner._last_logits(seqs)
+
+    def compiled() -> mx.array:  # replays the traced graph (worker.model.compiled_decode)
+        runner.compile_decodes = True
         return runner._last_logits(seqs)
 
     dense_cache = [KVCache() for _ in model.layers]
@@ -101,14 +107,19 @@ def main() -> None:
 
     # Interleaved rounds: this machine's speed drifts (shared, 2 cores), so each round times
     # both and the ratio is taken per round; medians over rounds.
-    dense_ms, paged_ms, ratios = [], [], []
+    dense_ms, paged_ms, compiled_ms, ratios, compiled_ratios = [], [], [], [], []
     for _ in range(args.rounds):
         t_dense = median_ms(dense, args.repeats)
         t_paged = median_ms(paged, args.repeats)
+        t_compiled = median_ms(compiled, args.repeats)
         dense_ms.append(t_dense)
         paged_ms.append(t_paged)
+        compiled_ms.append(t_compiled)
         ratios.append(t_paged / t_dense)
+        compiled_ratios.append(t_compiled / t_dense)
     t_dense, t_paged = statistics.median(dense_ms), statistics.median(paged_ms)
+    t_compiled = statistics.median(compiled_ms)
+    assert runner.compiled_decode is not None, "the compiled decode did not trace"
     kernel = "a stand-in for the CUDA kernel (no CUDA back-end here)" if stood_in else "CUDA"
     print(f"{args.layers} layers, batch {args.batch} decodes at ~{args.context} tokens; {kernel}")
     print(f"{args.rounds} interleaved rounds of {args.repeats} builds each; medians")
@@ -120,11 +131,17 @@ def main() -> None:
         f"| worker paged (GPU decode path) | {t_paged:.3f} | {statistics.median(ratios):.2f} "
         f"({min(ratios):.2f}-{max(ratios):.2f}) |"
     )
+    print(
+        f"| worker paged, compiled (`mx.compile` replay) | {t_compiled:.3f} | "
+        f"{statistics.median(compiled_ratios):.2f} "
+        f"({min(compiled_ratios):.2f}-{max(compiled_ratios):.2f}) |"
+    )
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.repeats):
             paged()
+            compiled()
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
