@@ -15,10 +15,12 @@ from kvcache_service.leases import AcquireRequest, Reuse
 from kvcache_service.tokens import pack
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kpb
 from kvserve_proto.worker.v1 import worker_pb2 as pb
+from tests.worker.helpers import traceable_kernel
 from tests.worker_engine.conftest import AUTH, BS, System, generate, request, started_system
 from worker.engine import loop
 from worker.engine.executor import ModelExecutor, SampleRow, _Job
 from worker.engine.sampling_params import SamplingParams
+from worker.model import compiled_decode, gpu_attention
 from worker.model.forward_batch import SeqInput
 from worker.model.runner import ModelRunner
 from worker.model.sampling import RowSampler
@@ -27,13 +29,20 @@ from worker.servicer import WorkerServicer
 VOCAB = 256  # the byte range of the embedded model's vocabulary
 
 
-@pytest.fixture(params=[False, True], ids=["plain", "lookahead"])
-async def system(model, request) -> AsyncIterator[System]:
-    """Every test here runs twice: as is, and with the executor's decode lookahead (greedy
-    decode steps start the next one's forward before streaming: on by default on a GPU
-    only), which must change no token, no logprob and no block."""
+@pytest.fixture(params=["plain", "lookahead", "compiled"])
+async def system(model, request, monkeypatch) -> AsyncIterator[System]:
+    """Every test here runs three times: as is; with the executor's decode lookahead (greedy
+    decode steps start the next one's forward before streaming; off by default); and with
+    attention routed as on an NVIDIA GPU, the block-table kernel's computation standing in as
+    lazy MLX ops, so that decodes run compiled (``worker.model.compiled_decode``: bucketed
+    shapes, padding rows, the warm-up's traces), the lookahead on. None may change a token, a
+    logprob or a block."""
+    if request.param == "compiled":
+        monkeypatch.delenv(compiled_decode.ENV_SWITCH, raising=False)
+        monkeypatch.setattr(gpu_attention, "active", lambda: True)
+        monkeypatch.setattr(gpu_attention, "paged_decode_attention", traceable_kernel)
     async with started_system(model) as s:
-        s.lookahead = request.param
+        s.lookahead = request.param != "plain"
         yield s
 
 
@@ -44,6 +53,9 @@ def prompt(seed: int, n: int) -> list[int]:
 
 async def test_greedy_output_equals_mlx_lm(system: System, reference) -> None:
     stub = await system.add_worker()
+    compiled = system.workers[0].engine.executor.runner.compiled_decode
+    assert (compiled is not None) == gpu_attention.active()  # the GPU routing compiles
+    traced = compiled.traces if compiled is not None else 0
     for seed, n in [(1, 5), (2, 40), (3, 100)]:  # one block, unaligned, several chunks
         p = prompt(seed, n)
         got = await generate(stub, request(p, max_tokens=32, logprobs=1))
@@ -53,6 +65,8 @@ async def test_greedy_output_equals_mlx_lm(system: System, reference) -> None:
         last = got["last"]
         assert last.finish_reason == pb.FINISH_REASON_LENGTH
         assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (n, 32)
+    if compiled is not None:  # decodes ran compiled, in shapes the warm-up traced
+        assert compiled.calls >= 3 * 31 and compiled.traces == traced
 
 
 async def test_concurrent_requests_share_a_prefix(system: System, reference) -> None:
