@@ -10,6 +10,7 @@ shape and compares each with dense mlx-lm or the uncompiled runner.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import mlx.core as mx
@@ -176,9 +177,7 @@ def test_only_kernel_served_decodes_compile(monkeypatch):
         assert runner.compiled_decode is None
     monkeypatch.setattr(gpu_attention, "active", lambda: True)
     monkeypatch.setattr(gpu_attention, "paged_decode_attention", traceable_kernel)
-    spec = probe(model)
-    spec = type(spec)(**{**{f: getattr(spec, f) for f in spec.__dataclass_fields__}})
-    object.__setattr__(spec, "int_offsets", True)
+    spec = dataclasses.replace(probe(model), int_offsets=True)
     pool = KVPool.for_model(spec, block_size=BS, num_blocks=64)
     assert not ModelRunner(model, pool, spec).compile_decodes
 

@@ -210,15 +210,14 @@ class ModelExecutor:
             if self.draft is not None:
                 self.draft.retain(live)
 
-        await asyncio.get_running_loop().run_in_executor(self._thread, drop)
+        await self.call(drop)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the model thread (what touches the runner or MLX streams)."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def _submit(self, job: _Job) -> tuple[list[Sampled | Accepted | RowFailed], ForwardTime]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, self._run, job)
+        return await self.call(self._run, job)
 
     def _run(self, job: _Job) -> tuple[list[Sampled | Accepted | RowFailed], ForwardTime]:
         """Decodes, speculative decodes and prefill chunks as up to three forwards (each is

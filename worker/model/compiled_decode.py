@@ -129,16 +129,10 @@ class CompiledDecode:
 
     @staticmethod
     def _inputs(batch: ForwardBatch) -> tuple[mx.array, ...]:
-        """What :meth:`ForwardBatch.bind` takes: every array of the batch a decode reads."""
-        return (
-            batch.tokens,
-            mx.array(batch.starts.astype(np.int32)),
-            batch.write_blocks,
-            batch.write_slots,
-            batch.tables.reshape(batch.size, batch.key_blocks),
-            mx.array(batch.ends.astype(np.int32)),
-            mx.array(batch.query_lens.astype(np.int32)),
-        )
+        """What :meth:`ForwardBatch.bind` takes: every array of the batch a decode reads (the
+        offset always as an array: an int would be baked into the trace)."""
+        offset = mx.array(batch.starts.astype(np.int32))
+        return (batch.tokens, offset, batch.write_blocks, batch.write_slots, *batch.kernel_inputs())
 
     def _trace(self, pool: list[mx.array], *inputs: mx.array) -> tuple[mx.array, list[mx.array]]:
         """What ``mx.compile`` traces: the forward on placeholders for ``pool`` and the

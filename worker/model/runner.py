@@ -180,16 +180,19 @@ class ModelRunner:
         model cannot be traced)."""
         return self._compiled if self.compile_decodes else None
 
-    def _compiles(self, seqs: Sequence[SeqInput]) -> bool:
-        """Whether this forward runs compiled: decodes only, every layer's attention served
-        by the GPU block-table kernel (``worker.model.compiled_decode``)."""
+    def _decodes_compile(self) -> bool:
+        """Whether decodes run compiled: every layer's attention served by the GPU
+        block-table kernel (``worker.model.compiled_decode``), the model traceable so far."""
         return (
             self.compile_decodes
             and self._stand_ins
             and self.block_decode
-            and all(len(s.token_ids) == 1 for s in seqs)
             and gpu_attention.active()
         )
+
+    def _compiles(self, seqs: Sequence[SeqInput]) -> bool:
+        """Whether this forward runs compiled: decodes only, where decodes compile."""
+        return all(len(s.token_ids) == 1 for s in seqs) and self._decodes_compile()
 
     def _run_compiled(self, seqs: Sequence[SeqInput], tokens: mx.array | None) -> mx.array | None:
         """The decode forward through the compiled graph; None where the model cannot be
@@ -241,9 +244,7 @@ class ModelRunner:
         narrowest first, at most ``most`` shapes (0: :data:`MAX_PREPARED_SHAPES`): at start,
         not on the first request of each shape. Builds graphs only (no forward runs).
         Returns the shapes traced; 0 where decodes do not run compiled."""
-        if not (self.compile_decodes and self._stand_ins and self.block_decode):
-            return 0
-        if not gpu_attention.active():
+        if not self._decodes_compile():
             return 0
         rows = compiled_decode.buckets(max_batch_size, compiled_decode.bucket_rows)
         widths = compiled_decode.buckets(
