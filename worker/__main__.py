@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 
 from kvserve_launch.run import Service, run_until_signal
 from kvserve_model.blas import describe, ensure_fast_blas, measure_gflops
 from worker.config import WorkerConfig
+from worker.device_defaults import apply_mlx_env
+from worker.model.gpu_attention import cuda_available
 from worker.server import running
 
 log = logging.getLogger("worker")
@@ -16,6 +19,12 @@ log = logging.getLogger("worker")
 
 def start(config: WorkerConfig) -> Service:
     """The worker, once the process runs with the fastest BLAS it can have."""
+    # Before anything runs on the GPU (MLX reads them once) and before a re-exec (which keeps
+    # the environment).
+    apply_mlx_env()
+    if cuda_available():
+        graphs = os.environ["MLX_USE_CUDA_GRAPHS"]
+        log.info("MLX_USE_CUDA_GRAPHS=%s (the worker's default: 0; docs/configuration.md)", graphs)
     blas = ensure_fast_blas()  # may re-exec this process with LD_PRELOAD set
     # On a GPU the CPU BLAS is not on the model's path: say so, and measure nothing.
     log.info(describe(blas, measure_gflops() if blas.library or not blas.fast else None))

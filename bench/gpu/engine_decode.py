@@ -4,9 +4,10 @@ prompts (the serving benchmark's decode-heavy shape, without the gateway and HTT
 one ``GenerateMany`` call by a client in another process (as the gateway sends them: its work
 must not take the worker's interpreter lock), the worker's decode forwards uncompiled, compiled
 (``worker.model.compiled_decode``) and compiled with the decode lookahead, alternated, each
-round with where
-its steps' time went (the thread's forward, the loop's postprocess and scheduling); and
-``batch_generate`` on the same prompts in this process, before and after the worker.
+round with where its steps' time went (the thread's forward, the loop's postprocess and
+scheduling); and ``batch_generate`` on the same prompts in this process, before and after the
+worker. The process runs under the worker process's MLX settings
+(``worker.device_defaults.MLX_ENV``; ``--mlx-defaults``: MLX's own).
 
 The decode rate is tokens over the time after every stream had its first token (prefill
 excluded, as ``batch_generate``'s ``generation_tps`` excludes it).
@@ -41,6 +42,7 @@ from kvcache_service.server import running as cache_running
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig
+from worker.device_defaults import MLX_ENV, apply_mlx_env
 from worker.model.loader import load_model
 from worker.server import running as worker_running
 
@@ -213,8 +215,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--out", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--mlx-defaults",
+        action="store_true",
+        help="MLX's own settings, not the worker process's (worker.device_defaults.MLX_ENV)",
+    )
     ap.add_argument("--client", metavar="ADDRESS", help=argparse.SUPPRESS)  # one round's load
     args = ap.parse_args()
+    # The worker process's MLX settings, as `python -m worker` sets them (batch_generate runs
+    # under them too), before anything runs on the GPU.
+    if not args.mlx_defaults:
+        apply_mlx_env()
     if args.client:
         rate, tokens = asyncio.run(client_round(args.client, make_prompts(args.batch), args.out))
         print(json.dumps({"rate": rate, "tokens": tokens}))
@@ -223,7 +234,8 @@ def main() -> None:
         path, params = make_model(Path(tmp) / "model", args.layers, args.hidden, args.dtype)
         loaded = load_model(str(path))
     prompts = make_prompts(args.batch)
-    print(f"device {mx.default_device()}, {params / 1e6:.0f}M {args.dtype}", flush=True)
+    named = " ".join(f"{k}={os.environ.get(k, '(MLX default)')}" for k in MLX_ENV)
+    print(f"device {mx.default_device()}, {params / 1e6:.0f}M {args.dtype}; {named}", flush=True)
     # batch_generate before and after the worker (which holds its pool while it runs): the
     # better of the two is the reference
     before = dense(loaded.model, loaded.tokenizer, prompts, args.out)

@@ -142,6 +142,47 @@ def test_the_real_mlx_answers_without_raising() -> None:
     assert cpu is None or cpu > 0
 
 
+# -- MLX settings ---------------------------------------------------------------------------------
+
+
+def test_mlx_settings_fill_in_only_what_the_operator_left_unset() -> None:
+    env = {"PATH": "/bin"}
+    assert dd.apply_mlx_env(env) == {"MLX_USE_CUDA_GRAPHS": "0"}
+    assert env == {"PATH": "/bin", "MLX_USE_CUDA_GRAPHS": "0"}
+    assert dd.apply_mlx_env(env) == {}  # a second call (a re-exec'd worker) sets nothing
+    mine = {"MLX_USE_CUDA_GRAPHS": "1"}
+    assert dd.apply_mlx_env(mine) == {}
+    assert mine == {"MLX_USE_CUDA_GRAPHS": "1"}
+
+
+def test_the_worker_process_sets_them_before_anything_else_runs(monkeypatch) -> None:
+    """``python -m worker`` sets them before the BLAS choice (which may re-exec the process,
+    keeping its environment) and before the model loads (MLX reads them once)."""
+    import os
+
+    import worker.__main__ as entry
+
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "")  # restored (unset) after the test
+    monkeypatch.delenv("MLX_USE_CUDA_GRAPHS")
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def first_step():  # type: ignore[no-untyped-def]
+        seen.update(os.environ)
+        raise Stop
+
+    monkeypatch.setattr(entry, "ensure_fast_blas", first_step)
+    with pytest.raises(Stop):
+        entry.start(WorkerConfig.from_args([]))
+    assert seen["MLX_USE_CUDA_GRAPHS"] == "0"
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "1")
+    with pytest.raises(Stop):
+        entry.start(WorkerConfig.from_args([]))
+    assert seen["MLX_USE_CUDA_GRAPHS"] == "1"
+
+
 # -- flags --------------------------------------------------------------------------------------
 
 
