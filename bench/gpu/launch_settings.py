@@ -38,8 +38,7 @@ SETTINGS: dict[str, dict[str, str]] = {
     "60 ops a graph": {"MLX_MAX_OPS_PER_BUFFER": "60"},
     "200 ops a graph": {"MLX_MAX_OPS_PER_BUFFER": "200"},
     "1,000 graphs cached": {"MLX_CUDA_GRAPH_CACHE_SIZE": "1000"},
-    "200 ops, 1,000 cached": {"MLX_MAX_OPS_PER_BUFFER": "200", "MLX_CUDA_GRAPH_CACHE_SIZE": "1000"},
-    "no CUDA graphs": {"MLX_USE_CUDA_GRAPHS": "0"},
+    "no CUDA graphs (the worker's default)": {"MLX_USE_CUDA_GRAPHS": "0"},
 }
 MODES = ("worker, compiled", "worker, uncompiled", "mlx-lm dense")
 
@@ -110,6 +109,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--only", help="comma-separated setting numbers (1-based) to run")
+    ap.add_argument(
+        "--repeats", type=int, default=2, help="rounds over the settings (the median is kept)"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -121,33 +123,34 @@ def main() -> None:
     chosen = list(SETTINGS.items())
     if args.only:
         chosen = [chosen[int(i) - 1] for i in args.only.split(",")]
-    rows = []
+    runs: dict[str, list[dict[str, dict[str, float]]]] = {name: [] for name, _ in chosen}
     with tempfile.TemporaryDirectory() as tmp:
         path, _ = make_model(Path(tmp) / "model", args.layers, args.hidden, args.dtype)
-        for name, env in chosen:
-            started = time.perf_counter()
-            proc = subprocess.run(
-                [sys.executable, __file__, "--child", str(path), "--batch", str(args.batch),
-                 "--steps", str(args.steps)],
-                env={**os.environ, **env}, capture_output=True, text=True, check=False,
-            )  # fmt: skip
-            if proc.returncode:
-                print(f"{name}: child exited {proc.returncode}\n{proc.stderr[-2000:]}")
-                continue
-            result = json.loads(proc.stdout.strip().splitlines()[-1])
-            took = time.perf_counter() - started
-            for mode in MODES:
-                r = result[mode]
-                rows.append((name, mode, r))
-                print(
-                    f"{name} / {mode}: step {r['step'] * 1e3:.2f} ms (build "
-                    f"{r['build'] * 1e3:.2f}, launch {r['launch'] * 1e3:.2f}, wait "
-                    f"{r['wait'] * 1e3:.2f}) [{took:.0f} s]",
-                    flush=True,
-                )
+        for round_ in range(args.repeats):  # interleaved: a host's drift hits every setting
+            for name, env in chosen:
+                started = time.perf_counter()
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--child", str(path), "--batch", str(args.batch),
+                     "--steps", str(args.steps)],
+                    env={**os.environ, **env}, capture_output=True, text=True, check=False,
+                )  # fmt: skip
+                if proc.returncode:
+                    print(f"{name}: child exited {proc.returncode}\n{proc.stderr[-2000:]}")
+                    continue
+                result = json.loads(proc.stdout.strip().splitlines()[-1])
+                runs[name].append(result)
+                steps = ", ".join(f"{m} {result[m]['step'] * 1e3:.2f}" for m in MODES)
+                took = time.perf_counter() - started
+                print(f"round {round_} {name}: ms a step: {steps} [{took:.0f} s]", flush=True)
+    rows = []
+    for name, results in runs.items():
+        for mode in MODES if results else ():
+            parts = ("step", "build", "launch", "wait")
+            rows.append((name, mode, {k: statistics.median(r[mode][k] for r in results)
+                                      for k in parts}))  # fmt: skip
     base = {mode: r["step"] for name, mode, r in rows if name == chosen[0][0]}
     print(f"\nbatch {args.batch}, {args.layers} layers, hidden {args.hidden}, {args.dtype}; "
-          f"medians of {args.steps - WARM} steps, ms\n")  # fmt: skip
+          f"medians of {args.steps - WARM} steps, then of {args.repeats} rounds, ms\n")  # fmt: skip
     print("| setting | forward | step | build | launch | wait | step / first setting's |")
     print("|---|---|---|---|---|---|---|")
     for name, mode, r in rows:

@@ -14,7 +14,8 @@ then stopped:
 - **mlx_lm.server**: ``python -m mlx_lm server`` with its defaults;
 - **mlx_lm.server-p1** (only when named in ``--servers``; the shared-prefix workloads only): the
   same with ``--prompt-concurrency 1``, a baseline that ran out of GPU memory later than the
-  defaults on the GPU suite's long shared prefixes.
+  defaults on the GPU suite's long shared prefixes; **mlx_lm.server-p1-d8** (the same way)
+  also with ``--decode-concurrency 8``.
 
 A server that no longer answers a short request after a workload with failures (mlx_lm.server's
 generation thread dies on running out of GPU memory, the process stays up) is restarted for
@@ -93,12 +94,17 @@ from loadgen import Chat, Request, Result, Send, Summary  # noqa: E402
 
 from kvserve_model.blas import fast_blas_env, select_blas  # noqa: E402
 
-SERVERS = ("mlx_lm.server", "mlx_lm.server-p1", "kvserve", "kvserve-no-cache")
+# mlx_lm.server variants with fewer prompts prefilled together (--prompt-concurrency 1) and
+# fewer requests decoding together (--decode-concurrency 8), else its defaults: on an H100 its
+# default of 8 long prompts prefilled together ran out of GPU memory on the GPU suite's
+# shared-prefix bursts, and with one at a time it still ran out later, in decode (32 at once),
+# so these are the baselines that may serve them. They run only those workloads.
+BASELINE_VARIANTS: dict[str, tuple[str, ...]] = {
+    "mlx_lm.server-p1": ("--prompt-concurrency", "1"),
+    "mlx_lm.server-p1-d8": ("--prompt-concurrency", "1", "--decode-concurrency", "8"),
+}
+SERVERS = ("mlx_lm.server", *BASELINE_VARIANTS, "kvserve", "kvserve-no-cache")
 DEFAULT_SERVERS = ("mlx_lm.server", "kvserve", "kvserve-no-cache")
-# mlx_lm.server prefilling one prompt at a time (--prompt-concurrency 1, else its defaults): on
-# an H100 its default of 8 long prompts prefilled together ran out of GPU memory on the GPU
-# suite's shared-prefix bursts, so this is the baseline that serves them. It runs only these.
-BASELINE_VARIANT = "mlx_lm.server-p1"
 VARIANT_WORKLOADS = ("shared-prefix",)
 BEGIN, END = "<!-- generated: bench/serving/run.py -->", "<!-- end generated -->"
 
@@ -321,8 +327,7 @@ def start_server(name: str, model: Path, logs: Path) -> Server:
     if name.startswith("mlx_lm.server"):
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model)]
         cmd += ["--port", str(port), "--log-level", "WARNING"]
-        if name == BASELINE_VARIANT:
-            cmd += ["--prompt-concurrency", "1"]
+        cmd += BASELINE_VARIANTS.get(name, ())
     else:
         cmd = [sys.executable, "-m", "kvserve_launch", "--model", str(model)]
         cmd += ["--http-port", str(port), "--grpc-port", str(free_port())]
@@ -396,7 +401,7 @@ def run_server(
         print(f"cold request: TTFT {fmt_s(summary.ttft['p50'])}, E2E {fmt_s(summary.e2e['p50'])}")
         calibrations = {w.rate_from for w in ws if w.rate_from}
         for w in ws:
-            if name == BASELINE_VARIANT and not w.name.startswith(VARIANT_WORKLOADS):
+            if name in BASELINE_VARIANTS and not w.name.startswith(VARIANT_WORKLOADS):
                 continue
             if time.time() > deadline:
                 out.setdefault("skipped", []).append(w.name)
@@ -686,7 +691,7 @@ def markdown(data: dict[str, Any]) -> str:
             if w["name"] in data.get("derived_rates", ()):
                 extra += f" (0.9 x {data['rate_server']}'s requests/s on unique prompts)"
         lines.append(f"- **{w['name']}** ({w['pattern']}): {w['shape']}{extra}")
-    for other in ("mlx_lm.server", BASELINE_VARIANT, "kvserve-no-cache"):
+    for other in ("mlx_lm.server", *BASELINE_VARIANTS, "kvserve-no-cache"):
         if "kvserve" not in names or other not in names:
             continue
         lines += [
@@ -854,7 +859,7 @@ def gpu_sections(data: dict[str, Any], names: list[str]) -> list[str]:
             rate = decode_rate(decode[name])
             if rate:
                 lines.append(f"| {name} | {n(rate, 0)} | {ratio(rate, ref)} |")
-    baselines = [b for b in ("mlx_lm.server", BASELINE_VARIANT) if b in names]
+    baselines = [b for b in ("mlx_lm.server", *BASELINE_VARIANTS) if b in names]
     if "kvserve" not in names or not baselines:
         return lines
     lines += ["", "Issue 14's end-to-end targets, in this run:", ""]
