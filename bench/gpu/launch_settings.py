@@ -124,6 +124,9 @@ def main() -> None:
     if args.only:
         chosen = [chosen[int(i) - 1] for i in args.only.split(",")]
     runs: dict[str, list[dict[str, dict[str, float]]]] = {name: [] for name, _ in chosen}
+    # Each child gets exactly its setting: none of the variables leaks in from this shell.
+    named = {k for env in SETTINGS.values() for k in env}
+    base_env = {k: v for k, v in os.environ.items() if k not in named}
     with tempfile.TemporaryDirectory() as tmp:
         path, _ = make_model(Path(tmp) / "model", args.layers, args.hidden, args.dtype)
         for round_ in range(args.repeats):  # interleaved: a host's drift hits every setting
@@ -132,7 +135,7 @@ def main() -> None:
                 proc = subprocess.run(
                     [sys.executable, __file__, "--child", str(path), "--batch", str(args.batch),
                      "--steps", str(args.steps)],
-                    env={**os.environ, **env}, capture_output=True, text=True, check=False,
+                    env={**base_env, **env}, capture_output=True, text=True, check=False,
                 )  # fmt: skip
                 if proc.returncode:
                     print(f"{name}: child exited {proc.returncode}\n{proc.stderr[-2000:]}")
