@@ -152,3 +152,44 @@ def test_gpu_report_marks_issue_14_targets(run: Any) -> None:
     assert "within 10% of dense mlx-lm | `batch_generate` | 0.94x | met |" in text
     assert "| shared-prefix 8k x64 | kvserve | 0.50 | 1.00 | 2.00 | 3.00 | 0.90 | 1.00 |" in text
     assert "Issue 13's targets" not in text
+
+
+def test_every_baseline_variant_gets_its_target_rows(run: Any) -> None:
+    """A variant of mlx_lm.server (fewer prompts or decodes at once) that ran the shared-prefix
+    bursts is a baseline of its own in the targets and the ratio tables."""
+    assert set(run.BASELINE_VARIANTS) <= set(run.SERVERS)
+    name = "shared-prefix 8k x64"
+    data = {
+        "date": "2026-11-27",
+        "command": "python3 bench/serving/run.py --gpu",
+        "suite": "gpu",
+        "machine": {
+            "gpu": "NVIDIA H200",
+            "cores": 16,
+            "cpu": "x",
+            "memory_gib": 1,
+            "device": "gpu",
+            "mlx": "0",
+            "mlx_lm": "0",
+            "blas": "n/a (GPU)",
+            "python": "3.12",
+            "load_before": 0.0,
+        },
+        "model": "m",
+        "wall_min": 1.0,
+        "plot": "p.png",
+        "workloads": [{"name": name, "shape": "s", "pattern": "burst"}],
+        "rates": {},
+        "derived_rates": [],
+        "rate_server": "mlx_lm.server",
+        "dense_decode": {},
+        "servers": {
+            "mlx_lm.server-p1-d8": {"ready_s": 1.0, "workloads": {name: summary(150, 17.0, 0.1)}},
+            "kvserve": {"ready_s": 1.0, "workloads": {name: summary(2100, 0.8, 0.011)}},
+        },
+    }
+    text = run.markdown(data)
+    base = "mlx_lm.server-p1-d8"
+    assert f"kvserve / {base} (above 1 is better" in text
+    assert f"| {name} | TTFT p50 at least 10x lower | {base} | 21.25x lower | met |" in text
+    assert f"| {name} | output tok/s at least 3x | {base} | 14.00x | met |" in text
