@@ -66,6 +66,15 @@ def make_model(directory: Path, layers: int, hidden: int, dtype: str) -> tuple[P
     return directory, params
 
 
+def add_gpu_model_args(parser: Any) -> None:
+    """``--layers``, ``--hidden``, ``--dtype`` of the GPU benchmarks' model (``make_model``): by
+    default the ~1B fp16 Llama of issue 14 (22 layers, hidden 2048); a CPU dry run shrinks it
+    (``--layers 2 --hidden 128 --dtype float32``)."""
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--dtype", default="float16")
+
+
 def gpu_name() -> str:
     """The GPU's name and memory, from nvidia-smi where there is one, else MLX's device info."""
     try:

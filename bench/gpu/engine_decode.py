@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc
 import mlx.core as mx
 import numpy as np
-from bench_models import make_model  # type: ignore[import-not-found]
+from bench_models import add_gpu_model_args, make_model  # type: ignore[import-not-found]
 
 from kvcache_service.config import ServiceConfig
 from kvcache_service.server import running as cache_running
@@ -209,9 +209,7 @@ def dense(model, tokenizer, prompts: list[list[int]], out: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=22)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--dtype", default="float16")
+    add_gpu_model_args(ap)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--out", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)

@@ -29,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_models import add_gpu_model_args, make_model  # type: ignore[import-not-found]
+
 PROMPT = 96
 WARM = 4  # steps of each mode not counted (first shapes, traces)
 
@@ -103,9 +105,7 @@ def child(path: str, batch: int, steps: int) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=22)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--dtype", default="float16")
+    add_gpu_model_args(ap)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--only", help="comma-separated setting numbers (1-based) to run")
@@ -117,8 +117,6 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.batch, args.steps)))
         return
-
-    from bench_models import make_model  # type: ignore[import-not-found]
 
     chosen = list(SETTINGS.items())
     if args.only:

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx
 import numpy as np
-from bench_models import make_model  # type: ignore[import-not-found]
+from bench_models import add_gpu_model_args, make_model  # type: ignore[import-not-found]
 from bench_prefill import time_dense, time_paged  # type: ignore[import-not-found]
 from mlx_lm.utils import load
 
@@ -66,9 +66,7 @@ def variant(write: bool, gather: bool) -> Callable[[], None]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=22)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--dtype", default="float16")
+    add_gpu_model_args(ap)
     ap.add_argument("--tokens", type=int, default=16000)
     ap.add_argument("--chunks", default="512,2048")
     ap.add_argument("--repeat", type=int, default=2)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx
 import numpy as np
-from bench_models import make_model  # type: ignore[import-not-found]
+from bench_models import add_gpu_model_args, make_model  # type: ignore[import-not-found]
 
 from worker.engine.executor import ModelExecutor
 from worker.model import gpu_attention
@@ -60,9 +60,7 @@ def timed(f: Callable[[], object]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=22)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--dtype", default="float16")
+    add_gpu_model_args(ap)
     ap.add_argument("--prefix", type=int, default=8000)
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--followers", type=int, default=31)

@@ -102,9 +102,10 @@ def summary(tok_s: float, ttft: float, tpot: float, requests: int = 32) -> dict[
     }
 
 
-def test_gpu_report_marks_issue_14_targets(run: Any) -> None:
-    names = ["shared-prefix 8k x64", "decode-heavy"]
-    data = {
+def gpu_report(names: list[str], servers: dict[str, Any], dense: dict[str, Any]) -> dict[str, Any]:
+    """A GPU suite run's JSON, as ``run.markdown`` reads it: ``names`` the workloads (bursts),
+    ``servers`` each server's figures, ``dense`` the ``batch_generate`` reference."""
+    return {
         "date": "2026-11-26",
         "command": "python3 bench/serving/run.py --gpu",
         "suite": "gpu",
@@ -127,18 +128,25 @@ def test_gpu_report_marks_issue_14_targets(run: Any) -> None:
         "rates": {},
         "derived_rates": [],
         "rate_server": "mlx_lm.server",
-        "dense_decode": {"generation_tps": 1000.0, "runs": [{"generation_tps": 1000.0}]},
-        "servers": {
-            "mlx_lm.server": {
-                "ready_s": 1.0,
-                "workloads": {names[0]: summary(100, 10.0, 0.04), names[1]: summary(900, 1, 0.04)},
-            },
-            "kvserve": {
-                "ready_s": 1.0,
-                "workloads": {names[0]: summary(400, 0.5, 0.04), names[1]: summary(800, 1, 0.034)},
-            },
+        "dense_decode": dense,
+        "servers": servers,
+    }
+
+
+def test_gpu_report_marks_issue_14_targets(run: Any) -> None:
+    names = ["shared-prefix 8k x64", "decode-heavy"]
+    servers = {
+        "mlx_lm.server": {
+            "ready_s": 1.0,
+            "workloads": {names[0]: summary(100, 10.0, 0.04), names[1]: summary(900, 1, 0.04)},
+        },
+        "kvserve": {
+            "ready_s": 1.0,
+            "workloads": {names[0]: summary(400, 0.5, 0.04), names[1]: summary(800, 1, 0.034)},
         },
     }
+    dense = {"generation_tps": 1000.0, "runs": [{"generation_tps": 1000.0}]}
+    data = gpu_report(names, servers, dense)
     text = run.markdown(data)
     m = "mlx_lm.server"
     assert (
@@ -159,35 +167,11 @@ def test_every_baseline_variant_gets_its_target_rows(run: Any) -> None:
     bursts is a baseline of its own in the targets and the ratio tables."""
     assert set(run.BASELINE_VARIANTS) <= set(run.SERVERS)
     name = "shared-prefix 8k x64"
-    data = {
-        "date": "2026-11-27",
-        "command": "python3 bench/serving/run.py --gpu",
-        "suite": "gpu",
-        "machine": {
-            "gpu": "NVIDIA H200",
-            "cores": 16,
-            "cpu": "x",
-            "memory_gib": 1,
-            "device": "gpu",
-            "mlx": "0",
-            "mlx_lm": "0",
-            "blas": "n/a (GPU)",
-            "python": "3.12",
-            "load_before": 0.0,
-        },
-        "model": "m",
-        "wall_min": 1.0,
-        "plot": "p.png",
-        "workloads": [{"name": name, "shape": "s", "pattern": "burst"}],
-        "rates": {},
-        "derived_rates": [],
-        "rate_server": "mlx_lm.server",
-        "dense_decode": {},
-        "servers": {
-            "mlx_lm.server-p1-d8": {"ready_s": 1.0, "workloads": {name: summary(150, 17.0, 0.1)}},
-            "kvserve": {"ready_s": 1.0, "workloads": {name: summary(2100, 0.8, 0.011)}},
-        },
+    servers = {
+        "mlx_lm.server-p1-d8": {"ready_s": 1.0, "workloads": {name: summary(150, 17.0, 0.1)}},
+        "kvserve": {"ready_s": 1.0, "workloads": {name: summary(2100, 0.8, 0.011)}},
     }
+    data = gpu_report([name], servers, {})
     text = run.markdown(data)
     base = "mlx_lm.server-p1-d8"
     assert f"kvserve / {base} (above 1 is better" in text
