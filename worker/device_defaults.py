@@ -128,11 +128,11 @@ def choose_limits(
 # MLX settings the worker process runs with unless the operator set them (``apply_mlx_env``).
 # MLX_USE_CUDA_GRAPHS=0: MLX's CUDA backend records kernels into CUDA graphs of 20 and
 # instantiates or updates one per 20 kernels; a decode step of a ~1B model is a few hundred
-# small kernels and is bound by the host's time to launch them, which graphs made longer. On an
-# H100 (1B llama fp16, batch 32, bench/gpu/engine_decode.py, mlx-lm's batch_generate in the same
-# process as the reference) the worker's compiled decode went from 2,439 to 3,510 tokens/s
-# (0.71x -> 0.99x of batch_generate, which moved 3,440 -> 3,553) and the uncompiled one from
-# 1,978 to 2,881; bench/gpu/launch_settings.py times the step's launch under each setting.
+# small kernels and is bound by the host's time to launch them, which graphs made longer. On one
+# H100, back to back (1B llama fp16, batch 32, bench/gpu/engine_decode.py with and without
+# --mlx-defaults), the worker's compiled decode went from 2,254 to 3,654 tokens/s (0.60x ->
+# 1.14x of batch_generate in the same process) and the uncompiled one from 2,157 to 2,284
+# (docs/gpu-attention.md, "Launching a step").
 # MLX reads these once, at its first GPU evaluation; other backends ignore them.
 MLX_ENV: dict[str, str] = {"MLX_USE_CUDA_GRAPHS": "0"}
 

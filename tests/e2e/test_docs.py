@@ -1,4 +1,5 @@
-"""docs/configuration.md documents every flag and variable the processes really have."""
+"""docs/configuration.md documents every flag and variable the processes really have, and every
+link to a section of the README or docs/ finds its heading."""
 
 from __future__ import annotations
 
@@ -49,3 +50,56 @@ def test_docs_exist_and_link():
     ops = (DOCS / "operations.md").read_text()
     for command in ("stats", "tree", "lookup", "evict", "flush", "pin", "unpin", "check"):
         assert f"`{command}" in ops, command
+
+
+def heading_anchors(md: Path) -> set[str]:
+    """The anchors GitHub gives ``md``'s headings: lowercased, punctuation but ``-`` and ``_``
+    dropped, spaces to ``-``, a repeated one suffixed ``-1``, ``-2``..."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in md.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        m = None if fenced else re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m is None:
+            continue
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", m.group(1).replace("`", ""))
+        slug = re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def test_every_link_to_a_section_finds_its_heading():
+    """A link to ``file.md#section`` (or ``#section``) in the README or docs/ names a heading
+    that exists: a renamed section breaks the test, not the reader's click."""
+    pages = [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))]
+    checked, broken = 0, []
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([^)\s]*?)#([^)\s]+)\)", page.read_text()):
+            path = page.parent / target if target else page
+            if path.suffix != ".md" or not path.exists():
+                continue
+            checked += 1
+            if anchor not in heading_anchors(path):
+                broken.append(f"{page.name}: {target}#{anchor}")
+    assert checked > 10
+    assert not broken, broken
+
+
+def test_heading_anchors_follow_github(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text(
+        "# Launching a step: MLX's CUDA graphs off\n"
+        "## Compiled decode forwards (`mx.compile`)\n"
+        "```\n# not a heading\n```\n"
+        "## Notes\n## Notes\n"
+    )
+    assert heading_anchors(page) == {
+        "launching-a-step-mlxs-cuda-graphs-off",
+        "compiled-decode-forwards-mxcompile",
+        "notes",
+        "notes-1",
+    }
