@@ -88,6 +88,31 @@ def test_mask_matches_brute_force(shape, window):
                 assert mask[i, 0, j, k] == allowed
 
 
+def test_an_array_mask_holds_no_host_copy_of_its_booleans():
+    """A prefill chunk that ends inside a block gets an array mask, which the GPU kernels and
+    the exact-context path never read (they rebuild it from positions). Built in numpy it cost
+    each such forward its [B, N, L] booleans on the host: a 2,048-token chunk over a 30k
+    prefix took twice as long as one ending on a block boundary (H100). It is built lazily in
+    MLX from the positions alone: host memory O(B * N + L), here under 1 MB for 134M keys."""
+    import tracemalloc
+
+    n, start = 2048, 63_001  # ends inside a block
+    blocks = -(-(start + n) // BS)
+    batch = ForwardBatch([SeqInput([1] * n, list(range(blocks)), start)], BS, blocks)
+    tracemalloc.start()
+    try:
+        mask = batch.mask()
+        mask_windowed = batch.mask(window_size=1000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert mask.shape == (1, 1, n, batch.key_len) == mask_windowed.shape
+    assert peak < 1 << 20, f"{peak} bytes traced building the mask"
+    # and it is still the mask: the last rows see through their own position, not beyond
+    row = np.array(mask[0, 0, -1])
+    assert row[: start + n].all() and not row[start + n :].any()
+
+
 def test_a_rank_5_mask_puts_the_batch_first_for_grouped_query_scores():
     """gemma2 applies the mask to ``[B, kv_heads, rep, N, L]``: a 4-D ``[B, 1, N, L]`` would
     line the batch up with the kv heads."""
