@@ -68,6 +68,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--warm-up", action="store_true", help="run the worker's warm-up first")
     ap.add_argument("--decode-only", action="store_true", help="phases 4-5 only")
+    ap.add_argument("--prefix-only", action="store_true", help="phase 1 only")
+    ap.add_argument(
+        "--pool-blocks", type=int, default=0, help="a pool of at least this many blocks"
+    )
+    ap.add_argument(
+        "--offset",
+        type=int,
+        default=0,
+        help="the prefix's chunks start this many tokens in (a cached head, untimed)",
+    )
+    ap.add_argument(
+        "--shuffle", action="store_true", help="hand out the pool's blocks in random order"
+    )
     args = ap.parse_args()
 
     started = time.perf_counter()
@@ -80,6 +93,7 @@ def main() -> None:
     own = -(-(SUFFIX + 64) // bs)
     short_blocks = -(-(SHORT_PROMPT + args.steps + 40) // bs)
     num_blocks = 2 * prefix_blocks + (args.followers + 1) * own + args.batch * short_blocks + 8
+    num_blocks = max(num_blocks, args.pool_blocks)
     executor = ModelExecutor(
         lambda: ModelRunner.create(model, block_size=bs, num_blocks=num_blocks)
     )
@@ -102,7 +116,10 @@ def main() -> None:
             f"block attention {runner.block_attention}; load {time.perf_counter() - started:.1f} s"
         )
         rng = np.random.default_rng(0)
-        free = iter(range(num_blocks))
+        order = np.arange(num_blocks)
+        if args.shuffle:
+            rng.shuffle(order)
+        free = iter(order.tolist())
 
         def record(phase: str, what: str, seconds: float) -> None:
             rows.append((phase, what, seconds))
@@ -142,13 +159,20 @@ def main() -> None:
             for round_ in ("first", "again"):
                 table = take(prefix_blocks)
                 tables.append(table)
-                for start in range(0, args.prefix, args.chunk):
+                if args.offset:
+                    runner.forward([SeqInput(prompt[: args.offset], table, 0)])
+                for start in range(args.offset, args.prefix, args.chunk):
                     chunk = prompt[start : start + args.chunk]
                     t = timed(
                         lambda c=chunk, s=start, tb=table: runner.forward([SeqInput(c, tb, s)])
                     )
                     record("prefix", f"{round_}: chunk {len(chunk)} at {start}", t)
+                print(
+                    f"  prefix {round_}: {sum(r[2] for r in rows if r[1].startswith(round_)):.3f} s"
+                )
             table = tables[0]
+            if args.prefix_only:
+                return 0.0, 0.0
 
             # 2. The followers' own suffixes over the committed prefix, one step; then again.
             last_full = args.prefix // bs * bs  # they share full blocks; the partial one is copied
@@ -321,8 +345,9 @@ def main() -> None:
     print("|---|---|---|")
     for phase, what, s in rows:
         print(f"| {phase} | {what} | {s * 1e3:.3f} |")
-    print(f"\npaged / dense decode step at batch {b}: {paged / dense:.2f}x the time "
-          f"({dense / paged:.2f}x the tokens/s)")  # fmt: skip
+    if dense:
+        print(f"\npaged / dense decode step at batch {b}: {paged / dense:.2f}x the time "
+              f"({dense / paged:.2f}x the tokens/s)")  # fmt: skip
     print(f"total {time.perf_counter() - started:.1f} s")
 
 

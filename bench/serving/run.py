@@ -331,7 +331,9 @@ def start_server(name: str, model: Path, logs: Path) -> Server:
     else:
         cmd = [sys.executable, "-m", "kvserve_launch", "--model", str(model)]
         cmd += ["--http-port", str(port), "--grpc-port", str(free_port())]
-        cmd += ["--cache-port", str(free_port()), "--log-level", "WARNING"]
+        # KVSERVE_LOG_LEVEL=DEBUG: the worker's one line a step and each admission in --logs
+        level = os.environ.get("KVSERVE_LOG_LEVEL", "WARNING")
+        cmd += ["--cache-port", str(free_port()), "--log-level", level]
         cmd += ["--startup-timeout-s", "900"]
         if name == "kvserve-no-cache":
             env["KVWORKER_PREFIX_CACHING"] = "0"

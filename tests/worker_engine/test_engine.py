@@ -437,3 +437,33 @@ async def test_a_lookahead_for_another_step_is_discarded(model) -> None:
                 last[ex][i] = got[ex][i]
     assert ahead.lookahead_misses == 1 and ahead.lookahead_hits == 4
     assert plain.lookahead_hits == plain.lookahead_misses == 0
+
+
+async def test_the_debug_log_accounts_for_every_step(model, caplog) -> None:
+    """``--log-level DEBUG``: one line a step (rows, prefill tokens, the forwards' time) and
+    one an admission (how long after arrival, tokens cached), so where a first token's time
+    went can be read off a running worker (the long-prompt prefill chunks that ended inside a
+    block were found this way)."""
+    import logging
+    import re
+
+    caplog.set_level(logging.DEBUG, "worker.engine")
+    async with started_system(model) as system:
+        stub = await system.add_worker(max_step_tokens=16)
+        p = prompt(90, 40)
+        await generate(stub, request(p, max_tokens=3))
+        await generate(stub, request(p, max_tokens=2))  # the same prompt: cached
+    lines = [r.getMessage() for r in caplog.records]
+    admitted = [m for m in lines if " admitted " in m]
+    assert len(admitted) == 2
+    assert re.search(
+        r"admitted [\d.]+ ms after its arrival: lease \d+, 0 of 40 tokens", admitted[0]
+    )
+    assert not admitted[1].endswith(" 0 of 40 tokens cached")
+    steps = [re.search(r"step \d+: (\d+) rows, \d+ prefilling (\d+) tokens.*forwards ([\d.]+) ms", m)
+             for m in lines if re.match(r"step \d+:", m)]  # fmt: skip
+    assert steps and all(steps)
+    prefilled = sum(int(s.group(2)) for s in steps)  # type: ignore[union-attr]
+    # 40 tokens in 16-token chunks, then the second request's uncached tail; the decodes
+    assert prefilled > 40 and max(int(s.group(2)) for s in steps) <= 16  # type: ignore[union-attr]
+    assert all(float(s.group(3)) > 0 for s in steps)  # type: ignore[union-attr]

@@ -388,10 +388,12 @@ class LeaseSync:
                 self._release(result.lease_id, None)  # aborted meanwhile
             else:
                 log.debug(
-                    "%s admitted: lease %d, %d cached tokens",
+                    "%s admitted %.1f ms after its arrival: lease %d, %d of %d tokens cached",
                     seq.request_id,
+                    (time.monotonic() - seq.arrival) * 1e3,
                     result.lease_id,
                     result.cached_tokens,
+                    seq.num_tokens,
                 )
                 seq.admit(result)
                 self.scheduler.admitted(seq)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from worker.engine.lease_sync import LeasePolicy, LeaseSync
 from worker.engine.sampling_params import Accepted, RowFailed, Sampled
 from worker.engine.scheduler import Scheduler, Step
 from worker.engine.sequence import Sequence, Status
-from worker.engine.step_budget import StepBudget
+from worker.engine.step_budget import ForwardTime, StepBudget
 from worker.errors import Cancelled, ShuttingDown, StepFailed, WorkerError
 
 # The longest a finished request's last event waits for its release to be answered.
@@ -183,9 +184,12 @@ class Engine:
             await self._work.wait()
 
     async def _run_step(self, step: Step) -> None:
+        started = time.perf_counter()
         live = frozenset(s.lease.lease_id for s in self.scheduler.running if s.lease is not None)
         results, took = await self.executor.run(step, live)
         self.budget.observe(took)
+        if log.isEnabledFor(logging.DEBUG):
+            self._log_step(step, took, time.perf_counter() - started)
         sampled = self._end_failed_rows(step, results)
         before = sum(len(item.seq.output) for item in step.items)  # a sequence once a step
         finished = self.scheduler.postprocess(step, sampled)
@@ -202,6 +206,28 @@ class Engine:
             self._held.add(seq)
             asyncio.get_running_loop().call_later(FINAL_HOLD_MAX_S, self._send_final, seq)
             self.leases.release(seq, then=functools.partial(self._send_final, seq))
+
+    def _log_step(self, step: Step, took: ForwardTime, seconds: float) -> None:
+        """One line a step (``--log-level DEBUG``): where a request's time goes between its
+        arrival and its tokens, seen from the loop: the step's rows, its forwards' seconds on
+        the model thread, and the rest of the executor call (the hand-off, sampling's
+        transfer), so a slow first token can be told apart from a slow model."""
+        prefill = [i for i in step.items if i.start < i.seq.admitted_tokens]  # prompt chunks
+        log.debug(
+            "step %d: %d rows, %d prefilling %d tokens (longest context %d), %d decoding; "
+            "forwards %.1f ms (prefill %.1f, decode %.1f), executor call %.1f ms; %d waiting",
+            self.stats.steps + 1,
+            len(step.items),
+            len(prefill),
+            sum(len(i.token_ids) for i in prefill),
+            max((i.start + len(i.token_ids) for i in prefill), default=0),
+            len(step.items) - len(prefill),
+            (took.prefill_s + took.decode_s) * 1e3,
+            took.prefill_s * 1e3,
+            took.decode_s * 1e3,
+            seconds * 1e3,
+            len(self.scheduler.waiting),
+        )
 
     def _send_final(self, seq: Sequence) -> None:
         """Sends ``seq``'s held last event: once its release is answered, or after
