@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -94,8 +96,6 @@ def test_an_array_mask_holds_no_host_copy_of_its_booleans():
     each such forward its [B, N, L] booleans on the host: a 2,048-token chunk over a 30k
     prefix took twice as long as one ending on a block boundary (H100). It is built lazily in
     MLX from the positions alone: host memory O(B * N + L), here under 1 MB for 134M keys."""
-    import tracemalloc
-
     n, start = 2048, 63_001  # ends inside a block
     blocks = -(-(start + n) // BS)
     batch = ForwardBatch([SeqInput([1] * n, list(range(blocks)), start)], BS, blocks)

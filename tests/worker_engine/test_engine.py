@@ -4,7 +4,9 @@ compared with mlx-lm's dense path, block accounting checked after every test."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -444,9 +446,6 @@ async def test_the_debug_log_accounts_for_every_step(model, caplog) -> None:
     one an admission (how long after arrival, tokens cached), so where a first token's time
     went can be read off a running worker (the long-prompt prefill chunks that ended inside a
     block were found this way)."""
-    import logging
-    import re
-
     caplog.set_level(logging.DEBUG, "worker.engine")
     async with started_system(model) as system:
         stub = await system.add_worker(max_step_tokens=16)

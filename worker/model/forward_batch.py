@@ -271,11 +271,9 @@ class ForwardBatch:
         # (the GPU kernels, ``exact_context_attention``) never evaluates it. Built in numpy it
         # cost every such forward its [B, N, L] booleans on the host: a 2,048-token chunk over
         # a 30k prefix, 63M of them, about 70 ms a forward (H100 host), half the step.
-        last = mx.array((self.query_lens - 1).astype(np.int32))[:, None]
-        q_pos = mx.array(self.starts.astype(np.int32))[:, None] + mx.minimum(
-            mx.arange(self.query_len, dtype=mx.int32)[None, :], last
-        )
-        return self._position_mask(q_pos, window_size)
+        starts = self.offset if isinstance(self.offset, int) else self.offset[:, None]
+        rows = mx.arange(self.query_len, dtype=mx.int32)[None, :]  # padded rows repeat the last
+        return self._position_mask(starts + mx.minimum(rows, self.last_index[:, None]), window_size)
 
     def _position_mask(self, q_pos: mx.array, window_size: int | None) -> mx.array:
         """Bool ``[B, 1, N, L]`` (rank ``mask_rank``): key ``k`` is seen by the query at
