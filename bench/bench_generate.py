@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from bench_models import save_model  # noqa: E402
 
 from kvserve_model.blas import fast_blas_env  # noqa: E402
-from kvserve_model.default_model import ensure_default_model  # noqa: E402
+from kvserve_model.tiny_model import ensure_tiny_model  # noqa: E402
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kpb  # noqa: E402
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as kpb_grpc  # noqa: E402
 from kvserve_proto.worker.v1 import worker_pb2 as pb  # noqa: E402
@@ -44,7 +44,7 @@ def make_model(directory: Path, layers: int, hidden: int) -> Path:
     import mlx.core as mx
     from mlx_lm.models.llama import Model, ModelArgs
 
-    base = ensure_default_model()
+    base = ensure_tiny_model()
     config = json.loads((base / "config.json").read_text())
     config.update(
         hidden_size=hidden,

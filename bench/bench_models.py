@@ -38,9 +38,9 @@ def make_model(directory: Path, layers: int, hidden: int, dtype: str) -> tuple[P
     from mlx.utils import tree_map
     from mlx_lm.models.llama import Model, ModelArgs
 
-    from kvserve_model.default_model import ensure_default_model
+    from kvserve_model.tiny_model import ensure_tiny_model
 
-    base = ensure_default_model()
+    base = ensure_tiny_model()
     config = json.loads((base / "config.json").read_text())
     config.update(
         hidden_size=hidden,

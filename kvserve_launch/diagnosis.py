@@ -57,6 +57,6 @@ def hint(returncode: int, port_setting: str = "") -> str | None:
         Failure.PORT_IN_USE: "another process holds the port (is another kvserve running?): "
         f"stop it, or set {ports} (0: any free port)",
         Failure.MODEL: f"{setting(ENV_PREFIX, 'model')} takes {LaunchConfig().model} (the "
-        "default, made locally), a model directory (config.json, *.safetensors, tokenizer) "
-        "or a Hugging Face id, of an architecture mlx-lm supports",
+        "default, converted locally), a model directory (config.json, *.safetensors, "
+        "tokenizer), a .gguf file or a Hugging Face id, of an architecture mlx-lm supports",
     }.get(returncode)

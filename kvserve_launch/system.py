@@ -16,12 +16,15 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvserve_launch.config import ENV_PREFIX, LaunchConfig
 from kvserve_launch.process import Child, Sink, print_sink
 from kvserve_launch.startup import setting
 from kvserve_model.blas import fast_blas_env
-from kvserve_model.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from kvserve_model.default_model import DEFAULT_MODEL_NAME
+from kvserve_model.resolve import resolve_model
+from kvserve_model.tiny_model import TINY_MODEL_NAME
 
 
 @dataclass
@@ -149,9 +152,10 @@ def worker_env(cfg: LaunchConfig) -> dict[str, str]:
 
 
 def prepare_model(model: str, say: Callable[[str], None]) -> None:
-    """Create the embedded default model once, before N workers would race to."""
-    if model == DEFAULT_MODEL_NAME:
-        ensure_default_model(log=say)
+    """Make or convert a local model once (the default, the tiny model, a GGUF file), before N
+    workers and the gateway would race to; a directory or a hub id is theirs to find."""
+    if model in (DEFAULT_MODEL_NAME, TINY_MODEL_NAME) or Path(model).expanduser().is_file():
+        resolve_model(model, log=say)
 
 
 def launch(cfg: LaunchConfig, sink: Sink = print_sink, python: str = sys.executable) -> System:

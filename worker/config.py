@@ -12,6 +12,7 @@ from kvserve_model.default_model import DEFAULT_MODEL_NAME
 from kvserve_model.sampling_limits import MAX_DRAFT_TOKENS
 
 ENV_PREFIX = "KVWORKER_"
+DEQUANTIZE = ("auto", "always", "never")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,10 @@ class WorkerConfig:
     # Run the engine's shapes once before registering, so no request pays for first-use
     # kernel compilation and allocation (worker.warmup).
     warmup: bool = True
+    # Quantized weights on a CPU (worker.model.loader): "auto" dequantizes them to float32
+    # where that fits a quarter of the memory (MLX's CPU quantized matmul has no BLAS: the
+    # default model prefilled 30x slower quantized); "always" or "never".
+    dequantize: str = "auto"
     # Check the paged path against mlx-lm's dense path on a small batch at startup and refuse a
     # model whose logits differ (worker.model.self_check).
     self_check: bool = True
@@ -104,6 +109,8 @@ def check(c: WorkerConfig) -> str | None:
         return "--stream-interval must be >= 1"
     if not 1 <= c.num_draft_tokens <= MAX_DRAFT_TOKENS:
         return f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}]"
+    if c.dequantize not in DEQUANTIZE:
+        return f"--dequantize must be one of {', '.join(DEQUANTIZE)}"
     if not 0.0 <= c.kv_memory_fraction <= 1.0:
         return "--kv-memory-fraction must be in [0, 1] (0: the device's default)"
     return None
@@ -121,7 +128,7 @@ SETTINGS = Settings(
         "port": "gRPC port (0: any free port)",
         "advertise_address": "the address gateways dial (default: host:port)",
         "worker_id": "the pool id at the cache service (default: hostname-port)",
-        "model": "the embedded default model, an mlx-lm directory or a Hugging Face id",
+        "model": "the default model, an mlx-lm directory, a .gguf file or a Hugging Face id",
         "block_size": "tokens per KV block",
         "num_blocks": "pool size in blocks (0: from the next two, else the device's default)",
         "kv_memory_mb": "pool size as a memory budget in MiB",
@@ -141,6 +148,8 @@ SETTINGS = Settings(
         "stream_interval": "tokens a stream message carries at least, after the first",
         "warmup": "run the engine's shapes once before saying ready",
         "decode_lookahead": "start the next greedy decode step before streaming this one (GPUs)",
+        "dequantize": "quantized weights to float32: auto (on a CPU, where they fit a quarter of "
+        "memory), always or never",
         "self_check": "refuse a model whose paged path disagrees with mlx-lm's dense path",
         "tls_cert": "PEM certificate: with --tls-key, the gRPC port serves TLS",
         "tls_key": "PEM private key of --tls-cert",

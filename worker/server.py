@@ -116,7 +116,7 @@ def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExec
 
     build_draft = None
     if config.draft_model:
-        draft = load_model(config.draft_model)
+        draft = load_model(config.draft_model, dequantize=config.dequantize)
         if draft.tokenizer.vocab_size != loaded.tokenizer.vocab_size:
             raise UnsupportedModelError(
                 f"draft model {config.draft_model}: its tokenizer has {draft.tokenizer.vocab_size}"
@@ -157,7 +157,7 @@ async def running(
     StartupError (``kvserve_launch.startup``) for a model it cannot serve or a port it cannot
     bind."""
     with model_errors_as_startup_errors(config.model):
-        loaded = loaded or load_model(config.model)
+        loaded = loaded or load_model(config.model, dequantize=config.dequantize)
         executor, chosen = build_executor(config, loaded)
     runner = executor.runner
     server = grpc.aio.server(

@@ -15,6 +15,7 @@ import pytest
 from kvserve_launch.config import LaunchConfig
 from kvserve_launch.process import KeptLines as LogSink
 from kvserve_launch.system import System, launch
+from kvserve_model.tiny_model import TINY_MODEL_NAME
 
 ADMIN_TOKEN = "e2e-admin-token"
 STARTUP_TIMEOUT_S = 240.0
@@ -30,6 +31,7 @@ def started_system(logs: LogSink, **overrides: Any) -> Iterator[System]:
     launch config), stopped when the fixture that yields from it ends."""
     fields: dict[str, Any] = dict(
         workers=2,
+        model=TINY_MODEL_NAME,
         host="127.0.0.1",
         http_port=0,
         grpc_port=0,

@@ -263,7 +263,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     config = LaunchConfig(
-        workers=a.workers, http_port=0, grpc_port=0, cache_port=0, log_level="WARNING"
+        workers=a.workers,
+        model="kvserve-tiny-llama",
+        http_port=0,
+        grpc_port=0,
+        cache_port=0,
+        log_level="WARNING",
     )
     system = launch(config, sink=lambda name, line: None)
     try:

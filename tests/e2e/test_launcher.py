@@ -44,6 +44,7 @@ CFG = LaunchConfig(
     num_blocks=128,
     block_size=16,
     host="0.0.0.0",
+    model="kvserve-tiny-llama",
 )
 
 

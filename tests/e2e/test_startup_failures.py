@@ -191,11 +191,11 @@ async def test_grpc_servers_do_not_share_a_port():
 
 
 async def test_a_worker_with_an_unsupported_model_type_names_it(tmp_path: Path):
-    from kvserve_model.default_model import ensure_default_model
+    from kvserve_model.tiny_model import ensure_tiny_model
     from worker.server import running as worker_running
 
     model = tmp_path / "odd-model"
-    shutil.copytree(ensure_default_model(), model)
+    shutil.copytree(ensure_tiny_model(), model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "model_type": "no_such_arch"}))
     with pytest.raises(ModelUnavailable, match="Model type no_such_arch not supported") as e:
@@ -222,4 +222,4 @@ def test_the_launcher_hints_at_its_own_model_flag(tmp_path: Path, monkeypatch):
         "worker-0 failed before it was ready: exited with status 66 (model unavailable). "
     )
     assert f"    worker: cannot start: model directory {tmp_path / 'missing'}" in text
-    assert "  hint: --model or KVSERVE_MODEL takes kvserve-tiny-llama" in text
+    assert "  hint: --model or KVSERVE_MODEL takes SmolLM2-135M-Instruct" in text

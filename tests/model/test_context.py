@@ -16,8 +16,8 @@ import pytest
 
 from gateway.tokenizer import Tokenizer
 from kvserve_model.context import FALLBACK_CONTEXT, context_length, load_config
-from kvserve_model.default_model import ensure_default_model
 from kvserve_model.errors import ModelLoadError
+from kvserve_model.tiny_model import ensure_tiny_model
 
 # Shaped like each family's config.json: the fields the rule reads, and neighbours that must not
 # fool it.
@@ -71,7 +71,7 @@ def test_context_length_of_each_family(family: str) -> None:
 
 def _model_with_config(tmp_path: Path, **config: Any) -> Path:
     model = tmp_path / "model"
-    shutil.copytree(ensure_default_model(), model)
+    shutil.copytree(ensure_tiny_model(), model)
     base = json.loads((model / "config.json").read_text())
     base.pop("max_position_embeddings")
     (model / "config.json").write_text(json.dumps({**base, **config}))

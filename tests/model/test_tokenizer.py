@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvserve_model.default_model import ensure_default_model
+from kvserve_model.tiny_model import ensure_tiny_model
 from kvserve_model.tokenizer import ModelTokenizer, load_tokenizer
 
 THINKING_TEMPLATE = (
@@ -46,7 +46,7 @@ CHATS: list[tuple[list[dict[str, str]], dict[str, Any]]] = [
 def _variant(root: Path, name: str) -> Path:
     extra_config, added = VARIANTS[name]
     model = root / name.replace(" ", "_")
-    shutil.copytree(ensure_default_model(), model)
+    shutil.copytree(ensure_tiny_model(), model)
     config = json.loads((model / "tokenizer_config.json").read_text())
     tokenizer = json.loads((model / "tokenizer.json").read_text())
     for i, content in enumerate(added):

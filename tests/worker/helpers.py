@@ -86,12 +86,22 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 FAMILIES = tuple(CONFIGS)
+# Quantized as the mlx-community checkpoints most users run ship: affine, group 32, 4 or 8
+# bits, the embedding included (``family:bits``).
+QUANTIZED = ("llama:4bit", "qwen3:8bit", "gemma3:4bit")
 
 
 def tiny_model(family: str, seed: int = 0, **overrides: Any) -> nn.Module:
     """An fp32 model of ``family`` with seeded weights, scaled so greedy decoding wanders
     over the vocabulary instead of settling into a two-token loop; ``overrides`` change its
-    config (wider heads, say)."""
+    config (wider heads, say). ``family:4bit`` (or ``:8bit``): that model, quantized afterwards
+    (``nn.quantize``, group 32), as a quantized checkpoint loads."""
+    if ":" in family:
+        base, bits = family.split(":")
+        model = tiny_model(base, seed, **overrides)
+        nn.quantize(model, group_size=32, bits=int(bits.removesuffix("bit")))
+        mx.eval(model.parameters())
+        return model
     config = {**CONFIGS[family], **overrides}
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))

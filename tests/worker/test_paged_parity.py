@@ -1,5 +1,8 @@
 """The paged path against mlx-lm's dense KVCache path: same greedy tokens, logits within 1e-4.
 
+The families below run as fp32 models and quantized (4-bit llama and gemma3, 8-bit qwen3:
+``helpers.QUANTIZED``), as most checkpoints users run are.
+
 Every scenario runs for llama, qwen2, qwen3, mistral, gemma3 (sliding-window layers) and gemma2
 with two and one kv heads (grouped-query attention on 5-D scores ``[B, kv_heads, rep, N, L]``,
 which needs a 5-D mask) on tiny fp32 models, block size 8 so that prompts span several blocks, with decode attention served
@@ -22,6 +25,7 @@ import pytest
 
 from tests.worker.helpers import (
     FAMILIES,
+    QUANTIZED,
     TOL,
     DenseSeq,
     PagedSeq,
@@ -38,7 +42,7 @@ STEPS = 32
 BS = 8
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES + QUANTIZED)
 def model(request):
     return tiny_model(request.param)
 

@@ -12,7 +12,7 @@ import logging
 import pytest
 
 from kvserve_launch.startup import ModelUnavailable
-from kvserve_model.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from kvserve_model.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 from tests.worker.helpers import FAMILIES, TOL, tiny_model
 from worker.config import WorkerConfig
 from worker.model import gpu_attention
@@ -26,7 +26,7 @@ from worker.server import build_executor, running
 
 @pytest.fixture(scope="module")
 def default_model(tmp_path_factory) -> LoadedModel:
-    path = ensure_default_model(tmp_path_factory.mktemp("models") / DEFAULT_MODEL_NAME, log=print)
+    path = ensure_tiny_model(tmp_path_factory.mktemp("models") / TINY_MODEL_NAME, log=print)
     return load_model(str(path))
 
 

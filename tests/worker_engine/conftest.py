@@ -18,6 +18,7 @@ from kvcache_service.authority import CacheAuthority
 from kvcache_service.config import ServiceConfig
 from kvcache_service.server import running as cache_running
 from kvserve_launch.tls import Dialer
+from kvserve_model.tiny_model import TINY_MODEL_NAME
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kpb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as kpb_grpc
 from kvserve_proto.worker.v1 import worker_pb2 as pb
@@ -36,13 +37,13 @@ BS = 16
 def model() -> LoadedModel:
     """The embedded default model for this test's workers. Not shared between tests: a
     worker's model thread owns the MLX state the model builds up (streams are per thread)."""
-    return load_model()
+    return load_model(TINY_MODEL_NAME)
 
 
 @pytest.fixture(scope="session")
 def reference() -> Callable[[list[int], int], tuple[list[int], list[float]]]:
     """Dense mlx-lm greedy decoding (its own model copy): tokens and their logprobs."""
-    ref = load_model()
+    ref = load_model(TINY_MODEL_NAME)
 
     def run(prompt: list[int], n: int) -> tuple[list[int], list[float]]:
         tokens, logprobs = [], []

@@ -21,6 +21,7 @@ import pytest
 
 from kvcache_service.config import ServiceConfig
 from kvcache_service.server import running as running_cache
+from kvserve_model.tiny_model import TINY_MODEL_NAME
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kv
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from tests.fuzz import (
@@ -144,7 +145,7 @@ def target() -> Iterator[Target]:
             num_blocks=256,
             max_step_tokens=128,
         )
-        worker = loop.enter(running_worker(config, load_model()))
+        worker = loop.enter(running_worker(config, load_model(TINY_MODEL_NAME)))
         with (
             grpc.insecure_channel(worker.address) as channel,
             grpc.insecure_channel(cache.address) as cache_channel,

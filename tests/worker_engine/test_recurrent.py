@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
+from kvserve_model.tiny_model import TINY_MODEL_NAME
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from tests.worker import families
 from tests.worker_engine.conftest import BS, System, generate, request, started_system
@@ -30,7 +31,7 @@ Reference = Callable[[list[int], int], tuple[list[int], list[float]]]
 def _loaded(family: str) -> LoadedModel:
     """A tiny seeded ``family`` model with the default model's byte tokenizer (its ids 0..127
     are the tiny vocabulary)."""
-    base = load_model()
+    base = load_model(TINY_MODEL_NAME)
     config = {"model_type": family, "max_position_embeddings": 1024}
     return dataclasses.replace(
         base, model=families.build(family), fingerprint=f"test:{family}", config=config

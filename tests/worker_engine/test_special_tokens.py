@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve_model.default_model import SPECIAL_TOKENS
+from kvserve_model.tiny_model import SPECIAL_TOKENS, TINY_MODEL_NAME
 from worker.engine.intake import Intake, RequestLimits, special_token_ids
 from worker.engine.sampling_params import SamplingParams
 from worker.model.loader import load_model
@@ -15,7 +15,7 @@ from worker.model.loader import load_model
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return load_model().tokenizer
+    return load_model(TINY_MODEL_NAME).tokenizer
 
 
 def _intake(tokenizer) -> Intake:

@@ -15,7 +15,7 @@ import grpc
 import mlx.core as mx
 import pytest
 
-from kvserve_model.default_model import ensure_default_model
+from kvserve_model.tiny_model import ensure_tiny_model
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from tests.worker_engine.conftest import System, generate, request
 from tests.worker_engine.test_engine import prompt
@@ -33,7 +33,7 @@ def repetitive(seed: int, period: int, n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def other_model(tmp_path_factory) -> Path:
     """The default model's tokenizer with other weights: a draft model that rarely agrees."""
-    src = ensure_default_model()
+    src = ensure_tiny_model()
     dst = tmp_path_factory.mktemp("draft") / "other-tiny-llama"
     shutil.copytree(src, dst)
     weights = mx.load(str(dst / "model.safetensors"))
@@ -72,7 +72,7 @@ async def test_prompt_lookup_gives_the_greedy_tokens(system: System, reference) 
 async def test_a_draft_model_that_always_agrees(system: System, reference) -> None:
     """The served model as its own draft: every draft is accepted, so each step keeps k + 1
     tokens and stops and limits land inside a verified run of drafts."""
-    stub = await system.add_worker(draft_model=str(ensure_default_model()))
+    stub = await system.add_worker(draft_model=str(ensure_tiny_model()))
     assert (await info(stub)).draft_model
     p = prompt(4, 37)
     want = reference(p, 45)[0]

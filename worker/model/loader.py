@@ -1,9 +1,28 @@
-"""Load a model's weights with mlx-lm, and fingerprint it.
+"""Load a model's weights with mlx-lm, in the dtype it computes in here, and fingerprint it.
 
-The name resolves to a directory through ``kvserve_model.resolve`` (the embedded default
-``kvserve-tiny-llama``, a model directory, or a Hugging Face id, downloaded where a network or a
-local copy exists), as the gateway resolves it for its tokenizer; this module is the part that
-needs MLX.
+The name resolves to a directory through ``kvserve_model.resolve`` (the default model, the tiny
+test model, a GGUF file converted once, a model directory, or a Hugging Face id, downloaded
+where a network or a local copy exists), as the gateway resolves it for its tokenizer; this
+module is the part that needs MLX.
+
+The compute dtype (:func:`compute_dtype`) is what the activations, and so the KV pool, are in:
+float32 on a CPU (MLX's CPU backend runs half precision without BLAS, about 25x slower), the
+checkpoint's ``torch_dtype`` where it is half precision on a GPU. Every floating parameter is
+cast to it, norms included: a GGUF ships its norms as F32 beside fp16 scales, and one F32
+weight would lift every activation after it, and the pool, to float32 (seen on an H100: a
+38.5 GB float32 pool for a 4-bit model).
+
+Quantized weights on a CPU: MLX's CPU quantized matmul has no BLAS underneath. The default
+model (4-bit, 135M) measured prefill 256 tokens in 31 s and decode 145 ms a token quantized,
+against 1.0 s and 48 ms dequantized to float32 on the fast BLAS (2-core EPYC, bench/
+bench_startup.py's model), so a CPU worker dequantizes where the float32 weights fit
+(:func:`should_dequantize`): 4-8x the weights' memory for a 10-30x faster prefill. A GPU keeps
+them quantized (its quantized kernels are the fast path). ``--dequantize never`` keeps them.
+
+A model converted from GGUF is checked once by the first worker that loads it
+(``kvserve_model.gguf_convert.pending_check``): one greedy answer through mlx-lm's own dense
+path must be finite and, for the default model, name the expected word; a converter bug shows
+as a refusal at the first start, not as fluent nonsense.
 
 The fingerprint travels with the worker's pool registration: the cache service must never match
 a prefix computed by one model against blocks of another, and two workers with the same
@@ -17,19 +36,32 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import struct
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
-from kvserve_model.context import load_config
+from kvserve_model.context import context_length, load_config
 from kvserve_model.errors import ModelLoadError
+from kvserve_model.gguf_convert import mark_checked, pending_check
 from kvserve_model.resolve import resolve_model
 
+log = logging.getLogger(__name__)
+
 SAMPLE_BYTES = 1 << 20
+# "auto" dequantizes on a CPU when the float32 weights take at most this share of the memory.
+DEQUANTIZE_MEMORY_SHARE = 0.25
+CHECK_TOKENS = 24  # of the converted model's greedy answer
+HALF = {"float16": mx.float16, "bfloat16": mx.bfloat16}
+QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,25 +75,111 @@ class LoadedModel:
     config: dict[str, Any]
 
 
-def load_model(name_or_path: str | None = None, *, fp32_on_cpu: bool = True) -> LoadedModel:
-    """Resolve and load a model with ``mlx_lm.load``.
-
-    On the CPU device, unquantized fp16/bf16 weights are cast to fp32 (``fp32_on_cpu``): MLX's
-    CPU backend runs half precision without BLAS, about 25x slower.
-    """
+def load_model(name_or_path: str | None = None, *, dequantize: str = "auto") -> LoadedModel:
+    """Resolve and load a model with ``mlx_lm.load``, dequantized where :func:`should_dequantize`
+    says, its floating parameters in :func:`compute_dtype`; check it once if it was converted
+    from GGUF (see the module docstring)."""
     import mlx_lm
 
-    path = resolve_model(name_or_path)
+    path = resolve_model(name_or_path, log=log.info)
     try:
         loaded = mlx_lm.load(str(path), return_config=True)
         model, tokenizer, config = cast(tuple[nn.Module, Any, dict[str, Any]], loaded)
     except Exception as e:
         raise ModelLoadError(f"mlx_lm.load({str(path)!r}) failed: {e}") from e
-    quantized = "quantization" in config or "quantization_config" in config
-    if fp32_on_cpu and not quantized and mx.default_device() == mx.cpu:
-        model.set_dtype(mx.float32)
-        mx.eval(model.parameters())
+    cpu = mx.default_device() == mx.cpu
+    dtype = compute_dtype(config, cpu)
+    if dtype is not None:  # scales and biases too: a dequantized weight is computed in it
+        model.set_dtype(dtype)
+    if should_dequantize(model, dequantize, cpu):
+        from mlx_lm.utils import dequantize_model
+
+        model = dequantize_model(model)
+        log.info("dequantized the weights to %s: the CPU runs them on BLAS", dtype)
+    mx.eval(model.parameters())
+    # transformers warns past model_max_length; the model's own context is the limit.
+    tokenizer._tokenizer.model_max_length = context_length(config)
+    if (check := pending_check(path)) is not None:
+        check_converted(model, tokenizer, path, check)
     return LoadedModel(model, tokenizer, path, model_fingerprint(path), config)
+
+
+def compute_dtype(config: Mapping[str, Any], cpu: bool) -> mx.Dtype | None:
+    """The dtype the model's floating parameters are cast to: float32 on a CPU, the config's
+    half-precision ``torch_dtype`` on a GPU, else None (as loaded)."""
+    if cpu:
+        return mx.float32
+    return HALF.get(str(config.get("torch_dtype", "")))
+
+
+def should_dequantize(model: nn.Module, policy: str, cpu: bool) -> bool:
+    """Whether to dequantize ``model``: ``always``, ``never``, or (``auto``) on a CPU when it has
+    quantized layers and its float32 weights fit :data:`DEQUANTIZE_MEMORY_SHARE` of memory."""
+    bits = {name: m.bits for name, m in model.named_modules() if isinstance(m, QUANTIZED)}
+    if not bits or policy == "never":
+        return False
+    if policy == "always":
+        return True
+    total = _memory_bytes()
+    return cpu and (
+        total is None or 4 * float32_elements(model, bits) <= DEQUANTIZE_MEMORY_SHARE * total
+    )
+
+
+def float32_elements(model: nn.Module, bits: Mapping[str, int]) -> int:
+    """The parameter count of ``model`` dequantized: a quantized weight of ``b`` bits packs
+    32 / b values in each uint32; its scales and biases go."""
+    n = 0
+    params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    for name, value in params:
+        module, _, leaf = name.rpartition(".")
+        if module not in bits:
+            n += value.size
+        elif leaf == "weight":
+            n += value.size * 32 // bits[module]
+    return n
+
+
+def _memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_converted(model: nn.Module, tokenizer: Any, path: Path, check: Mapping[str, Any]) -> None:
+    """The one check of a model converted from GGUF: its greedy answer to ``check["question"]``
+    through mlx-lm's dense path is finite and contains ``check["expect"]`` where one is given.
+    Raises ModelLoadError; on success records it in the directory, so it runs once."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    question = str(check.get("question", ""))
+    t0 = time.perf_counter()
+    messages = [{"role": "user", "content": question}]
+    if tokenizer.chat_template:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    else:
+        prompt = tokenizer.encode(question)
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)[:, -1]
+    answer: list[int] = []
+    for _ in range(CHECK_TOKENS):
+        if not bool(mx.isfinite(logits).all()):
+            raise ModelLoadError(f"{path}: the converted model's logits are not finite")
+        token = int(mx.argmax(logits, axis=-1)[0])
+        if token in tokenizer.eos_token_ids:
+            break
+        answer.append(token)
+        logits = model(mx.array([[token]]), cache=cache)[:, -1]
+    text = tokenizer.decode(answer)
+    expect = check.get("expect")
+    if expect and str(expect) not in text:
+        raise ModelLoadError(
+            f"{path}: the converted model answered {question!r} with {text!r}, "
+            f"without {expect!r}: the conversion is wrong (a kvserve bug; please report it)"
+        )
+    mark_checked(path, text)
+    log.info("converted model checked: %r -> %r (%.2f s)", question, text, time.perf_counter() - t0)
 
 
 def model_fingerprint(path: Path) -> str:

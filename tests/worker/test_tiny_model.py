@@ -1,4 +1,4 @@
-"""The embedded default model: deterministic files, loadable by mlx-lm offline, a byte-level
+"""The tiny test model: deterministic files, loadable by mlx-lm offline, a byte-level
 tokenizer with a chat template, a stable fingerprint, and paged parity on it too."""
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
-from kvserve_model.default_model import (
-    DEFAULT_MODEL_NAME,
+from kvserve_model.errors import ModelLoadError
+from kvserve_model.model_cache import MODEL_DIR_ENV
+from kvserve_model.resolve import resolve_model
+from kvserve_model.tiny_model import (
     EOS,
     IM_END,
-    MODEL_DIR_ENV,
-    ensure_default_model,
-    write_default_model,
+    TINY_MODEL_NAME,
+    ensure_tiny_model,
+    write_tiny_model,
 )
-from kvserve_model.errors import ModelLoadError
-from kvserve_model.resolve import resolve_model
 from tests.worker.helpers import TOL, DenseSeq, PagedSeq, decode_together
 from worker.model.loader import load_model, model_fingerprint
 from worker.model.runner import ModelRunner
@@ -29,7 +29,7 @@ from worker.model.runner import ModelRunner
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    return ensure_default_model(tmp_path_factory.mktemp("models") / DEFAULT_MODEL_NAME, log=print)
+    return ensure_tiny_model(tmp_path_factory.mktemp("models") / TINY_MODEL_NAME, log=print)
 
 
 @pytest.fixture(scope="module")
@@ -42,25 +42,24 @@ def _digests(directory: Path) -> dict[str, str]:
 
 
 def test_files_are_byte_for_byte_deterministic(model_dir, tmp_path):
-    write_default_model(tmp_path / "again")
+    write_tiny_model(tmp_path / "again")
     assert _digests(tmp_path / "again") == _digests(model_dir)
 
 
 def test_created_once_with_one_progress_line(tmp_path, monkeypatch):
     lines: list[str] = []
     monkeypatch.setenv(MODEL_DIR_ENV, str(tmp_path / "here"))
-    path = resolve_model(DEFAULT_MODEL_NAME)
-    assert path == tmp_path / "here"
-    assert ensure_default_model(log=lines.append) == path
+    path = resolve_model(TINY_MODEL_NAME)
+    assert path == tmp_path / "here" / TINY_MODEL_NAME
+    assert ensure_tiny_model(log=lines.append) == path
     assert lines == []  # already there: no second creation
-    assert resolve_model(None) == path
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dir left
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temp dir left
 
 
 def test_progress_line(tmp_path):
     lines: list[str] = []
-    ensure_default_model(tmp_path / "m", log=lines.append)
-    assert len(lines) == 1 and DEFAULT_MODEL_NAME in lines[0]
+    ensure_tiny_model(tmp_path / "m", log=lines.append)
+    assert len(lines) == 1 and TINY_MODEL_NAME in lines[0]
 
 
 def test_loads_as_a_small_fp32_llama(loaded):
@@ -103,7 +102,7 @@ def test_streaming_detokenizer_waits_for_whole_characters(loaded):
 def test_fingerprint_is_stable_and_tracks_config(model_dir, tmp_path):
     fingerprint = model_fingerprint(model_dir)
     assert fingerprint.startswith("sha256:")
-    write_default_model(tmp_path / "copy")
+    write_tiny_model(tmp_path / "copy")
     assert model_fingerprint(tmp_path / "copy") == fingerprint
     config = json.loads((tmp_path / "copy" / "config.json").read_text())
     config["rope_theta"] = 500000.0
