@@ -1,162 +1,227 @@
-"""Startup benchmark: time to ready and first-request latency, warm-up off vs on.
+"""Startup benchmark: how long ``make run`` takes to answer, where the time goes, and the peer.
 
-Starts the real processes, a cache service and then one worker (``python -m worker``), and
-measures the time from spawning the worker to its ``WORKER_READY`` line. Then it sends
-Generate requests one after another on a channel that is already connected (a gateway keeps
-its channels open): the first request's latency and the median of the next ones. Each request
-is what the gateway sends for a chat completion with the OpenAI defaults: a text prompt of its
-own (no prefix shared with another request), temperature 1.0, 32 tokens.
+Starts the whole system as ``make run`` does (``python -m kvserve_launch``, one worker, any free
+ports) and timestamps every line the processes print, from the spawn of the launcher:
 
-MLX's CPU backend keeps the kernels it compiles in ``$TMPDIR/mlx/<version>/cpu``. So each
-warm-up setting starts twice: with an empty kernel cache (a new machine, or a container with a
-fresh /tmp, which is every container start) and again with what the first start left (a
-restart on the same machine).
+- ``cache ready``, ``gateway ready`` (it serves, answering 503 until a worker is ready),
+  ``worker ready``, ``system ready`` (the launcher's ``KVSERVE_READY``: every worker ready and
+  the gateway's /health ok);
+- the worker's phases from its own log lines: BLAS (choice and a matmul's speed), model load
+  (the GGUF conversion and its check included on a first start), pool and decode-attention
+  choice, self-check, and the background warm-up (after ready, not on the path);
+- the first chat completion sent the moment the system is ready (greedy, 24 tokens): its time
+  and its answer.
 
-    python bench/bench_startup.py                  # the embedded model, 3 rounds
-    python bench/bench_startup.py --model DIR      # any mlx-lm model directory
+Each round starts twice: **first** with an empty models cache (``KVSERVE_MODEL_DIR``: the GGUF
+converts), an empty MLX kernel cache (``TMPDIR``) and the BLAS probed again (what a new machine
+pays), then **second** with what the first left (a restart). The peer in the same run:
+``mlx_lm.server`` on the same model directory and BLAS, from its spawn until it answers the same
+request.
+
+    python bench/bench_startup.py                 # the default model, 3 rounds
+    python bench/bench_startup.py --model kvserve-tiny-llama --rounds 1
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import random
+import json
+import os
 import re
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
-
-import grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvserve_model.blas import fast_blas_env  # noqa: E402
-from kvserve_proto.worker.v1 import worker_pb2 as pb  # noqa: E402
-from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc  # noqa: E402
+from kvserve_model.default_model import DEFAULT_MODEL_NAME  # noqa: E402
 
-WORDS = ("the", "a", "system", "prompt", "cache", "block", "token", "model", "request", "answer")
-
-
-def start(
-    cmd: list[str], ready: str, env: dict[str, str], log: Path
-) -> tuple[subprocess.Popen, str]:
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, env=env
-        )
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith(ready):
-            return proc, line.split()[1]
-    raise RuntimeError(f"{cmd[2]} exited before it was ready; see {log}")
+QUESTION = "What is the capital of France?"
+# (column, pattern of a worker log line, the group that holds its seconds; None: the line's time)
+PHASES = (
+    ("BLAS", r"worker-0 \| .* BLAS: ", None),
+    ("model load", r"model loaded in ([0-9.]+) s", 1),
+    ("self-check", r"self-check passed: .* in ([0-9.]+) s", 1),
+    ("warm-up (background)", r"warm-up: .* in ([0-9.]+) s", 1),
+)
 
 
-def prompts(n: int, words: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [f"Question {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
-async def requests(address: str, texts: list[str], max_tokens: int) -> list[tuple[float, float]]:
-    """(time to first token, total) in seconds, one request after another."""
-    out = []
-    async with grpc.aio.insecure_channel(address) as channel:
-        await channel.channel_ready()
-        stub = pb_grpc.WorkerStub(channel)
-        for text in texts:
-            req = pb.GenerateRequest(
-                prompt_text=text,
-                sampling=pb.SamplingParams(
-                    max_tokens=max_tokens, temperature=1.0, top_p=1.0, ignore_eos=True
-                ),
-            )
-            t0 = time.perf_counter()
-            first = 0.0
-            async for msg in stub.Generate(req):
-                if msg.token_ids and not first:
-                    first = time.perf_counter() - t0
-            out.append((first, time.perf_counter() - t0))
-    return out
-
-
-def run_one(
-    model: str, warmup: bool, tmpdir: Path, texts: list[str], max_tokens: int, logs: Path
-) -> dict[str, float]:
-    env = fast_blas_env()
-    env["TMPDIR"] = str(tmpdir)  # MLX's kernel cache lives under it
-    tag = f"{'on' if warmup else 'off'}-{tmpdir.name}-{time.monotonic_ns()}"
-    kv, kv_addr = start(
-        [sys.executable, "-m", "kvcache_service", "--port", "0", "--admin-token", "bench"],
-        "KVCACHE_READY",
-        env,
-        logs / f"cache-{tag}.log",
+def chat(http: str, model: str, timeout_s: float = 300.0) -> tuple[float, str]:
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": 24,
+            "temperature": 0,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"{http}/v1/chat/completions", body, {"Content-Type": "application/json"}
     )
-    worker_log = logs / f"worker-{tag}.log"
     t0 = time.perf_counter()
-    worker, address = start(
-        [
-            sys.executable, "-m", "worker", "--cache-service", kv_addr, "--port", "0",
-            "--worker-id", "bench", "--model", model,
-            "--warmup" if warmup else "--no-warmup",
-        ],
-        "WORKER_READY",
-        env,
-        worker_log,
-    )  # fmt: skip
-    ready = time.perf_counter() - t0
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        answer = json.load(resp)["choices"][0]["message"]["content"]
+    return time.perf_counter() - t0, answer
+
+
+class Timeline:
+    """Every line a process printed, with seconds since its spawn."""
+
+    def __init__(self, proc: subprocess.Popen[str], t0: float) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self.t0 = t0
+        self.proc = proc
+        self._done = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append((time.perf_counter() - self.t0, line.rstrip()))
+        self._done.set()
+
+    def wait_for(self, pattern: str, timeout_s: float) -> tuple[float, re.Match[str]]:
+        deadline = time.monotonic() + timeout_s
+        seen = 0
+        while time.monotonic() < deadline:
+            for t, line in self.lines[seen:]:
+                if m := re.search(pattern, line):
+                    return t, m
+            seen = len(self.lines)
+            if self._done.is_set() and seen == len(self.lines):
+                break
+            time.sleep(0.02)
+        tail = "\n".join(line for _, line in self.lines[-30:])
+        raise RuntimeError(f"no line matching {pattern!r}; the last lines:\n{tail}")
+
+    def find(self, pattern: str) -> tuple[float, re.Match[str]] | None:
+        for t, line in self.lines:
+            if m := re.search(pattern, line):
+                return t, m
+        return None
+
+
+def kvserve_start(model: str, env: dict[str, str]) -> dict[str, float | str]:
+    cmd = [
+        sys.executable, "-m", "kvserve_launch", "--model", model, "--workers", "1",
+        "--http-port", "0", "--grpc-port", "0", "--cache-port", "0",
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    timeline = Timeline(proc, t0)
     try:
-        times = asyncio.run(requests(address, texts, max_tokens))
+        ready, m = timeline.wait_for(r"KVSERVE_READY http=(\S+)", 600)
+        first_s, answer = chat(f"http://{m.group(1)}", model)
+        row: dict[str, float | str] = {"system ready": ready}
+        for name, pattern in (
+            ("cache ready", r"^cache +\| .*listening on"),
+            ("gateway ready", r"^gateway +\| .*serving "),
+            ("worker ready", r"^worker-0 \| .*worker worker-0 serving"),
+        ):
+            found = timeline.find(pattern)
+            row[name] = found[0] if found else float("nan")
+        for name, pattern, group in PHASES:
+            found = timeline.find(pattern)
+            if name.startswith("warm-up"):  # after ready: wait for it, within reason
+                try:
+                    found = timeline.wait_for(pattern, 120)
+                except RuntimeError:
+                    found = None
+            if found is None:
+                row[name] = float("nan")
+            else:
+                row[name] = float(found[1].group(group)) if group else found[0]
+        row["first request"] = first_s
+        row["answer"] = answer
+        return row
     finally:
-        for proc in (worker, kv):
-            proc.terminate()
-            proc.wait()
-    found = re.search(r"warm-up: .* in ([0-9.]+) s", worker_log.read_text())
-    rest = times[1:]
-    return {
-        "ready s": ready,
-        "warm-up s": float(found.group(1)) if found else 0.0,
-        "first TTFT ms": times[0][0] * 1000,
-        "first total ms": times[0][1] * 1000,
-        "next TTFT ms": statistics.median(t[0] for t in rest) * 1000,
-        "next total ms": statistics.median(t[1] for t in rest) * 1000,
-    }
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def peer_start(model_dir: Path, env: dict[str, str]) -> dict[str, float | str]:
+    """``mlx_lm.server`` on the same directory: spawn until it answers the same request."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError("mlx_lm.server exited")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        ready = time.perf_counter() - t0
+        first_s, answer = chat(f"http://127.0.0.1:{port}", str(model_dir))
+        return {"system ready": ready, "first request": first_s, "answer": answer}
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="kvserve-tiny-llama")
+    p.add_argument("--model", default=DEFAULT_MODEL_NAME)
     p.add_argument("--rounds", type=int, default=3, help="medians over this many rounds")
-    p.add_argument("--requests", type=int, default=6, help="the first one and the next ones")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--logs", type=Path, help="keep the processes' logs here")
+    p.add_argument("--no-peer", action="store_true", help="skip mlx_lm.server")
     a = p.parse_args()
-    rows: dict[str, list[dict[str, float]]] = {}
+    rows: dict[str, list[dict[str, float | str]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        logs = a.logs or Path(tmp) / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
         for r in range(a.rounds):
-            texts = prompts(a.requests, 24, seed=r)
-            for warmup in (False, True):
-                kernels = Path(tmp) / f"tmp-{r}-{warmup}"
-                kernels.mkdir()
-                for cache in ("empty", "kept"):
-                    row = run_one(a.model, warmup, kernels, texts, a.max_tokens, logs)
-                    name = f"| {'on' if warmup else 'off'} | {cache} |"
-                    rows.setdefault(name, []).append(row)
-                    print(f"# round {r + 1}: warm-up {name} {row}", file=sys.stderr)
-    print(
-        f"# {a.model}: {a.requests} requests one after another (temperature 1.0, "
-        f"{a.max_tokens} tokens), median of {a.rounds} rounds\n"
-    )
-    cols = list(next(iter(rows.values()))[0])
-    print("| warm-up | MLX kernel cache | " + " | ".join(cols) + " |")
-    print("|---|---|" + "---|" * len(cols))
+            models, kernels = Path(tmp) / f"models-{r}", Path(tmp) / f"tmp-{r}"
+            kernels.mkdir()
+            env = {**os.environ, "KVSERVE_MODEL_DIR": str(models), "TMPDIR": str(kernels)}
+            for start in ("first", "second"):
+                # A first start probes the BLAS again, as on a new machine.
+                run_env = {**env, "KVSERVE_BLAS_REPROBE": "1"} if start == "first" else env
+                row = kvserve_start(a.model, run_env)
+                rows.setdefault(f"kvserve, {start} start", []).append(row)
+                print(f"# round {r + 1}, {start} start: {row}", file=sys.stderr)
+            if not a.no_peer:
+                from kvserve_model.resolve import resolve_model
+
+                os.environ["KVSERVE_MODEL_DIR"] = str(models)
+                model_dir = resolve_model(a.model)
+                row = peer_start(model_dir, fast_blas_env(env))
+                rows.setdefault("mlx_lm.server (same model, same BLAS)", []).append(row)
+                print(f"# round {r + 1}, peer: {row}", file=sys.stderr)
+            shutil.rmtree(models, ignore_errors=True)
+    print(f"# {a.model}: seconds from spawn, median of {a.rounds} rounds\n")
+    cols = [
+        "cache ready", "gateway ready", "worker ready", "system ready", "BLAS", "model load",
+        "self-check", "warm-up (background)", "first request",
+    ]  # fmt: skip
+    print("| start | " + " | ".join(cols) + " | answer |")
+    print("|---|" + "---|" * (len(cols) + 1))
     for name, runs in rows.items():
-        cells = [statistics.median(run[c] for run in runs) for c in cols]
-        print(name + " " + " | ".join(f"{v:.2f}" if v < 10 else f"{v:.0f}" for v in cells) + " |")
+        cells = []
+        for c in cols:
+            values = [float(run[c]) for run in runs if c in run]
+            cells.append(f"{statistics.median(values):.2f}" if values else "")
+        print(f"| {name} | " + " | ".join(cells) + f" | {runs[-1]['answer']!r} |")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from gateway.cache_client import CacheApi, PoolRoute
 from gateway.errors import (
     GatewayError,
     NoWorkerAvailable,
+    NoWorkerYet,
     UpstreamError,
     WorkersBusy,
     WorkerUnavailable,
@@ -78,7 +79,10 @@ class Dispatcher:
             self.directory.candidates(routes), len(request.prompt_token_ids), self.policy
         )
         if decision is None:
-            raise NoWorkerAvailable(f"no worker serving model {self.model!r} is registered")
+            raise NoWorkerYet(
+                f"no worker serving model {self.model!r} is ready yet (starting, or all gone): "
+                "retry shortly"
+            )
         return decision
 
     async def _ask_route(self, request: GenerationRequest) -> list[PoolRoute]:

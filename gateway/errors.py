@@ -71,6 +71,11 @@ class NoWorkerAvailable(GatewayError):
     """No worker serves the model, or none answered."""
 
 
+class NoWorkerYet(NoWorkerAvailable):
+    """No worker of the model is registered: the system is starting (a worker loads its
+    model in seconds), or every worker is gone. 503 with Retry-After: retrying is right."""
+
+
 class WorkerUnavailable(GatewayError):
     """One worker could not be reached. Internal: the dispatcher fails over to another and
     only surfaces :class:`NoWorkerAvailable` when none is left."""
@@ -102,6 +107,8 @@ class ErrorMapping(NamedTuple):
 # Busy is a state of seconds: a slot frees when any request ends. One second spreads the
 # retries of many clients without idling a slot for long.
 RETRY_AFTER_S = 1
+# No worker yet: a worker of the default model gets ready within seconds of its start.
+STARTING_RETRY_AFTER_S = 2
 
 
 ERROR_TABLE: dict[type[GatewayError], ErrorMapping] = {
@@ -122,6 +129,9 @@ ERROR_TABLE: dict[type[GatewayError], ErrorMapping] = {
     ),
     TooManyRequests: ErrorMapping(
         429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED, RETRY_AFTER_S
+    ),
+    NoWorkerYet: ErrorMapping(
+        503, "service_unavailable", grpc.StatusCode.UNAVAILABLE, STARTING_RETRY_AFTER_S
     ),
     NoWorkerAvailable: ErrorMapping(503, "service_unavailable", grpc.StatusCode.UNAVAILABLE),
     WorkerUnavailable: ErrorMapping(503, "service_unavailable", grpc.StatusCode.UNAVAILABLE),

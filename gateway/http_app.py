@@ -27,6 +27,7 @@ from gateway.admin_routes import admin_router
 from gateway.core import Gateway
 from gateway.dashboard import dashboard_router
 from gateway.errors import (
+    STARTING_RETRY_AFTER_S,
     GatewayError,
     Unauthorized,
     error_body,
@@ -92,8 +93,13 @@ def create_app(gw: Gateway) -> FastAPI:
             for w in gw.directory.views()
         ]
         ok = any(w["healthy"] for w in workers)
-        body = {"status": "ok" if ok else "no healthy worker", "model": gw.config.model_name}
-        return JSONResponse({**body, "workers": workers}, status_code=200 if ok else 503)
+        # "starting": no worker has registered yet (a worker loads its model for seconds).
+        status = "ok" if ok else "no healthy worker" if workers else "starting"
+        body = {"status": status, "model": gw.config.model_name}
+        headers = {} if ok else {"retry-after": str(STARTING_RETRY_AFTER_S)}
+        return JSONResponse(
+            {**body, "workers": workers}, status_code=200 if ok else 503, headers=headers
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:

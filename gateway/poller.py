@@ -21,6 +21,9 @@ from gateway.worker_directory import WorkerDirectory
 log = logging.getLogger(__name__)
 
 DISCOVERY_PROMPT = (0,)
+# While no worker is known (the system is starting) the directory is polled this often, so the
+# first worker serves within a fraction of a second of registering, not an interval later.
+STARTING_POLL_S = 0.25
 
 
 class WorkerPoller(Background):
@@ -73,7 +76,8 @@ class WorkerPoller(Background):
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.interval_s)
+            known = self.directory.addresses()
+            await asyncio.sleep(self.interval_s if known else min(self.interval_s, STARTING_POLL_S))
             try:
                 await self.poll_once()
             except Exception:  # the poller must outlive any one bad round

@@ -58,8 +58,9 @@ Ctrl-C stops everything.
 """
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = LaunchConfig.from_args(argv)
+def main(argv: list[str] | None = None, cfg: LaunchConfig | None = None) -> int:
+    """Run the system until Ctrl-C or SIGTERM: ``cfg``, or the config ``argv`` gives."""
+    cfg = cfg or LaunchConfig.from_args(argv)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

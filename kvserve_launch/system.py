@@ -1,9 +1,12 @@
 """The whole system as child processes: cache service, N workers, gateway.
 
-Start order follows the dependencies: the cache service first (workers register their pools
-with it), then the workers in parallel (each loads the model), then the gateway (it discovers
-the workers through the cache service). Stop order is the reverse, so no process outlives
-what it talks to and in-flight requests drain through the gateway first.
+Start: the cache service first (its address is what the others are given; it is up in about a
+second), then the workers and the gateway all at once. A worker takes seconds to load its model;
+the gateway meanwhile serves, answering 503 with Retry-After (and /health "starting") until the
+first worker registers, which it then learns of within a quarter second (``gateway.poller``).
+The system is ready, and the launcher says so, once every worker is and the gateway's /health
+says ok. Stop order is the reverse, so no process outlives what it talks to and in-flight
+requests drain through the gateway first.
 
 With ``--cache-shards N`` the cache service is N processes that share nothing: worker i
 registers with shard i mod N, and the gateway is given every shard (docs/sharding.md).
@@ -11,9 +14,12 @@ registers with shard i mod N, and the gateway is given every shard (docs/shardin
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,7 +198,6 @@ def launch(cfg: LaunchConfig, sink: Sink = print_sink, python: str = sys.executa
             for i in range(cfg.workers)
         ]
         started.extend(workers)
-        worker_addresses = [w.wait_ready(timeout) for w in workers]
         gateway = Child(
             "gateway",
             gateway_command(cfg, ",".join(cache_addresses), python),
@@ -203,6 +208,8 @@ def launch(cfg: LaunchConfig, sink: Sink = print_sink, python: str = sys.executa
         ).start()
         started.append(gateway)
         fields = dict(part.split("=", 1) for part in gateway.wait_ready(timeout).split())
+        worker_addresses = [w.wait_ready(timeout) for w in workers]
+        wait_for_health(cfg, fields["http"], gateway, len(workers))
     except BaseException:
         stop_all(list(reversed(started)), 5.0)
         raise
@@ -218,3 +225,27 @@ def launch(cfg: LaunchConfig, sink: Sink = print_sink, python: str = sys.executa
         caches[1:],
         cache_addresses[1:],
     )
+
+
+def wait_for_health(
+    cfg: LaunchConfig, http: str, gateway: Child, workers: int, limit_s: float = 10.0
+) -> None:
+    """Until the gateway's /health lists ``workers`` healthy workers (it learns of each a
+    quarter second after it registers, while it knows none: ``gateway.poller``), at most
+    ``limit_s``: past that the system is up and /health says what is missing, which is no
+    reason to refuse the start."""
+    from kvserve_launch.tls import client_ssl_context
+
+    host = http.replace("0.0.0.0", "127.0.0.1").replace("[::]", "[::1]")
+    url = f"{'https' if cfg.tls else 'http'}://{host}/health"
+    context = client_ssl_context(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls else None
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and gateway.running:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0, context=context) as resp:
+                body = json.load(resp)
+            if sum(bool(w.get("healthy")) for w in body.get("workers", [])) >= workers:
+                return
+        except (OSError, ValueError):  # 503 (HTTPError is an OSError) or not up yet
+            pass
+        time.sleep(0.05)

@@ -74,13 +74,18 @@ class WorkerLimits:
     max_step_tokens: int
     pool_source: str  # for the log: which flag or rule sized the pool
     max_pending_requests: int = 0  # running + waiting; 0: no limit
+    # Blocks the pool holds beyond num_blocks, never registered: the background warm-up's
+    # (worker.warmup.scratch_blocks).
+    scratch_blocks: int = 0
 
     def describe(self, block_size: int, bytes_per_block: int) -> str:
         size = self.num_blocks * bytes_per_block
         n = self.max_pending_requests
+        scratch = f" + {self.scratch_blocks} for the warm-up" if self.scratch_blocks else ""
         return (
             f"device {self.device}: KV pool {self.num_blocks} blocks x {block_size} = "
-            f"{self.num_blocks * block_size} tokens ({size / MIB:.0f} MiB, {self.pool_source}), "
+            f"{self.num_blocks * block_size} tokens ({size / MIB:.0f} MiB, {self.pool_source})"
+            f"{scratch}, "
             f"batch {self.max_batch_size} sequences, step {self.max_step_tokens} tokens, "
             f"{f'up to {n} requests' if n else 'no request limit'} (running + waiting)"
         )

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import mlx.core as mx
@@ -34,7 +35,7 @@ from worker.model.runner import ModelRunner
 from worker.model.self_check import check_paged_parity
 from worker.model.spec import LayerSpec, probe
 from worker.servicer import WorkerServicer
-from worker.warmup import warm_up
+from worker.warmup import scratch_blocks, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,34 @@ class RunningWorker:
     address: str
     worker_id: str
     loaded: LoadedModel
+    # The background warm-up (None when --no-warmup): done once every shape has run.
+    warming: asyncio.Task[None] | None = None
+
+
+async def _warm_up_in_background(
+    engine: Engine, limits: WorkerLimits, max_context: int, draft_tokens: int
+) -> None:
+    """The warm-up (``worker.warmup``) on the scratch blocks, between requests. A failure is
+    logged, not raised: the self-check has shown the model serves; a shape the warm-up could
+    not run costs its first request a compile, nothing more."""
+    try:
+        report = await warm_up(
+            engine.executor,
+            engine.tokenizer,
+            max_batch_size=limits.max_batch_size,
+            max_step_tokens=limits.max_step_tokens,
+            max_context=max_context,
+            draft_tokens=draft_tokens,
+            first_block=limits.num_blocks,
+            num_blocks=limits.scratch_blocks,
+            gate=engine.idle_step,
+        )
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("warm-up failed; requests will compile what it did not reach")
+        return
+    log.info("%s", report.describe())
 
 
 def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExecutor, WorkerLimits]:
@@ -62,6 +91,20 @@ def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExec
     dense per-sequence runner instead (``worker.model.dense_runner``), checked the same way."""
     chosen: list[WorkerLimits] = []
 
+    def with_scratch(limits: WorkerLimits) -> WorkerLimits:
+        """The warm-up's private blocks on top of the pool (none without a warm-up)."""
+        if not config.warmup:
+            return limits
+        scratch = scratch_blocks(
+            block_size=config.block_size,
+            num_blocks=limits.num_blocks,
+            max_batch_size=limits.max_batch_size,
+            max_step_tokens=limits.max_step_tokens,
+            max_context=context_length(loaded.config),
+            draft_tokens=config.num_draft_tokens,
+        )
+        return replace(limits, scratch_blocks=scratch)
+
     def build() -> Runner:
         try:
             spec = probe(loaded.model)
@@ -70,11 +113,13 @@ def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExec
             return build_dense()
         per_block = bytes_per_block(spec.layers, config.block_size, spec.dtype)
         device = device_kind()
-        limits = choose_limits(device, free_memory(device), per_block, config)
+        limits = with_scratch(choose_limits(device, free_memory(device), per_block, config))
         log.info("%s", limits.describe(config.block_size, per_block))
         chosen.append(limits)
         runner = ModelRunner.create(
-            loaded.model, block_size=config.block_size, num_blocks=limits.num_blocks
+            loaded.model,
+            block_size=config.block_size,
+            num_blocks=limits.num_blocks + limits.scratch_blocks,
         )
         log.info("%s", runner.describe())
         log.info("%s", runner.choose_decode_attention().describe())
@@ -92,14 +137,19 @@ def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExec
         except Exception as e:  # the model's own forward failed on one token, of any type
             raise UnsupportedModelError(f"a one-token forward failed: {e}") from e
         device = device_kind()
-        limits = dense_limits(
-            estimate, device, free_memory(device), config, context_length(loaded.config)
+        limits = with_scratch(
+            dense_limits(
+                estimate, device, free_memory(device), config, context_length(loaded.config)
+            )
         )
         per_block = max(1, config.block_size * estimate.bytes_per_token)
         log.info("%s", limits.describe(config.block_size, per_block))
         chosen.append(limits)
         runner = DenseRunner(
-            loaded.model, estimate, block_size=config.block_size, num_blocks=limits.num_blocks
+            loaded.model,
+            estimate,
+            block_size=config.block_size,
+            num_blocks=limits.num_blocks + limits.scratch_blocks,
         )
         if config.self_check:
             result = check_dense_parity(loaded.model, runner)
@@ -177,7 +227,7 @@ async def running(
     dense = runner.kind == "dense"
     registration = PoolRegistration(
         pool_id=worker_id,
-        num_blocks=runner.num_blocks,
+        num_blocks=chosen.num_blocks,  # not the warm-up's scratch blocks: no lease gets them
         block_size=runner.block_size,
         model=config.model,
         model_fingerprint=loaded.fingerprint,
@@ -222,17 +272,6 @@ async def running(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
-    if config.warmup:
-        # Before registering: no lease exists yet, so the pool's blocks are free to write.
-        report = await warm_up(
-            executor,
-            loaded.tokenizer,
-            max_batch_size=limits.max_batch_size,
-            max_step_tokens=limits.max_step_tokens,
-            max_context=max_context,
-            draft_tokens=config.num_draft_tokens,
-        )
-        log.info("%s", report.describe())
     await engine.start()
     await server.start()
     for name in ("", SERVICE_NAME):
@@ -248,10 +287,18 @@ async def running(
         mx.default_device(),
         runner.kind,
     )
+    warming = None
+    if config.warmup:
+        warming = asyncio.create_task(
+            _warm_up_in_background(engine, chosen, max_context, config.num_draft_tokens)
+        )
     try:
-        yield RunningWorker(server, engine, port, address, worker_id, loaded)
+        yield RunningWorker(server, engine, port, address, worker_id, loaded, warming)
     finally:
         log.debug("stopping worker %s", worker_id)
+        if warming is not None:
+            warming.cancel()
+            await asyncio.gather(warming, return_exceptions=True)
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=1.0)
         log.debug("server stopped")

@@ -1,4 +1,5 @@
-"""Warm start: run the shapes the engine will meet once, before the worker says it is ready.
+"""Warm start: run the shapes the engine will meet once, in the background after the worker is
+ready, between requests.
 
 What a cold worker's first request paid for, measured on CPU (2-core x86, MLX 0.32.4): MLX's
 CPU backend compiles every fused graph of an ``mx.compile``'d function to C++ and builds it
@@ -24,10 +25,14 @@ traces their graph for every batch and table-width bucket up to the batch and co
 (``ModelRunner.prepare_compiled_decodes``: a new shape's trace cost 30-70 ms on this 2-core
 CPU for a 22-layer model), then tokenizes and detokenizes a little text.
 
-It runs before the pool is registered with the cache service: no lease exists, so every block
-is free to scribble on. Only K/V contents change; which blocks are free is the cache service's
-to say, and it has not been told about the pool yet. Sequences of one forward get distinct
-blocks, as leases would.
+It runs after the worker is ready (``worker.server``), so a worker serves within seconds of its
+start and the first requests pay at most a compile of their own, never the whole warm-up (on
+this CPU the default model's warm-up took 2 s, on an H100 a 1B model's 65 s). Each step runs
+only while no request is held (``Engine.idle_step``), so a request that arrives waits for at
+most the one step in progress. Its sequences write only *scratch* blocks: the pool holds
+:func:`scratch_blocks` more blocks than it registers with the cache service, so no lease can
+ever name them (block ids ``first_block`` on). Sequences of one forward get distinct blocks,
+as leases would.
 
 Where decode attention runs the block-table kernel (``worker.model.gpu_attention``, an NVIDIA
 GPU), the kernel is compiled once per variant -- rows per thread block (from the query heads
@@ -50,8 +55,11 @@ dims other than 64 and 128).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -253,6 +261,51 @@ def plan(
 
 
 WARMUP_SEQ_KEYS = (-1, -2)  # the speculative step's sequences: never a lease id (those are >= 0)
+# The scratch blocks a pool keeps beyond what it registers: as many as the warm-up's plan uses,
+# at most an eighth of the pool (but at least MIN_SCRATCH): a small CPU pool warms smaller
+# batches rather than give up a large share of its blocks (its compiled kernels do not depend
+# on the batch; a GPU's pool is large enough for every shape).
+MIN_SCRATCH = 8
+PLAN_LIMIT = 1 << 20  # "unlimited" blocks, to measure what a plan uses
+
+
+def scratch_blocks(
+    *,
+    block_size: int,
+    num_blocks: int,
+    max_batch_size: int,
+    max_step_tokens: int,
+    max_context: int,
+    draft_tokens: int = 0,
+) -> int:
+    """How many blocks past the leasable ``num_blocks`` the warm-up gets (see
+    :data:`MIN_SCRATCH`): what its whole plan would use, the GPU kernel variants included."""
+    steps = plan(
+        block_size=block_size,
+        num_blocks=PLAN_LIMIT,
+        max_batch_size=max_batch_size,
+        max_step_tokens=max_step_tokens,
+        max_context=max_context,
+        vocab_size=2,
+        kernel_variants=True,
+        draft_tokens=draft_tokens,
+    )
+    used = 1 + max(
+        max((b for s in step.inputs for b in s.block_table), default=0) for step in steps
+    )
+    return min(used, max(MIN_SCRATCH, num_blocks // 8))
+
+
+def shifted(step: WarmupForward, first_block: int) -> WarmupForward:
+    """``step`` on blocks ``first_block`` on (the scratch blocks) instead of from 0."""
+    if not first_block:
+        return step
+    inputs = tuple(
+        SeqInput(s.token_ids, [b + first_block for b in s.block_table], s.start, s.seq_key)
+        for s in step.inputs
+    )
+    copies = tuple((a + first_block, b + first_block) for a, b in step.copies)
+    return replace(step, inputs=inputs, copies=copies)
 
 
 def _speculative_step(
@@ -296,6 +349,9 @@ def _speculative_step(
     )
 
 
+Gate = Callable[[], AbstractAsyncContextManager[None]]
+
+
 async def warm_up(
     executor: ModelExecutor,
     tokenizer: Any,
@@ -305,19 +361,23 @@ async def warm_up(
     max_context: int,
     kernel_variants: bool | None = None,
     draft_tokens: int = 0,
+    first_block: int = 0,
+    num_blocks: int | None = None,
+    gate: Gate | None = None,
 ) -> WarmupReport:
-    """Run :func:`plan` for ``executor``'s pool through the executor's step path, then the
-    tokenizer and a streaming detokenizer. ``draft_tokens`` (the worker's drafts per step):
+    """Run :func:`plan` through the executor's step path, then the tokenizer and a streaming
+    detokenizer, on blocks ``first_block`` to ``first_block + num_blocks - 1`` (default: the
+    whole pool, for a runner no lease uses yet); each forward inside ``gate()`` where given
+    (``Engine.idle_step``: between requests). ``draft_tokens`` (the worker's drafts per step):
     a speculative step too, on the paged runner, drafted by the executor's draft model if it
-    has one. Raises whatever a forward raises: a worker whose model cannot run its own shapes
-    should not say it is ready."""
+    has one. Raises whatever a forward raises."""
     runner = executor.runner
     if kernel_variants is None:  # the paged runner's decodes on the GPU kernel
         kernel_variants = gpu_attention.active() and bool(getattr(runner, "block_decode", False))
     t0 = time.perf_counter()
     steps = plan(
         block_size=runner.block_size,
-        num_blocks=runner.num_blocks,
+        num_blocks=runner.num_blocks if num_blocks is None else num_blocks,
         max_batch_size=max_batch_size,
         max_step_tokens=max_step_tokens,
         max_context=max_context,
@@ -326,7 +386,7 @@ async def warm_up(
         draft_tokens=draft_tokens if runner.kind == "paged" else 0,
         draft_model=executor.draft is not None,
     )
-    for step in steps:
+    for step in (shifted(s, first_block) for s in steps):
         samples = [
             SampleRow(i, RowSampler(p), list(s.token_ids), s.end)
             for i, (s, p) in enumerate(zip(step.inputs, step.samplers, strict=True))
@@ -341,17 +401,24 @@ async def warm_up(
             for i in range(len(step.inputs) if step.speculative else 0)
         ]
         t = time.perf_counter()
-        await executor.run_batch(list(step.inputs), list(step.copies), samples, speculations)
+        async with gate() if gate is not None else contextlib.nullcontext():
+            await executor.run_batch(list(step.inputs), list(step.copies), samples, speculations)
         log.debug(
             "warm-up step: %d sequences x %d tokens in %.2f s",
             len(step.inputs),
             max(len(s.token_ids) for s in step.inputs),
             time.perf_counter() - t,
         )
-    await executor.retain(frozenset())  # the draft model's state of the warm-up's sequences
+    # The draft model's state of the warm-up's sequences (the engine's next step would drop
+    # it too: they are not among its leases).
+    async with gate() if gate is not None else contextlib.nullcontext():
+        await executor.drop(frozenset(WARMUP_SEQ_KEYS))
     # The compiled decode's shapes (an NVIDIA GPU): traced now, not on a request's step.
     prepare = getattr(runner, "prepare_compiled_decodes", None)
-    compiled = 0 if prepare is None else await executor.call(prepare, max_batch_size, max_context)
+    compiled = 0
+    if prepare is not None:
+        async with gate() if gate is not None else contextlib.nullcontext():
+            compiled = await executor.call(prepare, max_batch_size, max_context)
     _warm_tokenizer(tokenizer)
     return WarmupReport(
         seconds=time.perf_counter() - t0,

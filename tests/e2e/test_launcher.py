@@ -152,7 +152,7 @@ def test_banner_shows_where_to_send_requests():
     )  # fmt: skip
     text = banner(system)
     assert "curl http://127.0.0.1:8000/v1/chat/completions" in text
-    assert "1 worker serving kvserve-tiny-llama" in text
+    assert "1 worker serving SmolLM2-135M-Instruct" in text
     assert "--token=tok stats" in text and "127.0.0.1:50050" in text
 
 

@@ -218,8 +218,13 @@ def test_the_launcher_hints_at_its_own_model_flag(tmp_path: Path, monkeypatch):
     with pytest.raises(ChildFailed) as e:
         launch(config, sink=lambda name, line: None)
     text = str(e.value)
+    # The worker and the gateway start together and both need the model: either says so.
+    child = e.value.name
+    assert child in ("worker-0", "gateway"), text
     assert text.startswith(
-        "worker-0 failed before it was ready: exited with status 66 (model unavailable). "
+        f"{child} failed before it was ready: exited with status 66 (model unavailable). "
     )
-    assert f"    worker: cannot start: model directory {tmp_path / 'missing'}" in text
+    service = "worker" if child == "worker-0" else "gateway"
+    assert f"    {service}: cannot start: " in text
+    assert f"model directory {tmp_path / 'missing'} does not exist" in text
     assert "  hint: --model or KVSERVE_MODEL takes SmolLM2-135M-Instruct" in text

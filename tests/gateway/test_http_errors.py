@@ -176,13 +176,17 @@ async def test_unknown_path_and_method(client):
 
 
 async def test_no_worker_is_503_and_the_gateway_keeps_serving(client):
+    """No worker has registered (the system is starting): 503 with Retry-After, /health says
+    "starting", everything else answers."""
     resp = await client.post("/v1/chat/completions", json=CHAT)
-    assert resp.status_code == 503
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "2"
     assert resp.json()["error"]["type"] == "service_unavailable"
+    assert "ready yet" in resp.json()["error"]["message"]
     stream = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
     assert stream.status_code == 503  # routing fails before the first event: a real status
     health = await client.get("/health")
-    assert health.status_code == 503 and health.json()["status"] == "no healthy worker"
+    assert health.status_code == 503 and health.json()["status"] == "starting"
+    assert health.headers["retry-after"] == "2"
     assert (await client.get("/v1/models")).status_code == 200
     assert (await client.get("/metrics")).status_code == 200
 

@@ -79,6 +79,11 @@ class Target:
         self.calls += 1
         self.seen.setdefault(rpc.name, set()).add(code)
         assert code in EXPECTED, (rpc.name, code, details, request)
+        if isinstance(request, bytes) and code == grpc.StatusCode.OK:
+            # Mutated bytes the service accepted: read them (and its answers) as it did, so
+            # what it granted is released in settle() and its item errors are checked too.
+            request = rpc.request.FromString(request)
+            out = [rpc.response.FromString(o) if isinstance(o, bytes) else o for o in out]
         if code == grpc.StatusCode.OK and rpc.name == "AcquireLease":
             assert isinstance(request, pb.AcquireLeaseRequest)
             if out[0].WhichOneof("result") == "lease":

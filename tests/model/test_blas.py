@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvserve_model import blas
@@ -214,6 +215,53 @@ def test_module_launcher_reports_the_library_and_its_speed():
 
 def test_measure_gflops_is_positive():
     assert measure_gflops(n=64, repeats=1) > 0
+
+
+# -- the same choice every time --------------------------------------------------------------
+
+
+def _result(name: str, gflops: float, ok: bool = True) -> ProbeResult:
+    return ProbeResult(name, f"/lib/{name}.so", ok, "", gflops)
+
+
+def test_choose_takes_the_preferred_of_the_equally_fast():
+    a, b, c = _result("a", 100.0), _result("b", 115.0), _result("c", 60.0)
+    assert blas.choose([a, b, c]) == a  # b is within the floor: a comes first
+    assert blas.choose([a, b, c], recorded=b.path) == b  # the machine's last choice stays
+    fast = _result("fast", 100.0 / blas.SPEED_FLOOR + 1)
+    assert blas.choose([a, fast], recorded=a.path) == fast  # a clearly faster one wins
+    assert blas.choose([_result("x", 1.0, ok=False), c]) == c
+    assert blas.choose([_result("x", 500.0, ok=False)]) is None
+
+
+def test_choose_is_stable_under_timing_noise():
+    """Two libraries of equal speed, each probe's figure (its best of PROBE_ROUNDS rounds)
+    off by up to 10% either way: whatever the noise, the choice never leaves the preferred
+    one (nor a recorded one)."""
+    rng = np.random.default_rng(0)
+    picks = set()
+    for _ in range(2000):
+        noise = rng.uniform(0.9, 1.1, size=2)
+        results = [_result("first", 100 * noise[0]), _result("second", 100 * noise[1])]
+        picks.add(blas.choose(results).name)
+        assert blas.choose(results, recorded="/lib/second.so").name == "second"
+    assert picks == {"first"}
+
+
+@linux
+@with_fast_blas
+def test_every_probe_and_every_start_choose_the_same_library(private_cache: Path):
+    """Probing again (a new machine, KVSERVE_BLAS_REPROBE=1) and a start in another process
+    come to the same library as this test run's: what failed in a run where timing alone
+    decided between AOCL-BLAS and Debian's OpenBLAS."""
+    env = _clean_env(XDG_CACHE_HOME=str(private_cache))
+    chosen = {select_blas(env, reprobe=True).chosen for _ in range(2)}
+    assert len(chosen) == 1
+    (lib,) = chosen
+    code = "from kvserve_model.blas import select_blas; print(select_blas().chosen.path)"
+    done = _python(env, "-c", code)
+    assert done.returncode == 0, done.stderr
+    assert lib is not None and done.stdout.strip() == lib.path
 
 
 # -- crashing and wrong libraries ------------------------------------------------------------

@@ -72,9 +72,13 @@ class System:
     # Workers added run the executor's decode lookahead (on by default on a GPU only).
     lookahead: bool = False
 
-    async def add_worker(self, **overrides) -> pb_grpc.WorkerStub:
+    async def add_worker(self, warmed: bool = True, **overrides) -> pb_grpc.WorkerStub:
+        """A worker on the system's cache service; ``warmed``: its background warm-up has
+        finished when this returns (as a worker some seconds after its start), so a test's
+        forwards are its own."""
         config = dataclasses.replace(
             WorkerConfig(
+                model=TINY_MODEL_NAME,
                 cache_service=self.cache_address,
                 port=0,
                 worker_id=f"w{len(self.workers)}",
@@ -85,6 +89,8 @@ class System:
             **overrides,
         )
         w = await self.stack.enter_async_context(worker_running(config, self.model))
+        if warmed and w.warming is not None:
+            await w.warming
         w.engine.executor.lookahead = self.lookahead or w.engine.executor.lookahead
         plaintext = not config.tls_cert
         channel = await self.stack.enter_async_context(

@@ -21,6 +21,7 @@ from kvcache_service.config import ServiceConfig
 from kvcache_service.server import running as cache_running
 from kvserve_launch import healthcheck
 from kvserve_launch.tls import Dialer, channel
+from kvserve_model.tiny_model import TINY_MODEL_NAME
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 from tests.tls_certs import Certs, make_certs, needs_openssl
@@ -118,6 +119,7 @@ async def test_gateway_to_a_tls_worker_to_a_tls_cache_service(
             cache_service=system.cache_address,
             http_port=0,
             grpc_port=0,
+            model=TINY_MODEL_NAME,
             tls_ca=certs.ca,
             **mtls(certs),
         )

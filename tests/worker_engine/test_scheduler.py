@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvserve_model.resolve import resolve_model
+from kvserve_model.tiny_model import TINY_MODEL_NAME
 from worker.engine.lease import Lease
 from worker.engine.sampling_params import Accepted, Sampled, SamplingParams
 from worker.engine.scheduler import Scheduled, Scheduler, Step
@@ -22,7 +23,7 @@ BS = 16
 def tokenizer():
     from mlx_lm.tokenizer_utils import load
 
-    return load(resolve_model())
+    return load(resolve_model(TINY_MODEL_NAME))
 
 
 def make_seq(tokenizer, n_prompt: int, arrival: float, blocks: int, **params) -> Sequence:

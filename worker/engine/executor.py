@@ -212,6 +212,12 @@ class ModelExecutor:
 
         await self.call(drop)
 
+    async def drop(self, keys: frozenset[int]) -> None:
+        """Drop the draft model's state of ``keys`` (sequences that were no lease's: the
+        warm-up's), keeping every running sequence's."""
+        if self.draft is not None:
+            await self.call(self.draft.forget, keys)
+
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the model thread (what touches the runner or MLX streams)."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)

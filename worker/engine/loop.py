@@ -14,9 +14,11 @@ GIL (then no Python thread runs at all), so every step is also kept short: the s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,8 @@ from worker.errors import Cancelled, ShuttingDown, StepFailed, WorkerError
 
 # The longest a finished request's last event waits for its release to be answered.
 FINAL_HOLD_MAX_S = 1.0
+# How often background work waiting for an idle engine looks again.
+IDLE_POLL_S = 0.05
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +153,19 @@ class Engine:
     @property
     def held_requests(self) -> int:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    @contextlib.asynccontextmanager
+    async def idle_step(self) -> AsyncIterator[None]:
+        """Holds the step loop while no request is held: background work on the model thread
+        (the warm-up) runs between requests, never while one waits for a step. A request that
+        arrives meanwhile waits for the one forward in progress."""
+        while True:
+            while self.held_requests:
+                await asyncio.sleep(IDLE_POLL_S)
+            async with self._step_lock:
+                if not self.held_requests:
+                    yield
+                    return
 
     def submit(self, seq: Sequence) -> None:
         """Queues a request the intake made; admission leases it."""

@@ -62,6 +62,11 @@ class DraftModel:
         for key in [k for k in self._states if k not in keys]:
             del self._states[key]
 
+    def forget(self, keys: Collection[int]) -> None:
+        """Drop the state of ``keys`` (the warm-up's own sequences), keeping every other."""
+        for key in keys:
+            self._states.pop(key, None)
+
     def propose(self, key: int, tokens: Sequence[int], k: int) -> list[int]:
         """``k`` greedy drafts to follow ``tokens``."""
         state = self._states.get(key)

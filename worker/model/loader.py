@@ -81,7 +81,9 @@ def load_model(name_or_path: str | None = None, *, dequantize: str = "auto") -> 
     from GGUF (see the module docstring)."""
     import mlx_lm
 
+    t0 = time.perf_counter()
     path = resolve_model(name_or_path, log=log.info)
+    t1 = time.perf_counter()
     try:
         loaded = mlx_lm.load(str(path), return_config=True)
         model, tokenizer, config = cast(tuple[nn.Module, Any, dict[str, Any]], loaded)
@@ -101,7 +103,15 @@ def load_model(name_or_path: str | None = None, *, dequantize: str = "auto") -> 
     tokenizer._tokenizer.model_max_length = context_length(config)
     if (check := pending_check(path)) is not None:
         check_converted(model, tokenizer, path, check)
-    return LoadedModel(model, tokenizer, path, model_fingerprint(path), config)
+    fingerprint = model_fingerprint(path)
+    log.info(
+        "model loaded in %.2f s (resolve %.2f s, weights and tokenizer %.2f s): %s",
+        time.perf_counter() - t0,
+        t1 - t0,
+        time.perf_counter() - t1,
+        path,
+    )
+    return LoadedModel(model, tokenizer, path, fingerprint, config)
 
 
 def compute_dtype(config: Mapping[str, Any], cpu: bool) -> mx.Dtype | None:
