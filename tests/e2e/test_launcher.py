@@ -197,13 +197,15 @@ async def test_healthcheck_grpc_serving():
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_make_run_starts_serves_and_stops_cleanly(tmp_path: Path):
-    """`python -m kvserve_launch` (what `make run` runs), Ctrl-C included."""
+    """`python -m kvserve_launch` (what `make run` runs) on the default model, converted from
+    its GGUF on this first start: a real answer, then Ctrl-C."""
     argv = [
         sys.executable, "-m", "kvserve_launch", "--workers", "1", "--http-port", "0",
         "--grpc-port", "0", "--cache-port", "0", "--num-blocks", "64",
     ]  # fmt: skip
     log = (tmp_path / "launch.log").open("w")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True)
+    env = {**os.environ, "KVSERVE_MODEL_DIR": str(tmp_path / "models")}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
     out: list[str] = []
@@ -221,13 +223,16 @@ def test_make_run_starts_serves_and_stops_cleanly(tmp_path: Path):
         assert len(pids) == 3  # gateway, one worker, cache service
 
         base = f"http://{ready['http']}"
+        question = {"role": "user", "content": "What is the capital of France?"}
         resp = httpx.post(
             f"{base}/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4},
+            json={"messages": [question], "max_tokens": 16, "temperature": 0},
             timeout=120,
         )
         assert resp.status_code == 200, resp.text
-        assert resp.json()["choices"][0]["message"]["role"] == "assistant"
+        answer = resp.json()["choices"][0]["message"]
+        assert answer["role"] == "assistant" and "Paris" in answer["content"], answer
+        assert resp.json()["model"] == "SmolLM2-135M-Instruct"
 
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         assert proc.wait(timeout=60) == 0
