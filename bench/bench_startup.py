@@ -9,8 +9,8 @@ ports) and timestamps every line the processes print, from the spawn of the laun
 - the worker's phases from its own log lines: BLAS (choice and a matmul's speed), model load
   (the GGUF conversion and its check included on a first start), pool and decode-attention
   choice, self-check, and the background warm-up (after ready, not on the path);
-- the first chat completion sent the moment the system is ready (greedy, 24 tokens): its time
-  and its answer.
+- the first chat completion sent the moment the system is ready (greedy, 24 tokens, streamed):
+  its first text, its end, and its answer.
 
 Each round starts twice: **first** with an empty models cache (``KVSERVE_MODEL_DIR``: the GGUF
 converts), an empty MLX kernel cache (``TMPDIR``) and the BLAS probed again (what a new machine
@@ -61,22 +61,34 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def chat(http: str, model: str, timeout_s: float = 300.0) -> tuple[float, str]:
+def chat(http: str, model: str, timeout_s: float = 300.0) -> tuple[float, float, str]:
+    """The question, streamed: (seconds to the first text, seconds to the end, the answer).
+    A first token that arrives with the last one shows as TTFT close to the total."""
     body = json.dumps(
         {
             "model": model,
             "messages": [{"role": "user", "content": QUESTION}],
             "max_tokens": 24,
             "temperature": 0,
+            "stream": True,
         }
     ).encode()
     req = urllib.request.Request(
         f"{http}/v1/chat/completions", body, {"Content-Type": "application/json"}
     )
     t0 = time.perf_counter()
+    first, parts = 0.0, []
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        answer = json.load(resp)["choices"][0]["message"]["content"]
-    return time.perf_counter() - t0, answer
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[5:]).get("choices") or [{}]
+            text = choices[0].get("delta", {}).get("content")
+            if text:
+                first = first or time.perf_counter() - t0
+                parts.append(text)
+    return first, time.perf_counter() - t0, "".join(parts)
 
 
 class Timeline:
@@ -128,7 +140,7 @@ def kvserve_start(model: str, env: dict[str, str]) -> dict[str, float | str]:
     timeline = Timeline(proc, t0)
     try:
         ready, m = timeline.wait_for(r"KVSERVE_READY http=(\S+)", 600)
-        first_s, answer = chat(f"http://{m.group(1)}", model)
+        ttft, total, answer = chat(f"http://{m.group(1)}", model)
         row: dict[str, float | str] = {"system ready": ready}
         for name, pattern in (
             ("cache ready", r"^cache +\| .*listening on"),
@@ -148,7 +160,8 @@ def kvserve_start(model: str, env: dict[str, str]) -> dict[str, float | str]:
                 row[name] = float("nan")
             else:
                 row[name] = float(found[1].group(group)) if group else found[0]
-        row["first request"] = first_s
+        row["first request TTFT"] = ttft
+        row["first request"] = total
         row["answer"] = answer
         return row
     finally:
@@ -175,8 +188,13 @@ def peer_start(model_dir: Path, env: dict[str, str]) -> dict[str, float | str]:
             except OSError:
                 time.sleep(0.05)
         ready = time.perf_counter() - t0
-        first_s, answer = chat(f"http://127.0.0.1:{port}", str(model_dir))
-        return {"system ready": ready, "first request": first_s, "answer": answer}
+        ttft, total, answer = chat(f"http://127.0.0.1:{port}", str(model_dir))
+        return {
+            "system ready": ready,
+            "first request TTFT": ttft,
+            "first request": total,
+            "answer": answer,
+        }
     finally:
         proc.terminate()
         proc.wait(30)
@@ -212,7 +230,7 @@ def main() -> None:
     print(f"# {a.model}: seconds from spawn, median of {a.rounds} rounds\n")
     cols = [
         "cache ready", "gateway ready", "worker ready", "system ready", "BLAS", "model load",
-        "self-check", "warm-up (background)", "first request",
+        "self-check", "warm-up (background)", "first request TTFT", "first request",
     ]  # fmt: skip
     print("| start | " + " | ".join(cols) + " | answer |")
     print("|---|" + "---|" * (len(cols) + 1))

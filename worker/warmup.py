@@ -414,11 +414,17 @@ async def warm_up(
     async with gate() if gate is not None else contextlib.nullcontext():
         await executor.drop(frozenset(WARMUP_SEQ_KEYS))
     # The compiled decode's shapes (an NVIDIA GPU): traced now, not on a request's step.
-    prepare = getattr(runner, "prepare_compiled_decodes", None)
+    # One call a shape: a request that arrives waits for one trace, not all of them.
+    paged: Any = runner  # the paged runner's; the dense runner does not compile decodes
+    shapes: list[tuple[int, int]] = []
+    if runner.kind == "paged":
+        shapes = paged.compiled_decode_shapes(max_batch_size, max_context)
     compiled = 0
-    if prepare is not None:
+    for shape in shapes:
         async with gate() if gate is not None else contextlib.nullcontext():
-            compiled = await executor.call(prepare, max_batch_size, max_context)
+            if not await executor.call(paged.prepare_compiled_decode, shape):
+                break
+        compiled += 1
     _warm_tokenizer(tokenizer)
     return WarmupReport(
         seconds=time.perf_counter() - t0,

@@ -244,20 +244,37 @@ class ModelRunner:
         narrowest first, at most ``most`` shapes (0: :data:`MAX_PREPARED_SHAPES`): at start,
         not on the first request of each shape. Builds graphs only (no forward runs).
         Returns the shapes traced; 0 where decodes do not run compiled."""
+        shapes = self.compiled_decode_shapes(max_batch_size, max_context, most)
+        for shape in shapes:
+            if not self.prepare_compiled_decode(shape):
+                return 0
+        return len(shapes)
+
+    def compiled_decode_shapes(
+        self, max_batch_size: int, max_context: int, most: int = 0
+    ) -> list[tuple[int, int]]:
+        """The (rows, table width) buckets :meth:`prepare_compiled_decodes` traces, narrowest
+        first; [] where decodes do not run compiled. The background warm-up traces them one
+        call each, so a request waits for at most one trace."""
         if not self._decodes_compile():
-            return 0
+            return []
         rows = compiled_decode.buckets(max_batch_size, compiled_decode.bucket_rows)
         widths = compiled_decode.buckets(
             -(-max_context // self.pool.block_size), compiled_decode.bucket_blocks
         )
-        shapes = [(r, w) for w in widths for r in rows][: most or MAX_PREPARED_SHAPES]
+        return [(r, w) for w in widths for r in rows][: most or MAX_PREPARED_SHAPES]
+
+    def prepare_compiled_decode(self, shape: tuple[int, int]) -> bool:
+        """Trace one bucket's compiled decode; False (decodes run uncompiled from now on) for a
+        model that cannot be traced."""
+        if not self._decodes_compile():
+            return False
         try:
-            for r, w in shapes:
-                self._compiled_forward().prepare(r, w)
+            self._compiled_forward().prepare(*shape)
         except Exception as err:  # the model cannot be traced: it decodes uncompiled
             self._no_compiling(err)
-            return 0
-        return len(shapes)
+            return False
+        return True
 
     def forward_all(self, seqs: Sequence[SeqInput]) -> list[mx.array]:
         """Like :meth:`forward`, but fp32 logits ``[len(token_ids), vocab]`` at every position."""
