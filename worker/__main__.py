@@ -9,6 +9,9 @@ from collections.abc import AsyncIterator
 
 from kvserve_launch.run import Service, run_until_signal
 from kvserve_model.blas import describe, ensure_fast_blas, measure_gflops
+from kvserve_model.errors import ModelLoadError
+from kvserve_model.resolve import resolve_model
+from worker import precompile
 from worker.config import WorkerConfig
 from worker.device_defaults import apply_mlx_env
 from worker.model.gpu_attention import cuda_available
@@ -28,13 +31,25 @@ def start(config: WorkerConfig) -> Service:
     blas = ensure_fast_blas()  # may re-exec this process with LD_PRELOAD set
     # On a GPU the CPU BLAS is not on the model's path: say so, and measure nothing.
     log.info(describe(blas, measure_gflops() if blas.library or not blas.fast else None))
-    return serving(config)
+    return serving(config, start_precompile(config))
+
+
+def start_precompile(config: WorkerConfig) -> precompile.Precompile | None:
+    """The CUDA kernels compiled in a child while this process imports mlx-lm
+    (``worker.precompile``); None off CUDA, or where the model does not resolve (the load
+    then says why)."""
+    try:
+        return precompile.start(resolve_model(config.model, log=log.info), config.block_size)
+    except ModelLoadError:
+        return None
 
 
 @contextlib.asynccontextmanager
-async def serving(config: WorkerConfig) -> AsyncIterator[str]:
+async def serving(
+    config: WorkerConfig, pre: precompile.Precompile | None = None
+) -> AsyncIterator[str]:
     """The worker, running; yields its ready line."""
-    async with running(config) as w:
+    async with running(config, kernels_ready=lambda: precompile.finish(pre)) as w:
         yield f"WORKER_READY {w.address}"
 
 

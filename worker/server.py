@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 
 import grpc
@@ -80,7 +80,11 @@ async def _warm_up_in_background(
     log.info("%s", report.describe())
 
 
-def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExecutor, WorkerLimits]:
+def build_executor(
+    config: WorkerConfig,
+    loaded: LoadedModel,
+    kernels_ready: Callable[[], None] | None = None,
+) -> tuple[ModelExecutor, WorkerLimits]:
     """The model thread with its runner and pool, and the limits the engine runs with: flags
     where set, else the device's defaults (``worker.device_defaults``), sized on the model
     thread once the weights are in memory. Unless ``config.self_check`` is off, the paged path
@@ -88,7 +92,9 @@ def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExec
     raises UnsupportedModelError.
 
     A model whose layers keep recurrent state (``probe`` raises RecurrentStateError) gets the
-    dense per-sequence runner instead (``worker.model.dense_runner``), checked the same way."""
+    dense per-sequence runner instead (``worker.model.dense_runner``), checked the same way.
+    ``kernels_ready`` runs first on the model thread (``worker.precompile.finish``: the
+    kernels a child process compiled meanwhile, put where MLX finds them)."""
     chosen: list[WorkerLimits] = []
 
     def with_scratch(limits: WorkerLimits) -> WorkerLimits:
@@ -106,6 +112,8 @@ def build_executor(config: WorkerConfig, loaded: LoadedModel) -> tuple[ModelExec
         return replace(limits, scratch_blocks=scratch)
 
     def build() -> Runner:
+        if kernels_ready is not None:
+            kernels_ready()
         try:
             spec = probe(loaded.model)
         except RecurrentStateError as e:
@@ -201,14 +209,16 @@ def model_errors_as_startup_errors(model: str) -> Iterator[None]:
 
 @contextlib.asynccontextmanager
 async def running(
-    config: WorkerConfig, loaded: LoadedModel | None = None
+    config: WorkerConfig,
+    loaded: LoadedModel | None = None,
+    kernels_ready: Callable[[], None] | None = None,
 ) -> AsyncIterator[RunningWorker]:
     """Loads the model (unless given), binds the port, registers the pool, serves. Raises
     StartupError (``kvserve_launch.startup``) for a model it cannot serve or a port it cannot
-    bind."""
+    bind. ``kernels_ready``: see :func:`build_executor`."""
     with model_errors_as_startup_errors(config.model):
         loaded = loaded or load_model(config.model, dequantize=config.dequantize)
-        executor, chosen = build_executor(config, loaded)
+        executor, chosen = build_executor(config, loaded, kernels_ready)
     runner = executor.runner
     server = grpc.aio.server(
         interceptors=[MalformedRequests()],

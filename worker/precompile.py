@@ -1,0 +1,227 @@
+"""CUDA kernels compiled in a child process while the worker imports mlx-lm and loads weights.
+
+A cold worker on an NVIDIA GPU spent most of its start in two serial waits (H100, 1B fp16 llama,
+empty kernel cache): 14 s importing ``mlx_lm`` (it imports ``transformers``, which on a machine
+with PyTorch installed imports torch, sympy and scikit-learn), then 21.6 s in the self-check,
+nearly all of it NVRTC compiling MLX's kernels and kvserve's block-table kernels on their first
+use (3.98 s once they were cached on disk). The compiling needs the model's shapes, not
+transformers, so it can run during the import.
+
+So at start, where MLX has CUDA, the worker spawns ``python -m worker.precompile MODEL_DIR
+BLOCK_SIZE``: a process that registers ``mlx_lm`` *without* running its ``__init__`` (whose
+``mlx_lm.utils`` imports transformers; ``mlx_lm.models.*`` import only MLX), builds the model
+from the directory as ``mlx_lm.utils.load_model`` does (weights, ``sanitize``, the same
+quantization predicate, the worker's compute dtype) and runs the worker's own self-check on a
+pool of the worker's block size: every kernel the worker's self-check will meet is compiled,
+into a private PTX cache (``MLX_PTX_CACHE_DIR``). Before its own self-check the worker waits for
+the child (bounded) and publishes what it compiled into its cache: MLX writes and reads that
+cache without locks or renames (``jit_module.cpp``), so two processes sharing it could read a
+half-written file; each file is copied under a temporary name and renamed, the ``.ptx`` last,
+and existing files are kept.
+
+Best effort throughout: a child that fails, or a model it cannot build, costs nothing but the
+work the worker then does itself, as it did before.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+log = logging.getLogger(__name__)
+
+WAIT_S = 120.0  # the longest the worker waits for the child before its own self-check
+PTX_CACHE_ENV = "MLX_PTX_CACHE_DIR"
+
+
+@dataclass
+class Precompile:
+    """A running child and its private cache."""
+
+    process: subprocess.Popen[bytes]
+    cache: Path
+    started: float
+
+
+def ptx_cache_dir() -> Path:
+    """Where this process's MLX keeps compiled CUDA kernels: ``MLX_PTX_CACHE_DIR``, else
+    ``$TMPDIR/mlx/<version>/ptx``."""
+    import mlx.core as mx
+
+    explicit = os.environ.get(PTX_CACHE_ENV)
+    if explicit:
+        return Path(explicit)
+    return Path(tempfile.gettempdir()) / "mlx" / str(getattr(mx, "__version__", "")) / "ptx"
+
+
+def start(model_dir: Path, block_size: int) -> Precompile | None:
+    """Spawn the child (only where MLX runs on CUDA); None where there is nothing to do."""
+    from worker.model.gpu_attention import cuda_available
+
+    if not cuda_available() or os.environ.get("KVSERVE_PRECOMPILE") == "0":
+        return None
+    cache = Path(tempfile.mkdtemp(prefix="kvserve-precompile-"))
+    env = {**os.environ, PTX_CACHE_ENV: str(cache)}
+    argv = [sys.executable, "-m", "worker.precompile", str(model_dir), str(block_size)]
+    try:
+        process = subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+    except OSError as e:
+        log.info("kernel precompile not started: %s", e)
+        shutil.rmtree(cache, ignore_errors=True)
+        return None
+    return Precompile(process, cache, time.perf_counter())
+
+
+def finish(pre: Precompile | None, wait_s: float = WAIT_S) -> None:
+    """Wait for the child (at most ``wait_s``), publish what it compiled, clean up."""
+    if pre is None:
+        return
+    try:
+        try:
+            _, err = pre.process.communicate(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            pre.process.kill()
+            _, err = pre.process.communicate()
+            log.info("kernel precompile stopped after %.0f s", wait_s)
+        if pre.process.returncode != 0:
+            last = (err or b"").decode(errors="replace").strip().splitlines()[-1:]
+            log.info("kernel precompile failed (%s): compiling here", last[0] if last else "")
+        published = publish(pre.cache, ptx_cache_dir())
+        log.info(
+            "kernel precompile: %d modules compiled beside the imports in %.1f s",
+            published,
+            time.perf_counter() - pre.started,
+        )
+    finally:
+        shutil.rmtree(pre.cache, ignore_errors=True)
+
+
+def publish(source: Path, target: Path) -> int:
+    """Copy the modules of cache ``source`` into cache ``target`` so that a reader never sees
+    a partial one: each file under a temporary name, then renamed; a module's ``.ptx`` (the
+    file MLX looks for first) after its ``.txt`` and ``.cu``; files already there are kept.
+    Returns the modules copied."""
+    copied = 0
+    for ptx in sorted(source.rglob("*.ptx")):
+        rel = ptx.relative_to(source)
+        dest = target / rel
+        if dest.exists():
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        for suffix in (".txt", ".cu", ".ptx"):
+            src = ptx.with_suffix(suffix)
+            if not src.exists():
+                continue
+            tmp = dest.with_name(f".{dest.stem}.{os.getpid()}{suffix}")
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dest.with_suffix(suffix))
+        copied += 1
+    return copied
+
+
+# -- the child ----------------------------------------------------------------------------------
+
+
+def mlx_lm_without_init() -> None:
+    """Register the ``mlx_lm`` package without running its ``__init__``: its submodules
+    ``models.*`` and ``sample_utils`` import only MLX, its ``__init__`` imports transformers."""
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("mlx_lm is not installed")
+    package = types.ModuleType("mlx_lm")
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__spec__ = spec
+    sys.modules["mlx_lm"] = package
+
+
+def model_remapping(package: Path) -> dict[str, str]:
+    """``mlx_lm.utils.MODEL_REMAPPING``, read from its source (importing it imports
+    transformers)."""
+    tree = ast.parse((package / "utils.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "MODEL_REMAPPING" for t in node.targets
+        ):
+            return dict(ast.literal_eval(node.value))
+    return {}
+
+
+def build_model(model_dir: Path) -> Any:
+    """The model of ``model_dir`` as ``mlx_lm.utils.load_model`` builds it (weights,
+    ``sanitize``, its quantization predicate), in the worker's compute dtype."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from worker.model.loader import compute_dtype
+
+    config = json.loads((model_dir / "config.json").read_text())
+    package = Path(sys.modules["mlx_lm"].__path__[0])
+    model_type = config["model_type"]
+    module = importlib.import_module(
+        f"mlx_lm.models.{model_remapping(package).get(model_type, model_type)}"
+    )
+    model = module.Model(module.ModelArgs.from_dict(config))
+    weights: dict[str, Any] = {}
+    for file in sorted(model_dir.glob("model*.safetensors")):
+        weights.update(cast(dict[str, Any], mx.load(str(file))))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    if (quantization := config.get("quantization")) is not None:
+
+        def predicate(path: str, module: nn.Module) -> Any:
+            if path in quantization:
+                return quantization[path]
+            return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+        nn.quantize(
+            model,
+            group_size=quantization["group_size"],
+            bits=quantization["bits"],
+            mode=quantization.get("mode", "affine"),
+            class_predicate=predicate,
+        )
+    model.load_weights(list(weights.items()), strict=False)
+    dtype = compute_dtype(config, cpu=mx.default_device() == mx.cpu)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def main(argv: list[str]) -> int:
+    model_dir, block_size = Path(argv[0]), int(argv[1])
+    mlx_lm_without_init()
+    from worker.model.runner import ModelRunner
+    from worker.model.self_check import check_paged_parity
+
+    model = build_model(model_dir)
+    runner = ModelRunner.create(model, block_size=block_size, num_blocks=64)
+    runner.choose_decode_attention()
+    result = check_paged_parity(model, runner=runner)
+    print(result.describe(), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    code = 1
+    with contextlib.suppress(KeyboardInterrupt):
+        code = main(sys.argv[1:])
+    sys.stderr.flush()
+    os._exit(code)  # MLX may abort in its C++ teardown after GPU work (kvserve_launch.run)
