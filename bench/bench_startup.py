@@ -128,7 +128,9 @@ class Timeline:
         return None
 
 
-def kvserve_start(model: str, env: dict[str, str]) -> dict[str, float | str]:
+def kvserve_start(
+    model: str, env: dict[str, str], log: Path | None = None
+) -> dict[str, float | str]:
     cmd = [
         sys.executable, "-m", "kvserve_launch", "--model", model, "--workers", "1",
         "--http-port", "0", "--grpc-port", "0", "--cache-port", "0",
@@ -170,6 +172,8 @@ def kvserve_start(model: str, env: dict[str, str]) -> dict[str, float | str]:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        if log is not None:
+            log.write_text("".join(f"{t:8.2f} {line}\n" for t, line in timeline.lines))
 
 
 def peer_start(model_dir: Path, env: dict[str, str]) -> dict[str, float | str]:
@@ -205,17 +209,22 @@ def main() -> None:
     p.add_argument("--model", default=DEFAULT_MODEL_NAME)
     p.add_argument("--rounds", type=int, default=3, help="medians over this many rounds")
     p.add_argument("--no-peer", action="store_true", help="skip mlx_lm.server")
+    p.add_argument("--first-only", action="store_true", help="only the first start")
+    p.add_argument("--logs", type=Path, help="write each start's timestamped lines here")
     a = p.parse_args()
     rows: dict[str, list[dict[str, float | str]]] = {}
+    if a.logs:
+        a.logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
             models, kernels = Path(tmp) / f"models-{r}", Path(tmp) / f"tmp-{r}"
             kernels.mkdir()
             env = {**os.environ, "KVSERVE_MODEL_DIR": str(models), "TMPDIR": str(kernels)}
-            for start in ("first", "second"):
+            for start in ("first",) if a.first_only else ("first", "second"):
                 # A first start probes the BLAS again, as on a new machine.
                 run_env = {**env, "KVSERVE_BLAS_REPROBE": "1"} if start == "first" else env
-                row = kvserve_start(a.model, run_env)
+                log = a.logs / f"round{r + 1}-{start}.log" if a.logs else None
+                row = kvserve_start(a.model, run_env, log)
                 rows.setdefault(f"kvserve, {start} start", []).append(row)
                 print(f"# round {r + 1}, {start} start: {row}", file=sys.stderr)
             if not a.no_peer:

@@ -1,4 +1,8 @@
-"""`python -m worker`: an MLX compute worker, until SIGINT/SIGTERM."""
+"""`python -m worker`: an MLX compute worker, until SIGINT/SIGTERM.
+
+``worker.server`` (and with it mlx-lm, which imports transformers: 14 s on a GPU machine with
+PyTorch installed) is imported only once the kernel-precompile child runs (``worker.precompile``),
+so that the two overlap."""
 
 from __future__ import annotations
 
@@ -15,7 +19,6 @@ from worker import precompile
 from worker.config import WorkerConfig
 from worker.device_defaults import apply_mlx_env
 from worker.model.gpu_attention import cuda_available
-from worker.server import running
 
 log = logging.getLogger("worker")
 
@@ -49,6 +52,8 @@ async def serving(
     config: WorkerConfig, pre: precompile.Precompile | None = None
 ) -> AsyncIterator[str]:
     """The worker, running; yields its ready line."""
+    from worker.server import running
+
     async with running(config, kernels_ready=lambda: precompile.finish(pre)) as w:
         yield f"WORKER_READY {w.address}"
 

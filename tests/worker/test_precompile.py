@@ -9,8 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvserve_model.tiny_model import ensure_tiny_model
 from worker import precompile
+from worker.model.gpu_attention import cuda_available
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,6 +54,7 @@ def test_publish_copies_whole_modules_and_keeps_what_is_there(tmp_path):
     assert precompile.publish(source, target) == 0  # idempotent
 
 
+@pytest.mark.skipif(cuda_available(), reason="CUDA is here: the child starts")
 def test_off_cuda_nothing_starts(tmp_path):
     assert precompile.start(tmp_path, 32) is None
     precompile.finish(None)  # nothing to wait for
