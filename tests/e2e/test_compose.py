@@ -146,7 +146,7 @@ def test_ports_addresses_and_health_checks_agree(compose):
 def test_one_configuration_for_the_whole_system(compose):
     s = compose["services"]
     worker_env, gw_env = env_of(s["worker"]), env_of(s["gateway"])
-    assert worker_env["KVWORKER_MODEL"] == gw_env["KVGATEWAY_MODEL"] == "kvserve-tiny-llama"
+    assert worker_env["KVWORKER_MODEL"] == gw_env["KVGATEWAY_MODEL"] == "SmolLM2-135M-Instruct"
     assert env_of(s["kvcache"])["KVCACHE_ADMIN_TOKEN"] == gw_env["KVGATEWAY_ADMIN_TOKEN"]
     # One data-plane token, shared by the cache service and every client of it.
     service_token = env_of(s["kvcache"])["KVCACHE_SERVICE_TOKEN"]
