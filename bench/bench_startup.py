@@ -50,7 +50,7 @@ QUESTION = "What is the capital of France?"
 PHASES = (
     ("BLAS", r"worker-0 \| .* BLAS: ", None),
     ("model load", r"model loaded in ([0-9.]+) s", 1),
-    ("self-check", r"self-check passed: .* in ([0-9.]+) s", 1),
+    ("self-check", r"worker\.server: self-check passed: .* in ([0-9.]+) s", 1),
     ("warm-up (background)", r"warm-up: .* in ([0-9.]+) s", 1),
 )
 
