@@ -54,6 +54,15 @@ class ChatServing:
     def check(self, req: ChatCompletionRequest) -> None:
         if req.tools and req.tool_choice != "none":
             raise InvalidRequest("tool calling is not supported", param="tools")
+        # Declared so that they are refused by name, not ignored: a client that sends them
+        # expects their effect (the schema ignores unknown fields).
+        if req.functions or req.function_call is not None:
+            param = "functions" if req.functions else "function_call"
+            raise InvalidRequest(
+                f"{param} (the legacy form of tools) is not supported", param=param
+            )
+        if req.echo:
+            raise InvalidRequest("echo is not supported for chat completions", param="echo")
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise InvalidRequest(
                 "only the text response_format is supported", param="response_format"

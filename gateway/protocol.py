@@ -137,6 +137,10 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # Legacy and vLLM fields that are refused by name (gateway/chat.py), not ignored.
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    echo: bool = False
     # vLLM extensions.
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -20,6 +20,10 @@ INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 
 MAX_TEMPERATURE = 100.0
+# 0 is off on the wire (1.0); a penalty divides a positive logit (and multiplies a negative
+# one): 1e-300 turned every logit infinite and the request's output into garbage. Below 0.1
+# no model samples anything sensible.
+MIN_REPETITION_PENALTY = 0.1
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -55,7 +59,7 @@ def check_sampling(p: SamplingParams, vocab_size: int) -> None:
     _in("top_p", p.top_p, 0.0, 1.0)
     _in("top_k", p.top_k, 0, min(vocab_size, INT32_MAX))
     _in("min_p", p.min_p, 0.0, 1.0)
-    _in("repetition_penalty", p.repetition_penalty, 0.0, MAX_REPETITION_PENALTY)
+    _in("repetition_penalty", p.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
     _in("logprobs", p.logprobs, 0, MAX_LOGPROBS)
     _in("max_tokens", p.max_tokens, 0, UINT32_MAX)
     if p.seed is not None:

@@ -108,6 +108,13 @@ async def test_schema_violations(client, path, patch, param):
         ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, None),
         ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
+        # Refused by name, never ignored: a client that sends them expects their effect.
+        ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {**CHAT, "function_call": "auto"}, "function_call"),
+        ("/v1/chat/completions", {**CHAT, "echo": True}, "echo"),
+        # 1e-300 made every logit infinite: the request got garbage, not an error.
+        ("/v1/chat/completions", {**CHAT, "repetition_penalty": 1e-300}, "repetition_penalty"),
+        ("/v1/completions", {"prompt": "x", "repetition_penalty": 0.05}, "repetition_penalty"),
         ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, None),
         (
             "/v1/chat/completions",
