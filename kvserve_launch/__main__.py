@@ -9,8 +9,8 @@ from pathlib import Path
 from types import FrameType
 
 from kvserve_launch.config import LaunchConfig
-from kvserve_launch.diagnosis import describe_exit, hint
-from kvserve_launch.process import Child, ChildFailed
+from kvserve_launch.process import ChildFailed
+from kvserve_launch.supervisor import Supervisor
 from kvserve_launch.system import System, launch
 
 
@@ -83,42 +83,16 @@ def main(argv: list[str] | None = None, cfg: LaunchConfig | None = None) -> int:
         f"cache={','.join(system.cache_addresses)} pids={pids}",
         flush=True,
     )
-    code = supervise(system, stop)
+    code = Supervisor(
+        system,
+        backoff_s=cfg.restart_backoff_s,
+        give_up_after=cfg.max_restarts + 1,
+        window_s=cfg.restart_window_s,
+    ).run(stop)
     print("kvserve: stopping (gateway, workers, cache service) ...", file=sys.stderr, flush=True)
     system.stop()
     print("kvserve: stopped", file=sys.stderr, flush=True)
     return code
-
-
-def supervise(system: System, stop: threading.Event) -> int:
-    """Wait for Ctrl-C/SIGTERM. A worker that dies is reported and the rest keep serving (the
-    gateway routes around it); so is one cache shard of several (its pools drop out of
-    routing, the other shards' keep serving). Without the gateway, or the one cache service,
-    nothing can, so their exit stops everything with an error."""
-    reported: set[str] = set()
-    shards = system.caches if len(system.caches) > 1 else []
-    while not stop.wait(0.5):
-        for child in (system.gateway, *([] if shards else system.caches)):
-            if not child.running:
-                print(f"kvserve: {died(child)}", file=sys.stderr)
-                return 1
-        for group, what in ((system.workers, "worker(s)"), (shards, "cache shard(s)")):
-            for child in group:
-                if not child.running and child.name not in reported:
-                    reported.add(child.name)
-                    left = sum(x.running for x in group)
-                    print(f"kvserve: {died(child)}; {left} {what} still serving", file=sys.stderr)
-                    if not left:
-                        return 1
-    return 0
-
-
-def died(child: Child) -> str:
-    """``worker-0 killed by SIGKILL (killed unconditionally) (hint: ...)``."""
-    code = child.returncode
-    assert code is not None, "still running"
-    advice = hint(code, child.port_setting)
-    return f"{child.name} {describe_exit(code)}" + (f" (hint: {advice})" if advice else "")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,12 @@ class LaunchConfig:
     num_blocks: int = 0
     block_size: int = 0
     startup_timeout_s: float = 300.0
+    # A child that dies is restarted after this, doubling each time up to 30 s
+    # (kvserve_launch.supervisor); more than max_restarts deaths of one child within
+    # restart_window_s stop everything.
+    restart_backoff_s: float = 1.0
+    max_restarts: int = 4
+    restart_window_s: float = 300.0
     log_level: str = "INFO"
     # TLS on every port and channel (kvserve_launch.tls): one certificate and key that every
     # child serves with and presents when it dials; the CA bundle every child verifies the
@@ -81,6 +87,8 @@ def check(c: LaunchConfig) -> str | None:
         return "--cache-shards must be at least 1"
     if c.num_blocks < 0 or c.block_size < 0:
         return "--num-blocks and --block-size must not be negative"
+    if c.restart_backoff_s <= 0 or c.max_restarts < 0 or c.restart_window_s <= 0:
+        return "--restart-backoff-s and --restart-window-s must be positive, --max-restarts >= 0"
     return check_tls(c.tls_cert, c.tls_key, c.tls_ca, c.tls_server_name, c.tls_client_ca)
 
 
@@ -125,6 +133,9 @@ SETTINGS = Settings(
         "num_blocks": "KV blocks per worker (0: the worker's default)",
         "block_size": "tokens per KV block (0: the worker's default)",
         "startup_timeout_s": "how long each process may take to get ready",
+        "restart_backoff_s": "a child that dies restarts after this, doubling up to 30 s",
+        "max_restarts": "restarts of one child within --restart-window-s before giving up",
+        "restart_window_s": "the window --max-restarts counts in",
         "log_level": "DEBUG, INFO, WARNING or ERROR, for every process",
         "tls_cert": "PEM certificate every child serves TLS with and presents when it dials",
         "tls_key": "PEM private key of --tls-cert",

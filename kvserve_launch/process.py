@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
-from kvserve_launch.diagnosis import describe_exit, hint
+from kvserve_launch.diagnosis import describe_exit, hint, oom_killed
 
 Sink = Callable[[str, str], None]
 
@@ -98,6 +98,9 @@ class Child:
         # The flags that set this child's port(s), for the hint when it is taken.
         self.port_setting = port_setting
         self.ready_line: str | None = None
+        # The command a restart runs (``kvserve_launch.supervisor``): ``argv`` with the ports
+        # it bound, so the others find it where it was.
+        self.restart_argv: list[str] | None = None
         self._ready = threading.Event()
         self._tail: collections.deque[str] = collections.deque(maxlen=40)
         self._threads: list[threading.Thread] = []
@@ -138,6 +141,20 @@ class Child:
             self._tail.append(line)
             self.sink(self.name, line)
 
+    def restart(self) -> Child:
+        """Start the exited child again, with :attr:`restart_argv` where set."""
+        assert not self.running, "still running"
+        if self.restart_argv is not None:
+            self.argv = list(self.restart_argv)
+        self.ready_line = None
+        self._ready.clear()
+        self._threads = []
+        return self.start()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
     def wait_ready(self, timeout_s: float) -> str:
         """The ready line's payload (after the prefix); raises ChildFailed on exit/timeout."""
         deadline = time.monotonic() + timeout_s
@@ -147,7 +164,9 @@ class Child:
                 for t in self._threads:  # let the last lines of output arrive
                     t.join(1.0)
                 what = f"failed before it was ready: {describe_exit(code)}"
-                raise ChildFailed(self.name, what, list(self._tail), hint(code, self.port_setting))
+                oom = code == -signal.SIGKILL and oom_killed(self.pid)
+                advice = hint(code, self.port_setting, oom=oom)
+                raise ChildFailed(self.name, what, list(self._tail), advice)
             if time.monotonic() > deadline:
                 what = f"was not ready after {timeout_s:.0f}s"
                 raise ChildFailed(self.name, what, list(self._tail))

@@ -210,6 +210,15 @@ def launch(cfg: LaunchConfig, sink: Sink = print_sink, python: str = sys.executa
         fields = dict(part.split("=", 1) for part in gateway.wait_ready(timeout).split())
         worker_addresses = [w.wait_ready(timeout) for w in workers]
         wait_for_health(cfg, fields["http"], gateway, len(workers))
+        # A restart binds the ports the child has now: the others know it by them.
+        for child, address in zip(
+            caches + workers, cache_addresses + worker_addresses, strict=True
+        ):
+            child.restart_argv = pinned(child.argv, {"--port": port_of(address)})
+        gateway.restart_argv = pinned(
+            gateway.argv,
+            {"--http-port": port_of(fields["http"]), "--grpc-port": port_of(fields["grpc"])},
+        )
     except BaseException:
         stop_all(list(reversed(started)), 5.0)
         raise
@@ -249,3 +258,17 @@ def wait_for_health(
         except (OSError, ValueError):  # 503 (HTTPError is an OSError) or not up yet
             pass
         time.sleep(0.05)
+
+
+def port_of(address: str) -> str:
+    """The port of ``host:port`` (``[v6]:port`` too)."""
+    return address.rsplit(":", 1)[1]
+
+
+def pinned(argv: list[str], values: dict[str, str]) -> list[str]:
+    """``argv`` with the value after each flag of ``values`` replaced."""
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        if arg in values:
+            out[i + 1] = values[arg]
+    return out

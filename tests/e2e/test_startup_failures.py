@@ -54,9 +54,12 @@ def test_hints_for_known_failures():
     sigill = hint(-signal.SIGILL) or ""
     assert "CPU lacks an instruction" in sigill
     assert "KVSERVE_FAST_BLAS=0" in sigill and "KVSERVE_BLAS_LIB=" in sigill
-    oom = hint(-signal.SIGKILL) or ""
+    oom = hint(-signal.SIGKILL, oom=True) or ""
     assert "out-of-memory" in oom and "KVWORKER_KV_MEMORY_MB" in oom
     assert "--num-blocks or KVSERVE_NUM_BLOCKS" in oom
+    # Without the kernel's word a SIGKILL is not called out of memory: kill -9 is one too.
+    killed = hint(-signal.SIGKILL) or ""
+    assert "another process" in killed and "KVWORKER_KV_MEMORY_MB" not in killed
     port = hint(Failure.PORT_IN_USE, setting(ENV_PREFIX, "cache_port")) or ""
     assert "--cache-port or KVSERVE_CACHE_PORT" in port
     assert "--model or KVSERVE_MODEL" in (hint(Failure.MODEL) or "")
@@ -119,7 +122,7 @@ def test_a_child_killed_by_sigill_is_named_with_its_output_and_the_fix():
     assert all(line.strip() for line in text.splitlines())
 
 
-def test_a_silent_child_killed_by_sigkill_is_named_with_the_oom_hint():
+def test_a_silent_child_killed_by_sigkill_is_named_with_both_causes():
     child = python_child("worker-1", "os.kill(os.getpid(), signal.SIGKILL)\n")
     with pytest.raises(ChildFailed) as e:
         child.wait_ready(30)
