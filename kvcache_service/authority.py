@@ -11,6 +11,7 @@ from kvcache_service.errors import (
     CacheError,
     FencedIncarnation,
     InvalidArgument,
+    NeverFits,
     OutOfBlocks,
     PoolInUse,
     RegistrationLimit,
@@ -192,7 +193,7 @@ class CacheAuthority:
                     raise InvalidArgument("a batch's items are for the batch's pool")
                 self._check(item)
                 out.append(self._acquire_on(pool, item))
-            except InvalidArgument as err:
+            except (InvalidArgument, NeverFits) as err:  # this item's own fault: go on
                 out.append(err)
             except OutOfBlocks as err:
                 untried = OutOfBlocks("not tried: an earlier item of the batch found no room")

@@ -129,6 +129,29 @@ class Budget:
         plan[None] = max(0, short)
         return plan
 
+    def beyond_reach(self, ns: Namespace, fresh: int, held: list[BlockId]) -> str | None:
+        """Why `fresh` new blocks beside `held` could never be had in this pool, even with every
+        lease ended and every evictable block evicted: pinned blocks stay (and, under a quota,
+        the namespace's pinned and held blocks count against it); None if they could be.
+        Called only once `plan` found no room: it looks at every pin (O(num_blocks))."""
+        keep = set(held)
+        pinned = [b for b, p in enumerate(self.blocks.pins) if p and b not in keep]
+        reach = self.blocks.num_blocks - len(pinned)
+        if len(held) + fresh > reach:
+            return (
+                f"the request needs {len(held) + fresh} KV blocks; this pool can give at most "
+                f"{reach} of its {self.blocks.num_blocks} ({len(pinned)} are pinned)"
+            )
+        if self.quota is not None:
+            own = sum(1 for b in pinned if self._charged.get(BlockId(b)) == ns)
+            own += sum(1 for b in held if self._charged.get(b) == ns)
+            if fresh + own > self.quota:
+                return (
+                    f"the request needs {fresh + own} KV blocks in namespace {ns!r}, over its "
+                    f"quota of {self.quota} ({own} of them pinned or shared and kept)"
+                )
+        return None
+
     def allocate(self, plan: EvictionPlan, n: int, ns: Namespace) -> list[BlockId]:
         """Carries out what is left of `plan` (the first call of a batch evicts it all), then
         takes `n` free blocks charged to `ns`, each referenced once by the caller's lease. The

@@ -13,6 +13,7 @@ from kvcache_service.errors import (
     FellBehind,
     InvalidArgument,
     MustRegister,
+    NeverFits,
     NotFound,
     OutOfBlocks,
     RegistrationLimit,
@@ -46,6 +47,7 @@ STATUS_OF: dict[type[CacheError], grpc.StatusCode] = {
     NotFound: grpc.StatusCode.NOT_FOUND,  # an admin target (pool, prefix) is not there
     MustRegister: grpc.StatusCode.FAILED_PRECONDITION,  # unregistered pool, fenced incarnation
     OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,  # queue and retry
+    NeverFits: grpc.StatusCode.OUT_OF_RANGE,  # larger than the pool can ever give: refuse
     RegistrationLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,  # too many blocks or pools
     TooManyWatchers: grpc.StatusCode.RESOURCE_EXHAUSTED,  # WatchEvents: retry later
     FellBehind: grpc.StatusCode.RESOURCE_EXHAUSTED,  # WatchEvents: resume from the cursor

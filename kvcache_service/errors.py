@@ -48,6 +48,12 @@ class OutOfBlocks(CacheError):
     """Not enough free or evictable blocks, even after eviction. Queue and retry."""
 
 
+class NeverFits(CacheError):
+    """A lease larger than the pool could give it even with every other lease ended and every
+    evictable block evicted: pinned blocks (and a namespace quota) hold the rest. Waiting
+    cannot help, so the caller refuses the request instead of queueing it (OUT_OF_RANGE)."""
+
+
 class FellBehind(CacheError):
     """A KV-event watcher's position is older than the replay buffer holds: its stream ends,
     and it resumes from its cursor (a snapshot, if that is gone too)."""

@@ -7,7 +7,7 @@ from collections import Counter
 from kvcache_service.block_pool import blocks_for
 from kvcache_service.budget import Budget
 from kvcache_service.counters import PoolCounters
-from kvcache_service.errors import InvalidArgument, UnknownLease
+from kvcache_service.errors import InvalidArgument, NeverFits, OutOfBlocks, UnknownLease
 from kvcache_service.ids import BlockId, LeaseId, Namespace, PoolId, Tokens
 from kvcache_service.inflight import InFlight, chain_hashes, chain_seed
 from kvcache_service.leases import AcquireRequest, Deferral, Grant, Lease, Reuse, SequenceUpdate
@@ -63,8 +63,8 @@ class LeaseBook:
         """A lease on `prompt` (`req.prompt` checked and packed) plus its reserve: the matched
         prefix shared, a partially matched block copied on write into the first fresh block
         (or, a tail nobody holds, taken over: see `_adoptable`), fresh blocks for the rest
-        (evicting cached ones if needed). Or a Deferral (SHARE_OR_DEFER only), or
-        OutOfBlocks."""
+        (evicting cached ones if needed). Or a Deferral (SHARE_OR_DEFER only); OutOfBlocks
+        where the pool has no room now, NeverFits where it never could (pins, a quota)."""
         bs = self.block_size
         ns, n = req.namespace, count(prompt)
         match = Match() if req.reuse is Reuse.NONE else self.index.match(ns, prompt)
@@ -86,7 +86,12 @@ class LeaseBook:
         adopt = cow_src is not None and self._adoptable(cow_src)
         need = blocks_for(n + req.reserve_tokens, bs) - full
         held = [*shared, cow_src] if cow_src is not None else shared
-        plan = self.budget.plan({ns: need - adopt}, held)
+        try:
+            plan = self.budget.plan({ns: need - adopt}, held)
+        except OutOfBlocks:
+            if (why := self.budget.beyond_reach(ns, need - adopt, held)) is not None:
+                raise NeverFits(why) from None
+            raise
         self.budget.ref_all(held)  # referenced first: the plan's evictions spare them
         own = self.budget.allocate(plan, need - adopt, ns)
         if adopt:

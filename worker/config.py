@@ -42,6 +42,10 @@ class WorkerConfig:
     # and the gateway tries another worker. None: PENDING_PER_BATCH_SLOT x max_batch_size
     # (worker.device_defaults); 0: no limit.
     max_pending_requests: int | None = None
+    # The longest a request waits for room in the KV pool (blocks held by running requests,
+    # pinned prefixes, a namespace quota) before it ends with RESOURCE_EXHAUSTED; 0: no limit.
+    # One the pool could never hold is refused at once (INVALID_ARGUMENT).
+    admission_timeout_s: float = 120.0
     # Token slots leased beyond the prompt at admission, and how far ahead of need a running
     # sequence asks for its next block.
     reserve_tokens: int = 32
@@ -105,6 +109,8 @@ def check(c: WorkerConfig) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 0 (0: the device's default)"
     if c.max_pending_requests is not None and c.max_pending_requests < 0:
         return "--max-pending-requests must be >= 0 (0: no limit)"
+    if c.admission_timeout_s < 0:
+        return "--admission-timeout-s must be >= 0 (0: no limit)"
     if c.stream_interval < 1:
         return "--stream-interval must be >= 1"
     if not 1 <= c.num_draft_tokens <= MAX_DRAFT_TOKENS:
@@ -137,6 +143,7 @@ SETTINGS = Settings(
         "max_step_tokens": "tokens per step (0: 256 on CPU, 2048 on a GPU)",
         "max_pending_requests": "most requests held, running + waiting (default: 8 x batch; "
         "0: no limit)",
+        "admission_timeout_s": "the longest a request waits for room in the pool (0: no limit)",
         "reserve_tokens": "token slots leased beyond the prompt at admission",
         "extend_ahead_tokens": "how far ahead of need a sequence asks for its next block",
         "prefix_caching": Flag(

@@ -17,6 +17,12 @@ class Cancelled(WorkerError):
     """The client cancelled the call or went away (CANCELLED; nobody reads the answer)."""
 
 
+class NotAdmitted(WorkerError):
+    """A request that waited ``--admission-timeout-s`` for blocks the pool never had free
+    (held by running requests, pins or a namespace quota): RESOURCE_EXHAUSTED, so the gateway
+    tries another worker or answers 429 with Retry-After. Nothing waits forever."""
+
+
 class Overloaded(WorkerError):
     """The worker already holds ``--max-pending-requests`` requests (running + waiting):
     RESOURCE_EXHAUSTED, before the request holds anything. The gateway tries another worker."""

@@ -263,6 +263,7 @@ async def running(
         num_draft_tokens=config.num_draft_tokens,
         speculation=not dense,
         draft_model=config.draft_model if executor.draft is not None else "",
+        admission_timeout_s=config.admission_timeout_s,
     )
     engine = Engine(
         executor,

@@ -25,6 +25,7 @@ from worker.errors import (
     CacheRejected,
     Cancelled,
     InvalidRequest,
+    NotAdmitted,
     Overloaded,
     ShuttingDown,
     StepFailed,
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 STATUS_OF: dict[type[WorkerError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    NotAdmitted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Cancelled: grpc.StatusCode.CANCELLED,
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
     StepFailed: grpc.StatusCode.INTERNAL,

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvcache_service.authority import AuthorityConfig, CacheAuthority
-from kvcache_service.errors import NotFound, OutOfBlocks
+from kvcache_service.errors import NeverFits, NotFound, OutOfBlocks
 from kvcache_service.ids import Namespace, PoolId
 from kvcache_service.leases import AcquireRequest, Deferral, Grant, Reuse, SequenceUpdate
 from kvcache_service.pool import PoolSpec, PoolState
@@ -107,6 +107,17 @@ class PoolMachine(RuleBasedStateMachine):
             return None
         return victims + rest[: max(0, short)]
 
+    def _never(self, ref: RefPool, ns: str, fresh: int, held: set[int]) -> bool:
+        """Whether `fresh` blocks beside `held` could never be had, all leases ended and every
+        evictable block evicted: pinned blocks stay, and count against the quota too."""
+        pinned = {b for b in range(ref.n) if ref.pinned(b)} - held
+        if len(held) + fresh > ref.n - len(pinned):
+            return True
+        if self.QUOTA is None:
+            return False
+        own = sum(1 for b in pinned | held if ref.allocated.get(b) == ns)
+        return fresh + own > self.QUOTA
+
     def _evict(self, ref: RefPool, victims: list[int] | None) -> None:
         assert victims is not None, "the pool found room the reference does not see"
         for b in victims:
@@ -141,8 +152,8 @@ class PoolMachine(RuleBasedStateMachine):
         )
         try:
             result, _ = self.auth.acquire(req)
-        except OutOfBlocks:
-            event("acquire: out of blocks")
+        except (OutOfBlocks, NeverFits) as err:
+            event(f"acquire: {type(err).__name__}")
             # The copy-on-write source is held too, so it may be what made it not fit: any
             # evictable block holding the matched part of the prompt's next block may be it.
             sources = [
@@ -154,15 +165,17 @@ class PoolMachine(RuleBasedStateMachine):
                 and ref.content[b][1][:cached] == prompt[:cached]
             ]
             # A tail nobody holds is taken over, not copied: one fresh block fewer.
-            assert any(
-                self._victims(
-                    ref,
-                    {ns: need - (src is not None and len(ref.content[src][1]) % bs != 0)},
+            cases = [
+                (
+                    need - (src is not None and len(ref.content[src][1]) % bs != 0),
                     held | ({src} if src is not None else set()),
                 )
-                is None
                 for src in [None, *sources]
-            )
+            ]
+            assert any(self._victims(ref, {ns: fresh}, h) is None for fresh, h in cases)
+            # Never rather than not now only where pins (and the quota) keep it out for good.
+            never = isinstance(err, NeverFits)
+            assert any(self._never(ref, ns, fresh, h) == never for fresh, h in cases)
             return
         event(f"acquire: {type(result).__name__}, cached={cached > 0}")
         if expect_defer:

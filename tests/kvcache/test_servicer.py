@@ -188,9 +188,11 @@ async def test_error_codes(client: Client) -> None:
     await expect_code(code.INVALID_ARGUMENT, client.register("bad", block_size=0))
     release = pb.ReleaseLeaseRequest(pool=pool, lease_id=12345)
     await expect_code(code.NOT_FOUND, client.kv.ReleaseLease(release))
-    # 8 blocks of 4 tokens cannot hold 40 tokens: queue and retry, not a failure.
-    await expect_code(code.RESOURCE_EXHAUSTED, client.acquire(pool, list(range(40))))
+    # 8 blocks of 4 tokens can never hold 40 tokens: refused, not queued.
+    await expect_code(code.OUT_OF_RANGE, client.acquire(pool, list(range(40))))
     lease = (await client.acquire(pool, [1, 2, 3])).lease
+    # 32 tokens fit the pool, but not beside that lease: queue and retry, not a failure.
+    await expect_code(code.RESOURCE_EXHAUSTED, client.acquire(pool, list(range(100, 132))))
     too_many = pb.ExtendLeasesRequest(
         pool=pool, items=[pb.ExtendItem(lease_id=lease.lease_id, num_tokens=400)]
     )
@@ -429,20 +431,25 @@ async def test_a_batch_of_acquires_and_releases_in_the_compact_form(client: Clie
 
 
 async def test_the_first_item_without_room_ends_the_batch(client: Client) -> None:
+    """An item with no room now ends the batch (the worker's order stands); one that could
+    never fit is refused and the batch goes on."""
     pool = await client.register(num_blocks=8)
     resp = await client.kv.AcquireLeases(
         pb.AcquireLeasesRequest(
             pool=pool,
             items=[
                 pb.AcquireItem(prompt_tokens=wire([1, 2, 3])),
-                pb.AcquireItem(prompt_tokens=wire(list(range(40)))),  # 10 blocks of 8
+                pb.AcquireItem(prompt_tokens=wire(list(range(100, 140)))),  # 10 blocks of 4
+                pb.AcquireItem(prompt_tokens=wire(list(range(32)))),  # 8: not beside the first
                 pb.AcquireItem(prompt_tokens=wire([4, 5])),  # would fit: not tried
             ],
         )
     )
-    fits, too_big, behind = resp.results
+    fits, never, too_big, behind = resp.results
     exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     assert fits.HasField("lease")
+    assert never.error.code == grpc.StatusCode.OUT_OF_RANGE.value[0]
+    assert "can give at most 8 of its 8" in never.error.message
     assert too_big.error.code == exhausted and behind.error.code == exhausted
     assert "not tried" in behind.error.message
     stats = (await client.admin.GetStats(pb.StatsRequest(), metadata=AUTH)).pools[0]

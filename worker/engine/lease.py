@@ -19,6 +19,12 @@ class NoRoom(LeaseError):
     """RESOURCE_EXHAUSTED: wait for blocks to come back, or preempt."""
 
 
+class NeverFits(NoRoom):
+    """OUT_OF_RANGE: more blocks than the pool could ever give (pinned blocks, a namespace
+    quota keep the rest). At admission the request is refused; while growing it is room that
+    does not come (preempt, as for NoRoom: the preempted one meets this at re-admission)."""
+
+
 class Fenced(LeaseError):
     """FAILED_PRECONDITION: the pool is unknown (the service restarted) or our incarnation is
     fenced: register again.

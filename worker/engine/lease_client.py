@@ -24,6 +24,7 @@ from worker.engine.lease import (
     LeaseAsk,
     LeaseError,
     LeaseLost,
+    NeverFits,
     NoRoom,
     PoolRegistration,
     Rejected,
@@ -45,6 +46,7 @@ WIRE_REVISION = 2
 # code alone: details are for logs, never parsed.
 _ERROR_OF: dict[grpc.StatusCode, type[LeaseError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: NoRoom,
+    grpc.StatusCode.OUT_OF_RANGE: NeverFits,
     grpc.StatusCode.FAILED_PRECONDITION: Fenced,
     grpc.StatusCode.NOT_FOUND: LeaseLost,
     grpc.StatusCode.INVALID_ARGUMENT: Rejected,

@@ -8,9 +8,13 @@ cache service, on its own tasks so the service is never on the per-token path:
   after that, because the step lock is held throughout;
 - **the heartbeat**, on a fixed cadence (a fraction of the TTL the service announced), never
   behind a step; it reports leases that expired, whose sequences are requeued;
-- **admission**: leases for waiting requests, oldest first; a request the pool cannot hold yet
-  blocks those behind it, one the service deferred (its prefix is being computed by another
-  lease) waits until something is committed, and running requests that must grow come first;
+- **admission**: leases for waiting requests, oldest first. A request the pool cannot hold yet
+  lets the ones behind it pass for :data:`OVERTAKE_S`, then blocks them (so a long prompt is
+  not starved) until it is admitted or has waited ``admission_timeout_s`` (then it ends with
+  RESOURCE_EXHAUSTED: nothing waits forever); one the pool could never hold (pinned blocks, a
+  namespace quota) is refused at once; one the service deferred (its prefix is being computed
+  by another lease) waits until something is committed; running requests that must grow come
+  first;
 - **extend-ahead**: one batched ExtendLeases per step for every sequence about to outgrow its
   blocks, overlapping the forward; when the pool has no block left, the youngest running
   sequence is preempted (released, its committed prefix stays cached, requeued);
@@ -45,6 +49,7 @@ from worker.engine.lease import (
     LeaseAsk,
     LeaseError,
     LeaseLost,
+    NeverFits,
     NoRoom,
     PoolRegistration,
     Rejected,
@@ -55,7 +60,7 @@ from worker.engine.outage import Outage
 from worker.engine.scheduler import Scheduler, Step
 from worker.engine.sequence import Sequence, Status
 from worker.engine.step_budget import StepBudget
-from worker.errors import CacheRejected, WorkerError
+from worker.errors import CacheRejected, InvalidRequest, NotAdmitted, WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +71,11 @@ RETRY_S = 0.1  # admission retry tick (deferrals on dead leases, unreachable ser
 DEFER_RETRY_S = 1.0
 # Items per AcquireLeases / ReleaseLeases call (the service takes up to 1,024).
 ACQUIRE_BATCH = 64
+# How long a request the pool has no room for lets later ones pass it (they go first in the
+# batch; the service stops at the first item without room). Past this it goes first, and the
+# ones behind it wait for it: passing is what lets small requests run beside a big one, the
+# limit is what keeps the big one from being passed for ever.
+OVERTAKE_S = 5.0
 RELEASE_BATCH = 256
 
 
@@ -81,6 +91,8 @@ class LeasePolicy:
     """Commit written blocks to the cache service's index. Off for the dense runner
     (``worker.model.dense_runner``): its leased blocks hold no K/V, so an index entry would offer
     another request a prefix that is not there."""
+    admission_timeout_s: float = 0.0
+    """The longest a request waits for blocks the pool has no room for; 0: no limit."""
 
 
 def _written(seq: Sequence) -> Written:
@@ -340,14 +352,21 @@ class LeaseSync:
         if self._recovering or (self._growth_blocked and self.scheduler.running):
             return  # blocks go to running sequences that must grow first
         room = self.policy.max_batch_size - len(self.scheduler.running)
+        now = time.monotonic()
+        self._end_overdue(now)
         # A deferred request waits until something was published since the service deferred
         # it, or DEFER_RETRY_S passed.
-        now = time.monotonic()
-        batch = [
+        ready = [
             s
             for s in self.scheduler.waiting
             if s.deferred_at != self._published or now >= s.deferred_until
         ]
+        # One the pool had no room for goes last while it may be passed (OVERTAKE_S), first
+        # after that: the service tries the batch in order and stops at the first without room.
+        passable = [
+            s for s in ready if s.no_room_since is not None and now - s.no_room_since < OVERTAKE_S
+        ]
+        batch = [s for s in ready if s not in passable] + passable
         batch = batch[: max(0, min(room, ACQUIRE_BATCH))]
         if not batch:
             return
@@ -372,8 +391,13 @@ class LeaseSync:
         for seq, result in zip(batch, results, strict=True):
             if isinstance(result, Rejected):
                 self._end(seq, CacheRejected(f"the cache service rejected the lease: {result}"))
+            elif isinstance(result, NeverFits):
+                self._end(seq, InvalidRequest(str(result)))
             elif isinstance(result, LeaseError):
-                if not isinstance(result, NoRoom):  # no room: wait for blocks to come back
+                if isinstance(result, NoRoom):  # no room: wait for blocks to come back
+                    if seq.no_room_since is None:
+                        seq.no_room_since = now
+                else:
                     log.warning("cache service error for %s: %s", seq.request_id, result)
             elif isinstance(result, Deferred):
                 log.debug(
@@ -398,6 +422,31 @@ class LeaseSync:
                 seq.admit(result)
                 self.scheduler.admitted(seq)
                 self._wake_steps()
+
+    def _end_overdue(self, now: float) -> None:
+        """Ends every request that has waited ``admission_timeout_s`` for room."""
+        limit = self.policy.admission_timeout_s
+        if not limit:
+            return
+        for seq in list(self.scheduler.waiting):
+            if seq.no_room_since is None:
+                continue
+            waited = now - seq.no_room_since
+            if waited >= limit:
+                log.warning(
+                    "%s not admitted after %.0f s waiting for %d KV blocks",
+                    seq.request_id,
+                    waited,
+                    -(-seq.num_tokens // self.block_size),
+                )
+                self._end(
+                    seq,
+                    NotAdmitted(
+                        f"not admitted within {limit:g} s: the worker's KV pool had no room for "
+                        f"its {seq.num_tokens} tokens (held by running requests, pinned "
+                        "prefixes or a namespace quota); retry later"
+                    ),
+                )
 
     # -- liveness -----------------------------------------------------------------------------
 

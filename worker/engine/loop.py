@@ -72,6 +72,8 @@ class EngineLimits:
     """Whether the runner can speculate (the dense runner cannot roll rejected drafts back)."""
     draft_model: str = ""
     """The ``--draft-model`` loaded; empty: none (``draft_model`` speculation is refused)."""
+    admission_timeout_s: float = 0.0
+    """The longest a request waits for room in the pool; 0: no limit (``LeasePolicy``)."""
 
 
 class Engine:
@@ -109,6 +111,7 @@ class Engine:
                 limits.extend_ahead_tokens,
                 limits.prefix_caching,
                 limits.publish_blocks,
+                limits.admission_timeout_s,
             ),
             self.scheduler,
             step_lock=self._step_lock,

@@ -166,6 +166,9 @@ class Sequence:
     # prefix was being computed by another lease); None: not deferred.
     deferred_at: int | None = None
     deferred_until: float = 0.0  # monotonic time after which it asks again regardless
+    # Since when the pool has had no room for it (monotonic; None: it has not been refused),
+    # across preemptions; the lease sync passes it, then ends it, after a bound.
+    no_room_since: float | None = None
     aborted: bool = False
     preemptions: int = 0
     admitted_tokens: int = 0  # tokens the current lease was acquired for
@@ -216,6 +219,7 @@ class Sequence:
             self.cached_tokens = lease.cached_tokens
         self.status = Status.RUNNING
         self.deferred_at = None
+        self.no_room_since = None
 
     def drop_lease(self) -> None:
         """Back to waiting without a lease (preempted, expired or fenced): the output so far
