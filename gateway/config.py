@@ -51,6 +51,9 @@ class GatewayConfig:
     max_concurrent_requests: int = 0
     # How often workers are polled for load and health (and unhealthy ones re-probed).
     poll_interval_s: float = 2.0
+    # The cache service unreachable this long: new requests get 503 with Retry-After at once
+    # and /health says so (gateway.cache_status); shorter blips only cost routing affinity.
+    cache_outage_grace_s: float = 2.0
     # Route from a copy of the pools' indexes fed by the cache service's KV events
     # (gateway.event_index, docs/kv-events.md) instead of a Route call per request.
     route_from_events: bool = False
@@ -95,6 +98,8 @@ def check(c: GatewayConfig) -> str | None:
     for name in ("max_body_bytes", "max_choices", "poll_interval_s", "max_namespace_chars"):
         if getattr(c, name) <= 0:
             return f"--{name.replace('_', '-')} must be positive"
+    if c.cache_outage_grace_s < 0:
+        return "--cache-outage-grace-s must be >= 0"
     if problem := check_server(c.tls_cert, c.tls_key, c.tls_client_ca):
         return problem
     if not c.cache_services:
@@ -138,6 +143,7 @@ SETTINGS = Settings(
         "max_concurrent_per_client": "requests in flight per client address (0: no limit)",
         "max_concurrent_requests": "requests in flight in all (0: no limit)",
         "poll_interval_s": "how often workers are polled for load and health",
+        "cache_outage_grace_s": "the cache service unreachable this long: new requests get 503",
         "route_from_events": "route from the cache service's KV events, not a Route per request",
         "min_match_tokens": "shortest cached prefix worth routing for",
         "min_match_ratio": "... and at least this fraction of the prompt",

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.cache_client import CacheApi
+from gateway.cache_status import CacheStatus
 from gateway.chat import ChatServing
 from gateway.completions import CompletionServing
 from gateway.concurrency import ConcurrencyLimiter
@@ -60,6 +61,9 @@ class Gateway:
             dialer.aio,
             on_shard_error=lambda shard, call: metrics.cache_shard_errors.labels(shard, call).inc(),
         )
+        cache_status = CacheStatus(grace_s=config.cache_outage_grace_s)
+        metrics.cache_up.set_function(lambda: float(cache_status.down_since is None))
+        metrics.cache_down_seconds.set_function(cache_status.down_for)
         events = None
         if config.route_from_events:
             shards = cache.shards if isinstance(cache, ShardedCache) else [cache]
@@ -72,6 +76,7 @@ class Gateway:
             metrics=metrics,
             policy=config.routing,
             events=events.index if events else None,
+            cache_status=cache_status,
         )
         poller = WorkerPoller(
             model=config.model,
@@ -80,6 +85,7 @@ class Gateway:
             directory=directory,
             interval_s=config.poll_interval_s,
             admin_token=config.admin_token,
+            cache_status=cache_status,
         )
         serving = OpenAIServing(config, tokenizer, dispatcher)
         return cls(
@@ -97,6 +103,10 @@ class Gateway:
             ConcurrencyLimiter(config.max_concurrent_per_client, config.max_concurrent_requests),
             events,
         )
+
+    @property
+    def cache_status(self) -> CacheStatus:
+        return self.dispatcher.cache_status
 
     def healthy_workers(self) -> int:
         return sum(1 for w in self.directory.views() if w.healthy)

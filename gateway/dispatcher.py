@@ -25,7 +25,9 @@ from contextlib import aclosing
 from dataclasses import replace
 
 from gateway.cache_client import CacheApi, PoolRoute
+from gateway.cache_status import CacheStatus
 from gateway.errors import (
+    CacheServiceDown,
     GatewayError,
     NoWorkerAvailable,
     NoWorkerYet,
@@ -54,6 +56,7 @@ class Dispatcher:
         metrics: GatewayMetrics,
         policy: RoutingPolicy,
         events: EventIndex | None = None,
+        cache_status: CacheStatus | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -63,10 +66,15 @@ class Dispatcher:
         self.policy = policy
         # --route-from-events: copies of the pools' indexes answer instead of Route.
         self.events = events
+        # What every call to the cache service said of it (the poller's too).
+        self.cache_status = cache_status or CacheStatus(grace_s=float("inf"))
 
     async def route(self, request: GenerationRequest) -> RouteDecision:
         """Ask the cache service (or, with --route-from-events, its KV events' copy) who
-        holds the prompt's prefix; rank the workers."""
+        holds the prompt's prefix; rank the workers. Refused at once (CacheServiceDown) while
+        the cache service is down: no worker could admit it."""
+        if self.cache_status.down:
+            raise CacheServiceDown(self.cache_status.describe())
         routes: list[PoolRoute] | None = None
         if self.events is not None:
             known = self.directory.routes.values()
@@ -90,10 +98,12 @@ class Dispatcher:
             routes = await self.cache.route(request.namespace, request.prompt_token_ids, self.model)
         except (WorkerUnavailable, UpstreamError) as e:
             # Without the cache service no worker can lease blocks either, but a brief
-            # outage should cost cache affinity, not requests.
+            # outage should cost cache affinity, not requests (past its grace: route()).
+            self.cache_status.failed(e)
             log.warning("Route failed (%s); routing by load over known workers", e)
             self.metrics.route_source.labels("known_workers").inc()
             return self.directory.known_routes()
+        self.cache_status.ok()
         self.metrics.route_source.labels("route").inc()
         return routes
 

@@ -71,6 +71,11 @@ class NoWorkerAvailable(GatewayError):
     """No worker serves the model, or none answered."""
 
 
+class CacheServiceDown(GatewayError):
+    """The cache service has been unreachable past the grace period (``gateway.cache_status``):
+    no worker can admit a request, so new ones are refused at once. 503 with Retry-After."""
+
+
 class NoWorkerYet(NoWorkerAvailable):
     """No worker of the model is registered: the system is starting (a worker loads its
     model in seconds), or every worker is gone. 503 with Retry-After: retrying is right."""
@@ -109,6 +114,9 @@ class ErrorMapping(NamedTuple):
 RETRY_AFTER_S = 1
 # No worker yet: a worker of the default model gets ready within seconds of its start.
 STARTING_RETRY_AFTER_S = 2
+# The cache service away: a restarted one is back in about a second, workers re-register
+# within a heartbeat (lease TTL / 4).
+OUTAGE_RETRY_AFTER_S = 5
 
 
 ERROR_TABLE: dict[type[GatewayError], ErrorMapping] = {
@@ -130,12 +138,17 @@ ERROR_TABLE: dict[type[GatewayError], ErrorMapping] = {
     TooManyRequests: ErrorMapping(
         429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED, RETRY_AFTER_S
     ),
+    CacheServiceDown: ErrorMapping(
+        503, "service_unavailable", grpc.StatusCode.UNAVAILABLE, OUTAGE_RETRY_AFTER_S
+    ),
     NoWorkerYet: ErrorMapping(
         503, "service_unavailable", grpc.StatusCode.UNAVAILABLE, STARTING_RETRY_AFTER_S
     ),
     NoWorkerAvailable: ErrorMapping(503, "service_unavailable", grpc.StatusCode.UNAVAILABLE),
     WorkerUnavailable: ErrorMapping(503, "service_unavailable", grpc.StatusCode.UNAVAILABLE),
-    RequestAborted: ErrorMapping(503, "service_unavailable", grpc.StatusCode.ABORTED),
+    RequestAborted: ErrorMapping(
+        503, "service_unavailable", grpc.StatusCode.ABORTED, RETRY_AFTER_S
+    ),
     UpstreamInternalError: ErrorMapping(500, "server_error", grpc.StatusCode.INTERNAL),
     UpstreamError: ErrorMapping(502, "server_error", grpc.StatusCode.INTERNAL),
 }

@@ -27,6 +27,7 @@ from gateway.admin_routes import admin_router
 from gateway.core import Gateway
 from gateway.dashboard import dashboard_router
 from gateway.errors import (
+    OUTAGE_RETRY_AFTER_S,
     STARTING_RETRY_AFTER_S,
     GatewayError,
     Unauthorized,
@@ -92,11 +93,21 @@ def create_app(gw: Gateway) -> FastAPI:
             }
             for w in gw.directory.views()
         ]
-        ok = any(w["healthy"] for w in workers)
+        cache = gw.cache_status
+        cache_body = {
+            "reachable": cache.down_since is None,
+            "unreachable_for_s": round(cache.down_for(), 1),
+            "error": cache.last_error if cache.down_since is not None else None,
+        }
+        ok = any(w["healthy"] for w in workers) and not cache.down
         # "starting": no worker has registered yet (a worker loads its model for seconds).
-        status = "ok" if ok else "no healthy worker" if workers else "starting"
-        body = {"status": status, "model": gw.config.model_name}
-        headers = {} if ok else {"retry-after": str(STARTING_RETRY_AFTER_S)}
+        if cache.down:
+            status, retry = "cache service unreachable", OUTAGE_RETRY_AFTER_S
+        else:
+            status = "ok" if ok else "no healthy worker" if workers else "starting"
+            retry = STARTING_RETRY_AFTER_S
+        body = {"status": status, "model": gw.config.model_name, "cache_service": cache_body}
+        headers = {} if ok else {"retry-after": str(retry)}
         return JSONResponse(
             {**body, "workers": workers}, status_code=200 if ok else 503, headers=headers
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -93,6 +93,17 @@ class GatewayMetrics:
             "Calls to one shard of a sharded cache service that failed or timed out (its "
             "pools were left out of that answer), by shard address and call.",
             ["shard", "call"],
+            registry=r,
+        )
+        # Set from the cache status at scrape time (Gateway.build: set_function).
+        self.cache_up = Gauge(
+            "kvserve_gateway_cache_service_up",
+            "1 when the cache service answered the gateway's last call, 0 during an outage.",
+            registry=r,
+        )
+        self.cache_down_seconds = Gauge(
+            "kvserve_gateway_cache_service_unreachable_seconds",
+            "Seconds since the cache service stopped answering (0 while it answers).",
             registry=r,
         )
         self._totals = _TokenTotals()

@@ -14,6 +14,7 @@ import logging
 
 from gateway.background import Background
 from gateway.cache_client import CacheApi
+from gateway.cache_status import CacheStatus
 from gateway.errors import GatewayError, WorkerUnavailable
 from gateway.worker_client import WorkerClients
 from gateway.worker_directory import WorkerDirectory
@@ -36,6 +37,7 @@ class WorkerPoller(Background):
         directory: WorkerDirectory,
         interval_s: float,
         admin_token: str = "",
+        cache_status: CacheStatus | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -43,11 +45,14 @@ class WorkerPoller(Background):
         self.directory = directory
         self.interval_s = interval_s
         self.admin_token = admin_token
+        self.cache_status = cache_status or CacheStatus(grace_s=float("inf"))
 
     async def poll_once(self) -> None:
         try:
             self.directory.set_routes(await self.cache.route("", DISCOVERY_PROMPT, self.model))
+            self.cache_status.ok()
         except GatewayError as e:
+            self.cache_status.failed(e)
             log.warning("worker discovery failed (keeping the last view): %s", e)
         addresses = self.directory.addresses()
         await asyncio.gather(*(self._probe(a) for a in addresses))

@@ -46,6 +46,10 @@ class WorkerConfig:
     # pinned prefixes, a namespace quota) before it ends with RESOURCE_EXHAUSTED; 0: no limit.
     # One the pool could never hold is refused at once (INVALID_ARGUMENT).
     admission_timeout_s: float = 120.0
+    # The cache service unreachable this long: requests waiting for a lease or a block end
+    # (ABORTED: the gateway answers 503), and new ones are refused until it is back; running
+    # requests go on while their blocks last. 0: wait it out.
+    cache_outage_timeout_s: float = 30.0
     # Token slots leased beyond the prompt at admission, and how far ahead of need a running
     # sequence asks for its next block.
     reserve_tokens: int = 32
@@ -109,8 +113,8 @@ def check(c: WorkerConfig) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 0 (0: the device's default)"
     if c.max_pending_requests is not None and c.max_pending_requests < 0:
         return "--max-pending-requests must be >= 0 (0: no limit)"
-    if c.admission_timeout_s < 0:
-        return "--admission-timeout-s must be >= 0 (0: no limit)"
+    if c.admission_timeout_s < 0 or c.cache_outage_timeout_s < 0:
+        return "--admission-timeout-s and --cache-outage-timeout-s must be >= 0 (0: no limit)"
     if c.stream_interval < 1:
         return "--stream-interval must be >= 1"
     if not 1 <= c.num_draft_tokens <= MAX_DRAFT_TOKENS:
@@ -144,6 +148,8 @@ SETTINGS = Settings(
         "max_pending_requests": "most requests held, running + waiting (default: 8 x batch; "
         "0: no limit)",
         "admission_timeout_s": "the longest a request waits for room in the pool (0: no limit)",
+        "cache_outage_timeout_s": "the cache service unreachable this long: waiting requests "
+        "end, new ones are refused (0: wait it out)",
         "reserve_tokens": "token slots leased beyond the prompt at admission",
         "extend_ahead_tokens": "how far ahead of need a sequence asks for its next block",
         "prefix_caching": Flag(

@@ -23,6 +23,12 @@ class NotAdmitted(WorkerError):
     tries another worker or answers 429 with Retry-After. Nothing waits forever."""
 
 
+class CacheOutage(WorkerError):
+    """The cache service has been unreachable for ``--cache-outage-timeout-s``: no lease can be
+    had or grown, so a request that waits for one, or arrives meanwhile, ends (ABORTED; the
+    gateway answers 503 with Retry-After). Running requests go on while their blocks last."""
+
+
 class Overloaded(WorkerError):
     """The worker already holds ``--max-pending-requests`` requests (running + waiting):
     RESOURCE_EXHAUSTED, before the request holds anything. The gateway tries another worker."""

@@ -264,6 +264,7 @@ async def running(
         speculation=not dense,
         draft_model=config.draft_model if executor.draft is not None else "",
         admission_timeout_s=config.admission_timeout_s,
+        cache_outage_timeout_s=config.cache_outage_timeout_s,
     )
     engine = Engine(
         executor,

@@ -22,6 +22,7 @@ from worker.engine.loop import Engine
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import Finish, Sequence, StreamEvent
 from worker.errors import (
+    CacheOutage,
     CacheRejected,
     Cancelled,
     InvalidRequest,
@@ -44,6 +45,7 @@ STATUS_OF: dict[type[WorkerError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotAdmitted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    CacheOutage: grpc.StatusCode.ABORTED,
     Cancelled: grpc.StatusCode.CANCELLED,
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
     StepFailed: grpc.StatusCode.INTERNAL,
@@ -115,6 +117,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         another request could take the room ``check_room`` saw."""
         intake = self.engine.intake
         intake.check_room(self.engine.held_requests)  # before tokenizing: refuse at once
+        self.engine.leases.check_reachable()
         return intake.sequence(
             request.request_id or uuid.uuid4().hex,
             self._prompt(request),

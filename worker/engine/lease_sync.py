@@ -60,7 +60,7 @@ from worker.engine.outage import Outage
 from worker.engine.scheduler import Scheduler, Step
 from worker.engine.sequence import Sequence, Status
 from worker.engine.step_budget import StepBudget
-from worker.errors import CacheRejected, InvalidRequest, NotAdmitted, WorkerError
+from worker.errors import CacheOutage, CacheRejected, InvalidRequest, NotAdmitted, WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,9 @@ class LeasePolicy:
     another request a prefix that is not there."""
     admission_timeout_s: float = 0.0
     """The longest a request waits for blocks the pool has no room for; 0: no limit."""
+    cache_outage_timeout_s: float = 0.0
+    """The cache service unreachable this long: requests waiting for a lease, or for a block
+    to grow into, end, and new ones are refused (``CacheOutage``); 0: they wait it out."""
 
 
 def _written(seq: Sequence) -> Written:
@@ -339,6 +342,7 @@ class LeaseSync:
                 async with asyncio.timeout(max(RETRY_S, self._outage.retry_in())):
                     await self._admit.wait()
             self._admit.clear()
+            self._end_stranded()
             if not self._recovering and self._outage.retry_in() == 0:
                 try:
                     await self._admit_pass()
@@ -422,6 +426,34 @@ class LeaseSync:
                 seq.admit(result)
                 self.scheduler.admitted(seq)
                 self._wake_steps()
+
+    def check_reachable(self) -> None:
+        """Raises CacheOutage while the cache service has been unreachable past the limit:
+        a new request would only wait for it."""
+        limit = self.policy.cache_outage_timeout_s
+        if limit and self._outage.down_for() >= limit:
+            raise CacheOutage(self._outage_message())
+
+    def _outage_message(self) -> str:
+        return (
+            f"the KV cache service has been unreachable for {self._outage.down_for():.0f} s "
+            f"({self._outage.last_error}): no block can be leased until it is back; retry later"
+        )
+
+    def _end_stranded(self) -> None:
+        """Past ``cache_outage_timeout_s`` of outage: every waiting request, and every running
+        one with no slot left to write its next token into (it needs a block only the service
+        can grant), ends with CacheOutage. Running ones with room go on."""
+        limit = self.policy.cache_outage_timeout_s
+        if not limit or self._outage.down_for() < limit:
+            return
+        stranded = list(self.scheduler.waiting) + [
+            s for s in self.scheduler.running if s.capacity <= s.num_tokens
+        ]
+        if stranded:
+            log.warning("ending %d requests: %s", len(stranded), self._outage_message())
+        for seq in stranded:
+            self._end(seq, CacheOutage(self._outage_message()))
 
     def _end_overdue(self, now: float) -> None:
         """Ends every request that has waited ``admission_timeout_s`` for room."""

@@ -74,6 +74,8 @@ class EngineLimits:
     """The ``--draft-model`` loaded; empty: none (``draft_model`` speculation is refused)."""
     admission_timeout_s: float = 0.0
     """The longest a request waits for room in the pool; 0: no limit (``LeasePolicy``)."""
+    cache_outage_timeout_s: float = 0.0
+    """How long requests wait out an unreachable cache service (``LeasePolicy``)."""
 
 
 class Engine:
@@ -112,6 +114,7 @@ class Engine:
                 limits.prefix_caching,
                 limits.publish_blocks,
                 limits.admission_timeout_s,
+                limits.cache_outage_timeout_s,
             ),
             self.scheduler,
             step_lock=self._step_lock,

@@ -25,9 +25,14 @@ class Outage:
     unlogged: int = 0
     next_try: float = 0.0
     last_log: float = field(default=-float("inf"))
+    since: float | None = None  # the first failure of the current outage
+    last_error: str = ""
 
     def failed(self, err: object) -> None:
         now = self.clock()
+        if self.since is None:
+            self.since = now
+        self.last_error = str(err)
         self.failures += 1
         delay = min(self.cap_s, self.base_s * 2 ** min(self.failures - 1, 30))
         self.next_try = now + delay
@@ -49,6 +54,11 @@ class Outage:
         self.failures = self.unlogged = 0
         self.next_try = 0.0
         self.last_log = -float("inf")
+        self.since = None
+
+    def down_for(self) -> float:
+        """Seconds since the current outage's first failure (0: reachable)."""
+        return 0.0 if self.since is None else self.clock() - self.since
 
     def retry_in(self) -> float:
         """Seconds until the next call is worth trying (0: now)."""
