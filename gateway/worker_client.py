@@ -144,6 +144,43 @@ class _Unimplemented(Exception):
     """The worker has no GenerateMany (one that predates it, or a gateway's Worker service)."""
 
 
+class _Outbox:
+    """A ``GenerateMany`` call's request stream: messages go out in order once the worker has
+    answered the call (``open``), and the stream ends at ``end``.
+
+    An iterator object, not an async generator, and ended with its call: gRPC consumes it in a
+    task of its own, and when a call ended (a worker killed) while that task waited for the
+    next message, the task was never finished. Once the session was dropped (the worker
+    restarted on its address, a new call opened) the gateway logged "Task was destroyed but it
+    is pending" for it, and the generator's finalizer "aclose(): asynchronous generator is
+    already running"."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[pb.GenerateManyRequest | None] = asyncio.Queue()
+        self._open = asyncio.Event()
+
+    def __aiter__(self) -> _Outbox:
+        return self
+
+    async def __anext__(self) -> pb.GenerateManyRequest:
+        await self._open.wait()
+        msg = await self._queue.get()
+        if msg is None:
+            self._queue.put_nowait(None)  # ended for good: any later read ends too
+            raise StopAsyncIteration
+        return msg
+
+    def put(self, msg: pb.GenerateManyRequest) -> None:
+        self._queue.put_nowait(msg)
+
+    def open(self) -> None:
+        self._open.set()
+
+    def end(self) -> None:
+        self._queue.put_nowait(None)
+        self._open.set()
+
+
 class _Session:
     """One ``GenerateMany`` call, shared by the requests this gateway sends one worker.
 
@@ -154,19 +191,13 @@ class _Session:
 
     def __init__(self, stub: pb_grpc.WorkerStub, address: str) -> None:
         self.address = address
-        self._outbox: asyncio.Queue[pb.GenerateManyRequest | None] = asyncio.Queue()
-        self._ready = asyncio.Event()  # the worker answered the call: requests may go
-        self._call = stub.GenerateMany(self._requests())
+        self._outbox = _Outbox()  # opened once the worker answered the call
+        self._call = stub.GenerateMany(self._outbox)
         self._queues: dict[int, asyncio.Queue[pb.StreamUpdate | BaseException]] = {}
         self._next = 0
         self.ended = False
         self._error: BaseException = WorkerUnavailable(f"worker {address}: call ended")
         self._reader = asyncio.create_task(self._read())
-
-    async def _requests(self) -> AsyncIterator[pb.GenerateManyRequest]:
-        await self._ready.wait()
-        while (msg := await self._outbox.get()) is not None:
-            yield msg
 
     async def _read(self) -> None:
         err: BaseException
@@ -176,7 +207,7 @@ class _Session:
             # turn the status into another one, losing the fallback.
             await self._call.initial_metadata()
             if not self._call.done():
-                self._ready.set()
+                self._outbox.open()
             async for msg in self._call:
                 for update in msg.updates:
                     queue = self._queues.get(update.stream)
@@ -191,6 +222,8 @@ class _Session:
             )
         except asyncio.CancelledError:
             err = WorkerUnavailable(f"worker {self.address}: the gateway closed the call")
+        finally:
+            self._outbox.end()  # gRPC's task reading it finishes with the call
         self.ended = True
         self._error = err
         for queue in self._queues.values():
@@ -203,7 +236,7 @@ class _Session:
         stream = self._next = self._next + 1
         queue: asyncio.Queue[pb.StreamUpdate | BaseException] = asyncio.Queue()
         self._queues[stream] = queue
-        self._outbox.put_nowait(pb.GenerateManyRequest(stream=stream, start=request))
+        self._outbox.put(pb.GenerateManyRequest(stream=stream, start=request))
         done = False
         try:
             while not done:
@@ -221,10 +254,10 @@ class _Session:
         finally:
             del self._queues[stream]
             if not done and not self.ended:
-                self._outbox.put_nowait(pb.GenerateManyRequest(stream=stream, cancel=True))
+                self._outbox.put(pb.GenerateManyRequest(stream=stream, cancel=True))
 
     def close(self) -> None:
-        self._outbox.put_nowait(None)
+        self._outbox.end()
         self._reader.cancel()
 
 
