@@ -53,6 +53,11 @@ STATUS_OF: dict[type[WorkerError], grpc.StatusCode] = {
 }
 
 
+# What ``_sequence`` may refuse a request with, before it holds anything: answered for that
+# request alone (a GenerateMany call carries on; an uncaught one ended the whole call).
+REFUSALS = (Overloaded, InvalidRequest, CacheOutage)
+
+
 def status_of(err: WorkerError) -> grpc.StatusCode:
     """The table's code for ``err`` (its most specific class); INTERNAL for anything else."""
     for cls in type(err).__mro__:
@@ -112,8 +117,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         raise InvalidRequest("the request has no prompt (prompt_token_ids or prompt_text)")
 
     def _sequence(self, request: pb.GenerateRequest) -> Sequence:
-        """The request checked against the worker's limits; raises Overloaded or InvalidRequest
-        before it holds anything. The caller submits it with no ``await`` in between, or
+        """The request checked against the worker's limits; raises Overloaded, CacheOutage or
+        InvalidRequest (all :data:`REFUSALS`) before it holds anything. The caller submits it with no ``await`` in between, or
         another request could take the room ``check_room`` saw."""
         intake = self.engine.intake
         intake.check_room(self.engine.held_requests)  # before tokenizing: refuse at once
@@ -130,7 +135,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             seq = self._sequence(request)
-        except (Overloaded, InvalidRequest) as err:
+        except REFUSALS as err:
             await context.abort(status_of(err), str(err))
             return
         queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
@@ -287,7 +292,7 @@ class _Session:
                     return
                 try:
                     seq = self.servicer._sequence(msg.start)
-                except (Overloaded, InvalidRequest) as err:
+                except REFUSALS as err:  # this request's answer; the call goes on
                     self.events.put_nowait((stream, err))
                     continue
                 seq.out = _SessionSink(self.events, stream)

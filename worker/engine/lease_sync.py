@@ -133,6 +133,7 @@ class LeaseSync:
         self._budget = budget
         self.preemptions = 0
         self._admit = asyncio.Event()
+        self._probe: asyncio.Task | None = None  # check_reachable's heartbeat, in flight
         self._outage = Outage(base_s=RETRY_S)
         # Bumped by every commit and release that came back: a deferred request is retried only
         # once something was published since the service deferred it.
@@ -189,6 +190,7 @@ class LeaseSync:
             )
             if self._budget is not None:
                 self._budget.set_ttl(self.client.lease_ttl_s)
+            self._outage.recovered()
             return
 
     # -- what the engine calls ----------------------------------------------------------------
@@ -429,9 +431,13 @@ class LeaseSync:
 
     def check_reachable(self) -> None:
         """Raises CacheOutage while the cache service has been unreachable past the limit:
-        a new request would only wait for it."""
+        a new request would only wait for it. A refusal asks the service again (a heartbeat,
+        no sooner than the outage's backoff allows), so the first request after it is back
+        finds out and the next ones are served."""
         limit = self.policy.cache_outage_timeout_s
         if limit and self._outage.down_for() >= limit:
+            if self._outage.retry_in() == 0 and (self._probe is None or self._probe.done()):
+                self._probe = self._spawn(self._heartbeat_once())
             raise CacheOutage(self._outage_message())
 
     def _outage_message(self) -> str:
