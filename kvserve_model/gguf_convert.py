@@ -33,7 +33,6 @@ import collections
 import hashlib
 import json
 import os
-import shutil
 import struct
 import sys
 from collections.abc import Callable, Mapping
@@ -44,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from kvserve_model.errors import ModelLoadError
 from kvserve_model.gguf_file import GGMLType, GGUFHeader, TensorInfo, read_header, type_name
 from kvserve_model.gguf_tokenizer import tokenizer_files
-from kvserve_model.model_cache import models_dir
+from kvserve_model.model_cache import build_once, models_dir
 from kvserve_model.safetensors_file import Raw, write_safetensors
 
 if TYPE_CHECKING:
@@ -120,24 +119,13 @@ def ensure_converted(
     plan = plan_conversion(header)  # refuses before anything is written
     say = log or (lambda line: print(line, file=sys.stderr, flush=True))
     say(f"kvserve: converting {gguf.name} into {target} (once; no download)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        marker = {
-            "source": str(gguf),
-            "identity": identity,
-            "check": dict(check or {"question": CHECK_QUESTION}),
-            "checked": False,
-        }
-        write_model(header, plan, tmp, marker)
-        if is_converted(target):  # another process won the race
-            return target
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    marker = {
+        "source": str(gguf),
+        "identity": identity,
+        "check": dict(check or {"question": CHECK_QUESTION}),
+        "checked": False,
+    }
+    return build_once(target, lambda tmp: write_model(header, plan, tmp, marker), is_converted)
 
 
 def is_converted(directory: Path) -> bool:

@@ -8,6 +8,8 @@ processes that start together never load a half-written one.
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 MODEL_DIR_ENV = "KVSERVE_MODEL_DIR"
@@ -19,3 +21,26 @@ def models_dir() -> Path:
         return Path(explicit).expanduser()
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return cache / "kvserve" / "models"
+
+
+def build_once(
+    target: Path, write: Callable[[Path], None], is_current: Callable[[Path], bool]
+) -> Path:
+    """``target``, first written by ``write`` into a temporary sibling and renamed into place
+    unless ``is_current(target)`` already: a crash mid-way leaves no half-written model (the
+    next start writes it again), and processes racing each write their own copy, the first
+    rename winning."""
+    if is_current(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        if is_current(target):  # another process won the race
+            return target
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -21,14 +21,12 @@ character's bytes are complete).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvserve_model.model_cache import models_dir
+from kvserve_model.model_cache import build_once, models_dir
 from kvserve_model.safetensors_file import write_safetensors
 
 if TYPE_CHECKING:  # numpy is imported only to write the model: the configs import this module
@@ -94,17 +92,7 @@ def ensure_tiny_model(
         return target
     say = log or (lambda line: print(line, file=sys.stderr, flush=True))
     say(f"kvserve: creating the test model {TINY_MODEL_NAME} in {target} (no download)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    write_tiny_model(tmp)
-    if target.exists():
-        if _is_current(target):  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
-            return target
-        shutil.rmtree(target)
-    os.replace(tmp, target)
-    return target
+    return build_once(target, write_tiny_model, _is_current)
 
 
 def _is_current(directory: Path) -> bool:

@@ -154,23 +154,22 @@ class PoolMachine(RuleBasedStateMachine):
             result, _ = self.auth.acquire(req)
         except (OutOfBlocks, NeverFits) as err:
             event(f"acquire: {type(err).__name__}")
-            # The copy-on-write source is held too, so it may be what made it not fit: any
-            # evictable block holding the matched part of the prompt's next block may be it.
+            # The copy-on-write source is held too: any indexed block holding the matched part
+            # of the prompt's next block may be it. A tail nobody holds is taken over, not
+            # copied (one fresh block fewer); one that others hold is copied on write into a
+            # fresh block, and held while it is.
             sources = [
                 b
-                for b in ref.evictable()
+                for b in ref.content
                 if cached % bs
                 and ref.content[b][0] == ns
                 and full * bs < len(ref.content[b][1]) <= (full + 1) * bs
                 and ref.content[b][1][:cached] == prompt[:cached]
             ]
-            # A tail nobody holds is taken over, not copied: one fresh block fewer.
-            cases = [
-                (
-                    need - (src is not None and len(ref.content[src][1]) % bs != 0),
-                    held | ({src} if src is not None else set()),
-                )
-                for src in [None, *sources]
+            cases = [(need, held)] + [
+                (need - adopt, held | {src})
+                for src in sources
+                for adopt in {0, int(len(ref.content[src][1]) % bs != 0)}
             ]
             assert any(self._victims(ref, {ns: fresh}, h) is None for fresh, h in cases)
             # Never rather than not now only where pins (and the quota) keep it out for good.
