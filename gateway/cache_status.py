@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -23,11 +23,9 @@ class CacheStatus:
     clock: Callable[[], float] = time.monotonic
     down_since: float | None = None
     last_error: str = ""
-    _ever_ok: bool = field(default=False, repr=False)
 
     def ok(self) -> None:
         self.down_since = None
-        self._ever_ok = True
 
     def failed(self, error: object) -> None:
         if self.down_since is None:
