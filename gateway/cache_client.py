@@ -35,7 +35,9 @@ CHANNEL_OPTIONS = [
 
 @dataclass(frozen=True, slots=True)
 class PoolRoute:
-    """One worker pool's answer to ``Route`` for one prompt."""
+    """One worker pool's answer to ``Route`` for one prompt, as the gateway reads it off the
+    wire. Kept apart from the cache service's ``PoolRoute`` (kvcache_service/authority.py) on
+    purpose: the two sides of the wire, and neither package may import the other."""
 
     pool_id: str
     worker_address: str

@@ -75,6 +75,10 @@ class Registration:
 
 @dataclass(frozen=True, slots=True)
 class PoolRoute:
+    """One pool's answer to ``Route`` as the authority computes it (convert.py puts it on the
+    wire). Kept apart from the gateway's ``PoolRoute`` (gateway/cache_client.py) on purpose:
+    the two sides of the wire, and neither package may import the other."""
+
     pool_id: PoolId
     worker_address: str
     model: str

@@ -8,7 +8,9 @@ is one C-speed pass (~8 us from either), slices compare with ``memcmp`` and hash
 cache their hash), and an indexed block costs 128 bytes instead of ~1 KB of tuple and ints.
 
 The packing is native-endian uint32 (``array('I')``); it never leaves the process, so only
-`unpack` (admin and tests) needs to know it.
+`unpack` (admin and tests) needs to know it. The wire's compact form (little-endian; its
+fields are listed in ``kvserve_proto.packed_tokens``) is read and written through that
+module's ``to_native`` and ``from_native``: the same bytes on a little-endian host.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import numpy as np
 
 from kvcache_service.errors import InvalidArgument
 from kvcache_service.ids import Tokens
+from kvserve_proto import packed_tokens
+from kvserve_proto.packed_tokens import TOKEN_BYTES
 
 MAX_TOKEN_ID = 2**31 - 1
-TOKEN_BYTES = 4
-assert array("I").itemsize == TOKEN_BYTES
 # The byte holding each token's top bit: a packed token id is <= MAX_TOKEN_ID iff it is < 0x80.
 _TOP = TOKEN_BYTES - 1 if sys.byteorder == "little" else 0
 
@@ -61,24 +63,15 @@ def from_wire(data: bytes, what: str, allow_empty: bool = False) -> Tokens:
         raise InvalidArgument(f"{what} is {len(data)} bytes, not a whole number of 4-byte ids")
     if not data and not allow_empty:
         raise InvalidArgument(f"{what} is empty")
-    if sys.byteorder != "little":
-        a = array("I")
-        a.frombytes(data)
-        a.byteswap()
-        data = a.tobytes()
+    data = packed_tokens.to_native(data)
     if not data[_TOP::TOKEN_BYTES].isascii():
         raise InvalidArgument(f"{what} holds a token id outside [0, {MAX_TOKEN_ID}]")
-    return Tokens(bytes(data))
+    return Tokens(data)
 
 
 def to_wire(tokens: Tokens) -> bytes:
     """The domain's packing in the wire's byte order (tests, benchmarks, the admin tools)."""
-    if sys.byteorder == "little":
-        return bytes(tokens)
-    a = array("I")
-    a.frombytes(tokens)
-    a.byteswap()
-    return a.tobytes()
+    return packed_tokens.from_native(tokens)
 
 
 def _pack_numpy(values: Sequence[int]) -> bytes:

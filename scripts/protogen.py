@@ -16,13 +16,18 @@ from grpc_tools import protoc
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PACKAGE = "kvserve_proto"
+# Hand-written modules of the package, beside the generated ones: generate() leaves them alone
+# and tests/test_proto_up_to_date.py does not compare them.
+HAND_WRITTEN = ("packed_tokens.py",)
 # The top package's __init__.py: what tests/test_import_rules.py asks of every package.
 PACKAGE_DOC = '''"""Generated from proto/ by `make proto` (scripts/protogen.py): the gRPC contracts'
-messages and stubs (kvcache.v1, worker.v1). Do not edit.
+messages and stubs (kvcache.v1, worker.v1). Do not edit, but for the one hand-written module:
+`packed_tokens` (the compact token form some of the messages' fields carry).
 
 May import: protobuf and grpc only. Imported only at the processes' edges (servers,
 servicers, converters, clients), never by domain code nor by kvserve_model
-(docs/architecture.md, "Import rules").
+(docs/architecture.md, "Import rules"); `packed_tokens`, standard library only, wherever
+tokens are checked at the door.
 """
 '''
 

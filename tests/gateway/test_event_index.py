@@ -17,7 +17,8 @@ import random
 import pytest
 
 from gateway.cache_client import PoolRoute
-from gateway.event_index import Desync, EventIndex, pack
+from gateway.event_index import EventIndex
+from gateway.pool_copy import Desync
 from kvcache_service import convert
 from kvcache_service.authority import AuthorityConfig, CacheAuthority
 from kvcache_service.errors import OutOfBlocks
@@ -27,6 +28,7 @@ from kvcache_service.leases import AcquireRequest, Grant, SequenceUpdate
 from kvcache_service.pool import PoolSpec
 from kvcache_service.tokens import pack as pack_domain
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
+from kvserve_proto.packed_tokens import pack
 from tests.gateway.conftest import Stack, released, started_stack, wait_for, worker_of
 from tests.gateway.test_gateway import SYSTEM_A, SYSTEM_B, chat
 
