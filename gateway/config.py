@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.router import RoutingPolicy
+from kvserve_launch.common_flags import LOG_LEVEL_HELP, ServerClientFlags, tls_help
 from kvserve_launch.settings import Flag, Settings, comma_separated
 from kvserve_launch.tls import check_server
 from kvserve_model.default_model import DEFAULT_MODEL_NAME
@@ -14,7 +15,7 @@ ENV_PREFIX = "KVGATEWAY_"
 
 
 @dataclass(frozen=True, slots=True)
-class GatewayConfig:
+class GatewayConfig(ServerClientFlags):
     # The cache service (Route, and admin pass-through): one address, or several separated by
     # commas when it is sharded by pool id (gateway.sharded_cache, docs/sharding.md). A string,
     # as one address always was; `cache_services` reads it.
@@ -61,17 +62,8 @@ class GatewayConfig:
     min_match_ratio: float = RoutingPolicy().min_match_ratio
     overload_slack: int = RoutingPolicy().overload_slack
     overload_ratio: float = RoutingPolicy().overload_ratio
-    # TLS (kvserve_launch.tls). Both ports, gRPC and HTTP: PEM certificate and key, both or
-    # neither; the same pair is the gateway's client certificate when it dials over TLS. The
-    # cache service and the workers: a CA bundle to verify them with (set: TLS), and the name
-    # their certificates must carry when not the host dialed. tls_client_ca: both ports
-    # require a client certificate signed by this bundle (mutual TLS).
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
-    tls_server_name: str = ""
-    tls_client_ca: str = ""
-    log_level: str = "INFO"
+    # TLS and log_level: ServerClientFlags. The gateway serves TLS on both ports, gRPC and
+    # HTTP, and dials the cache service and the workers.
 
     @property
     def cache_services(self) -> tuple[str, ...]:
@@ -149,11 +141,12 @@ SETTINGS = Settings(
         "min_match_ratio": "... and at least this fraction of the prompt",
         "overload_slack": "a worker is overloaded above min load + max(slack, ratio*min)",
         "overload_ratio": "see --overload-slack",
-        "tls_cert": "PEM certificate: with --tls-key, serve TLS on the HTTP and gRPC ports",
-        "tls_key": "PEM private key of --tls-cert",
-        "tls_ca": "PEM CA bundle: reach the cache service and workers over TLS, verified",
-        "tls_server_name": "the name their certificates must carry (default: the host)",
-        "tls_client_ca": "PEM CA bundle: both ports require client certificates it signed",
-        "log_level": "DEBUG, INFO, WARNING or ERROR",
+        **tls_help(
+            cert="PEM certificate: with --tls-key, serve TLS on the HTTP and gRPC ports",
+            ca="PEM CA bundle: reach the cache service and workers over TLS, verified",
+            server_name="the name their certificates must carry (default: the host)",
+            client_ca="PEM CA bundle: both ports require client certificates it signed",
+        ),
+        "log_level": LOG_LEVEL_HELP,
     },
 )

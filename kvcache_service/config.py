@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from kvserve_launch.common_flags import LOG_LEVEL_HELP, ServerFlags, tls_help
 from kvserve_launch.settings import Flag, Settings, new_token
 from kvserve_launch.tls import check_server
 
@@ -12,7 +13,7 @@ ENV_PREFIX = "KVCACHE_"
 
 
 @dataclass(frozen=True, slots=True)
-class ServiceConfig:
+class ServiceConfig(ServerFlags):
     host: str = "127.0.0.1"
     port: int = 50051
     lease_ttl_s: float = 30.0
@@ -37,12 +38,7 @@ class ServiceConfig:
     events_buffer_mb: int = 64
     events_retain_s: float = 600.0
     events_max_watchers: int = 64
-    # PEM paths: both set, the port serves TLS (kvserve_launch.tls); neither, plaintext.
-    tls_cert: str = ""
-    tls_key: str = ""
-    # A CA bundle: set, every client must present a certificate it signed (mutual TLS).
-    tls_client_ca: str = ""
-    log_level: str = "INFO"
+    # TLS on the port, and log_level: ServerFlags (the service dials nothing).
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> ServiceConfig:
@@ -92,9 +88,10 @@ SETTINGS = Settings(
         "events_buffer_mb": "KV events: the replay buffer watchers resume from (MiB)",
         "events_retain_s": "KV events: keep recording this long after the last watcher left",
         "events_max_watchers": "KV events: most WatchEvents streams at once",
-        "tls_cert": "PEM certificate: with --tls-key, the port serves TLS",
-        "tls_key": "PEM private key of --tls-cert",
-        "tls_client_ca": "PEM CA bundle: every client must present a certificate it signed",
-        "log_level": "DEBUG, INFO, WARNING or ERROR",
+        **tls_help(
+            cert="PEM certificate: with --tls-key, the port serves TLS",
+            client_ca="PEM CA bundle: every client must present a certificate it signed",
+        ),
+        "log_level": LOG_LEVEL_HELP,
     },
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from kvserve_launch.common_flags import ServerClientFlags, tls_help
 from kvserve_launch.settings import Flag, Settings, new_token
 from kvserve_model.default_model import DEFAULT_MODEL_NAME
 
@@ -17,7 +18,7 @@ ENV_PREFIX = "KVSERVE_"
 
 
 @dataclass(frozen=True, slots=True)
-class LaunchConfig:
+class LaunchConfig(ServerClientFlags):
     workers: int = 1
     model: str = DEFAULT_MODEL_NAME
     # Where the gateway listens (0.0.0.0 to serve other machines or a container's host).
@@ -48,17 +49,11 @@ class LaunchConfig:
     restart_backoff_s: float = 1.0
     max_restarts: int = 4
     restart_window_s: float = 300.0
-    log_level: str = "INFO"
-    # TLS on every port and channel (kvserve_launch.tls): one certificate and key that every
-    # child serves with and presents when it dials; the CA bundle every child verifies the
-    # others with; the name the certificate carries when not the internal host. Paths only,
-    # so they travel as flags. tls_client_ca: the cache service and the workers require a
-    # client certificate it signed (mutual TLS on every internal channel).
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
-    tls_server_name: str = ""
-    tls_client_ca: str = ""
+    # log_level and TLS (ServerClientFlags) are every child's: one certificate and key that
+    # every child serves with and presents when it dials; the CA bundle every child verifies the
+    # others with; the name the certificate carries when not the internal host. Paths only, so
+    # they travel as flags. tls_client_ca: the cache service and the workers require a client
+    # certificate it signed (mutual TLS on every internal channel).
 
     @property
     def tls(self) -> bool:
@@ -137,10 +132,11 @@ SETTINGS = Settings(
         "max_restarts": "restarts of one child within --restart-window-s before giving up",
         "restart_window_s": "the window --max-restarts counts in",
         "log_level": "DEBUG, INFO, WARNING or ERROR, for every process",
-        "tls_cert": "PEM certificate every child serves TLS with and presents when it dials",
-        "tls_key": "PEM private key of --tls-cert",
-        "tls_ca": "PEM CA bundle the children verify each other's certificates with",
-        "tls_server_name": "the name in --tls-cert, when not --internal-host",
-        "tls_client_ca": "PEM CA bundle: the cache service and workers require client certs",
+        **tls_help(
+            cert="PEM certificate every child serves TLS with and presents when it dials",
+            ca="PEM CA bundle the children verify each other's certificates with",
+            server_name="the name in --tls-cert, when not --internal-host",
+            client_ca="PEM CA bundle: the cache service and workers require client certs",
+        ),
     },
 )
