@@ -13,14 +13,13 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
-import numpy as np
 from google.protobuf.json_format import MessageToDict
 
+from kvcache_service.admin_view import safe, show_event_message, show_lookup, show_stats, show_tree
 from kvcache_service.config import ENV_PREFIX
 from kvserve_launch.startup import StartupError
 from kvserve_launch.tls import Dialer
@@ -91,91 +90,8 @@ class Text:
         return str(self.tokenizer.decode(list(ids)))
 
 
-def safe(text: str) -> str:
-    """``text`` as it may reach a terminal: anything non-printable (newlines, escapes that
-    would move the cursor or recolor it) escaped as Python writes it. Names come from workers
-    and clients, not from the operator."""
-    return text if text.isprintable() else repr(text)[1:-1]
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[safe(str(h)) for h in headers]] + [[safe(str(c)) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def memory(n: int) -> str:
-    """Bytes as MiB or GiB; '?' for 0 (a worker that did not report its block size in bytes)."""
-    if not n:
-        return "?"
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
-
-def show_stats(resp: pb.StatsResponse) -> str:
-    headers = ["pool", "alive", "blocks", "memory", "free", "cached", "referenced", "pinned"]
-    headers += ["peak", "leases", "hit% tok", "hit% req", "evicted", "expired", "deferred"]
-    headers += ["exhausted"]
-    rows = [
-        [
-            p.pool_id,
-            "yes" if p.alive else "NO",
-            p.num_blocks,
-            memory(p.num_blocks * p.bytes_per_block),
-            p.free_blocks,
-            p.cached_blocks,
-            p.referenced_blocks,
-            p.pinned_blocks,
-            p.peak_used_blocks,
-            p.live_leases,
-            f"{100 * p.token_hit_rate:.1f}",
-            f"{100 * p.request_hit_rate:.1f}",
-            p.evicted_blocks,
-            p.expired_leases,
-            p.deferrals,
-            p.exhausted,
-        ]
-        for p in resp.pools
-    ]
-    return table(headers, rows) if rows else "no pools registered"
-
-
-def show_tree(resp: pb.InspectTreeResponse, text: Text | None = None) -> str:
-    if not resp.nodes:
-        return "(empty index)"
-    by_parent: dict[tuple[str, int], list[pb.TreeNode]] = {}
-    for node in resp.nodes:
-        by_parent.setdefault((node.namespace, node.parent_id), []).append(node)
-    lines: list[str] = []
-    now = time.time()
-
-    def walk(ns: str, parent: int, indent: str) -> None:
-        for node in sorted(by_parent.get((ns, parent), []), key=lambda n: n.node_id):
-            if text is None:
-                preview = " ".join(map(str, node.token_preview[:8])) + " ..."
-            else:
-                preview = repr(text.decode(node.token_preview)[:60])[1:-1] + " ..."
-            refs = ",".join(map(str, node.refcounts))
-            pin = " pinned" if node.pinned else ""
-            age = f"{now - node.last_used_at:.0f}s ago" if node.last_used_at else "never"
-            lines.append(
-                f"{indent}[{node.node_id}] {node.num_tokens} tokens, blocks "
-                f"{list(node.blocks)}, refs {refs}, used {age}{pin}: {preview}"
-            )
-            walk(ns, node.node_id, indent + "  ")
-
-    for ns in sorted({n.namespace for n in resp.nodes}):
-        lines.append(f"namespace {ns!r}:")
-        walk(ns, 0, "  ")
-    if resp.truncated:
-        lines.append(
-            f"(truncated at {len(resp.nodes)} nodes: narrow it with --namespace or --max-depth)"
-        )
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line: the service and how to reach it, then one subcommand."""
     p = argparse.ArgumentParser(prog="kvserve-admin", description=__doc__)
     p.add_argument("--address", default=os.environ.get("KVCACHE_ADDRESS", "127.0.0.1:50051"))
     p.add_argument("--token", default=os.environ.get("KVCACHE_ADMIN_TOKEN", ""))
@@ -198,10 +114,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         tls.add_argument(
             "--" + flag.replace("_", "-"), default=os.environ.get(env, ""), help=f"{help} ({env})"
         )
-    sub = p.add_subparsers(dest="cmd", required=True)
+    _add_commands(p.add_subparsers(dest="cmd", required=True))
+    return p
+
+
+def _add_commands(sub: Any) -> None:
+    """The subcommands (``sub``: the parser's subparsers) and their arguments."""
 
     def with_pool(name: str, help: str, required: bool = False) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help)
+        sp: argparse.ArgumentParser = sub.add_parser(name, help=help)
         sp.add_argument("--pool", default="", required=required, help="pool id (worker name)")
         return sp
 
@@ -242,6 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sp = with_pool("watch", "follow the KV events: every block stored in or removed from the index")
     sp.add_argument("--count", type=int, default=0, help="stop after N messages (0: Ctrl-C)")
     sp.add_argument("--ids", action="store_true", help="token ids, not their decoded text")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
     a = p.parse_args(argv)
     if bool(a.tls_cert) != bool(a.tls_key):
         p.error("--tls-cert and --tls-key go together")
@@ -262,10 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     words = Text(a.model)
     try:
-        if getattr(a, "tokens", None) is None and a.cmd in ("lookup", "pin", "unpin"):
-            a.tokens = words.ids(a.text, a.messages)
-        if a.cmd == "evict" and (a.prefix_text is not None or a.prefix_messages is not None):
-            a.prefix = words.ids(a.prefix_text, a.prefix_messages)
+        _tokenize_prefix(a, words)
     except Exception as e:  # a model that cannot load, a template that fails, an empty prefix
         print(f"error: {safe(str(e))}", file=sys.stderr)
         return 1
@@ -285,33 +207,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def show_event_message(m: pb.WatchEventsResponse, text: Text | None = None) -> str:
-    """One WatchEvents message as a line or a few (docs/kv-events.md)."""
-    kind = m.WhichOneof("message")
-    if kind == "reset":
-        reason = pb.EventsReset.Reason.Name(m.reset.reason).removeprefix("REASON_").lower()
-        return f"reset ({reason}): a snapshot of the index as of batch {m.reset.cursor.seq}"
-    if kind == "synced":
-        return f"synced at batch {m.synced.seq} (log {m.synced.log_id}); live from here"
-    b = m.batch
-    lines = [f"batch {b.cursor.seq}  pool {safe(b.pool_id)} #{b.pool_seq}"]
-    for e in b.events:
-        which = e.WhichOneof("event")
-        if which == "stored":
-            s = e.stored
-            ids = np.frombuffer(s.tokens, dtype="<u4").tolist()
-            after = f"after {s.parent_block}" if s.HasField("parent_block") else "at the root"
-            shown = repr(text.decode(ids))[1:-1] if text is not None else str(ids)
-            ns = f" [{safe(s.namespace)}]" if s.namespace else ""
-            lines.append(
-                f"  stored{ns} {list(s.blocks)} {after}, {len(ids)} tokens: {safe(shown)[:120]}"
-            )
-        elif which == "removed":
-            lines.append(f"  removed {list(e.removed.blocks)}")
-        else:
-            reason = pb.PoolCleared.Reason.Name(e.cleared.reason).removeprefix("REASON_").lower()
-            lines.append(f"  cleared ({reason}, incarnation {b.incarnation})")
-    return "\n".join(lines)
+def _tokenize_prefix(a: argparse.Namespace, words: Text) -> None:
+    """A prefix given as text or messages, as token ids (``a.tokens``, or ``a.prefix``)."""
+    if getattr(a, "tokens", None) is None and a.cmd in ("lookup", "pin", "unpin"):
+        a.tokens = words.ids(a.text, a.messages)
+    if a.cmd == "evict" and (a.prefix_text is not None or a.prefix_messages is not None):
+        a.prefix = words.ids(a.prefix_text, a.prefix_messages)
 
 
 def watch(stub: pb_grpc.KVCacheServiceStub, a: argparse.Namespace, md: list, words: Text) -> int:
@@ -344,29 +245,8 @@ def call(
     if a.cmd == "lookup":
         req = pb.LookupRequest(pool_id=a.pool, namespace=a.namespace, prompt_token_ids=a.tokens)
         r = stub.Lookup(req, metadata=md)
-        rows = [
-            [
-                x.pool_id,
-                f"{x.cached_tokens} of {len(a.tokens)}",
-                f"{x.cached_tokens - x.copied_tokens} in {len(x.matched_blocks)}",
-                x.copied_tokens,
-                x.pending_tokens,
-                x.blocks_needed,
-            ]
-            for x in r.pools
-        ]
-        heads = ["pool", "cached tokens", "in shared blocks", "copied"]
-        heads += ["pending tokens", "blocks needed"]
-        out = table(heads, rows)
-        if a.text is not None or a.messages is not None:
-            best = max((x.cached_tokens for x in r.pools), default=0)
-            tail = words.decode(a.tokens[:best])[-60:]
-            out += f"\ncached up to (best pool): ...{repr(tail)[1:-1]}"
-        out += (
-            "\n(the prompt's last token is always computed; tokens past the shared blocks are "
-            "reused by copying a block that matches only in part)"
-        )
-        return r, out
+        given_as_text = a.text is not None or a.messages is not None
+        return r, show_lookup(r, a.tokens, words if given_as_text else None)
     if a.cmd in ("pin", "unpin"):
         req = pb.PinRequest(
             pool_id=a.pool, prefix=pb.PrefixRef(namespace=a.namespace, token_ids=a.tokens)

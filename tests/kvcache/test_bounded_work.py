@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from kvcache_service.admin_cli import show_tree
+from kvcache_service.admin_view import show_tree
 from kvcache_service.config import ServiceConfig
 from kvcache_service.ids import Namespace, PoolId
 from kvcache_service.leases import AcquireRequest, SequenceUpdate

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvcache_service.admin_cli import show_tree, table
+from kvcache_service.admin_view import show_tree, table
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from tests.kvcache.test_servicer import AUTH, Client, client, expect_code  # noqa: F401
 
