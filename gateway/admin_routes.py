@@ -52,44 +52,72 @@ B = TypeVar("B", PrefixBody, EvictBody, FlushBody)
 
 def admin_router(gw: Gateway) -> APIRouter:
     router = APIRouter(prefix="/admin/cache", tags=["admin"])
+    _add_inspect_routes(router, gw)
+    _add_maintenance_routes(router, gw)
+    return router
 
-    async def call(request: Request, method: str, message: Message) -> dict[str, Any]:
-        auth = request.headers.get("authorization", "")
-        resp = await gw.cache.call_admin(method, message, auth)
-        return MessageToDict(
-            resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+
+async def _call(gw: Gateway, request: Request, method: str, message: Message) -> dict[str, Any]:
+    """The admin RPC ``method``, with the caller's own authorization, its answer as JSON."""
+    auth = request.headers.get("authorization", "")
+    resp = await gw.cache.call_admin(method, message, auth)
+    return MessageToDict(
+        resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
+async def _body(request: Request, model: type[B]) -> B:
+    return parse_json(await request.body() or b"{}", model)
+
+
+def _tokens(gw: Gateway, b: PrefixBody, required: bool = True) -> list[int]:
+    """The body's prefix as token ids (tokenized as the OpenAI endpoints do); [] if none
+    was given and none is ``required``."""
+    given = [x is not None for x in (b.token_ids, b.prompt, b.messages)]
+    if sum(given) > 1 or (required and not any(given)):
+        raise InvalidRequest("give exactly one of token_ids, prompt or messages")
+    if b.token_ids is not None:
+        ids = list(b.token_ids)
+    elif b.prompt is not None:
+        ids = gw.tokenizer.encode(b.prompt)
+    elif b.messages is not None:
+        ids = gw.tokenizer.apply_chat_template(
+            template_messages(b.messages), add_generation_prompt=False
         )
+    else:
+        return []
+    if not ids:
+        raise InvalidRequest("the prefix is empty")
+    return ids
 
-    async def body(request: Request, model: type[B]) -> B:
-        return parse_json(await request.body() or b"{}", model)
 
-    def tokens(b: PrefixBody, required: bool = True) -> list[int]:
-        given = [x is not None for x in (b.token_ids, b.prompt, b.messages)]
-        if sum(given) > 1 or (required and not any(given)):
-            raise InvalidRequest("give exactly one of token_ids, prompt or messages")
-        if b.token_ids is not None:
-            ids = list(b.token_ids)
-        elif b.prompt is not None:
-            ids = gw.tokenizer.encode(b.prompt)
-        elif b.messages is not None:
-            ids = gw.tokenizer.apply_chat_template(
-                template_messages(b.messages), add_generation_prompt=False
-            )
-        else:
-            return []
-        if not ids:
-            raise InvalidRequest("the prefix is empty")
-        return ids
+def _pool_of(b: PrefixBody | FlushBody) -> str:
+    if not b.pool:
+        raise InvalidRequest("pool is required (a worker id; see /admin/cache/stats)")
+    return b.pool
 
-    def pool_of(b: PrefixBody | FlushBody) -> str:
-        if not b.pool:
-            raise InvalidRequest("pool is required (a worker id; see /admin/cache/stats)")
-        return b.pool
+
+def _evict_request(b: EvictBody, pool: str, ids: list[int]) -> pb.EvictRequest:
+    """Exactly one of the body's targets: blocks, a prefix (``ids``), or a namespace."""
+    if b.blocks is not None:
+        if ids:
+            raise InvalidRequest("give blocks or a prefix, not both")
+        return pb.EvictRequest(pool_id=pool, num_blocks=b.blocks)
+    if ids:
+        prefix = pb.PrefixRef(namespace=b.namespace, token_ids=ids)
+        return pb.EvictRequest(pool_id=pool, prefix=prefix)
+    if "namespace" in b.model_fields_set:
+        return pb.EvictRequest(pool_id=pool, namespace=b.namespace)
+    raise InvalidRequest("evict needs blocks, a prefix, or a namespace")
+
+
+def _add_inspect_routes(router: APIRouter, gw: Gateway) -> None:
+    """What the cache holds: stats, a pool's tree, a dry-run lookup."""
 
     @router.get("/stats")
     async def stats(request: Request, pool: str = "") -> dict[str, Any]:
         """Per pool: blocks free / cached / referenced / pinned, hit rates, leases."""
-        return await call(request, "GetStats", pb.StatsRequest(pool_id=pool))
+        return await _call(gw, request, "GetStats", pb.StatsRequest(pool_id=pool))
 
     @router.get("/tree")
     async def tree(
@@ -97,45 +125,38 @@ def admin_router(gw: Gateway) -> APIRouter:
     ) -> dict[str, Any]:
         """One pool's radix index: nodes with token counts, blocks, refcounts, last use."""
         req = pb.InspectTreeRequest(pool_id=pool, namespace=namespace, max_depth=max_depth)
-        return await call(request, "InspectTree", req)
+        return await _call(gw, request, "InspectTree", req)
 
     @router.post("/lookup")
     async def lookup(request: Request) -> dict[str, Any]:
         """Dry-run match of a prompt on every pool (or one): cached tokens, blocks needed."""
-        b = await body(request, PrefixBody)
-        ids = tokens(b)
+        b = await _body(request, PrefixBody)
+        ids = _tokens(gw, b)
         req = pb.LookupRequest(pool_id=b.pool, namespace=b.namespace, prompt_token_ids=ids)
-        return {**await call(request, "Lookup", req), "prompt_tokens": len(ids)}
+        return {**await _call(gw, request, "Lookup", req), "prompt_tokens": len(ids)}
+
+
+def _add_maintenance_routes(router: APIRouter, gw: Gateway) -> None:
+    """What an operator changes: evict, flush, pin, unpin; and the integrity check."""
 
     @router.post("/evict")
     async def evict(request: Request) -> dict[str, Any]:
         """Evict ``blocks`` LRU blocks, a prefix, or every block of a ``namespace``."""
-        b = await body(request, EvictBody)
-        pool = pool_of(b)
-        ids = tokens(b, required=False)
-        if b.blocks is not None:
-            if ids:
-                raise InvalidRequest("give blocks or a prefix, not both")
-            req = pb.EvictRequest(pool_id=pool, num_blocks=b.blocks)
-        elif ids:
-            prefix = pb.PrefixRef(namespace=b.namespace, token_ids=ids)
-            req = pb.EvictRequest(pool_id=pool, prefix=prefix)
-        elif "namespace" in b.model_fields_set:
-            req = pb.EvictRequest(pool_id=pool, namespace=b.namespace)
-        else:
-            raise InvalidRequest("evict needs blocks, a prefix, or a namespace")
-        return await call(request, "Evict", req)
+        b = await _body(request, EvictBody)
+        pool = _pool_of(b)
+        req = _evict_request(b, pool, _tokens(gw, b, required=False))
+        return await _call(gw, request, "Evict", req)
 
     @router.post("/flush")
     async def flush(request: Request) -> dict[str, Any]:
         """Evict every unreferenced, unpinned block (of one pool, or all): safe under load."""
-        b = await body(request, FlushBody)
-        return await call(request, "Flush", pb.FlushRequest(pool_id=b.pool))
+        b = await _body(request, FlushBody)
+        return await _call(gw, request, "Flush", pb.FlushRequest(pool_id=b.pool))
 
     async def pin_call(request: Request, method: str) -> dict[str, Any]:
-        b = await body(request, PrefixBody)
-        prefix = pb.PrefixRef(namespace=b.namespace, token_ids=tokens(b))
-        return await call(request, method, pb.PinRequest(pool_id=pool_of(b), prefix=prefix))
+        b = await _body(request, PrefixBody)
+        prefix = pb.PrefixRef(namespace=b.namespace, token_ids=_tokens(gw, b))
+        return await _call(gw, request, method, pb.PinRequest(pool_id=_pool_of(b), prefix=prefix))
 
     @router.post("/pin")
     async def pin(request: Request) -> dict[str, Any]:
@@ -149,6 +170,4 @@ def admin_router(gw: Gateway) -> APIRouter:
     @router.get("/check")
     async def check(request: Request) -> dict[str, Any]:
         """Verify the block accounting invariants of every pool."""
-        return await call(request, "CheckIntegrity", pb.CheckIntegrityRequest())
-
-    return router
+        return await _call(gw, request, "CheckIntegrity", pb.CheckIntegrityRequest())

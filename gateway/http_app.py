@@ -38,6 +38,7 @@ from gateway.errors import (
 from gateway.metrics import CONTENT_TYPE
 from gateway.middleware import CLIENT_CLOSED, BodyLimit, ClientConcurrency, RequestMetrics
 from gateway.openai_serving import Served
+from gateway.openapi_schema import document_bodies
 from gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -68,53 +69,72 @@ def create_app(gw: Gateway) -> FastAPI:
     _install_error_handlers(app)
     app.include_router(admin_router(gw))
     app.include_router(dashboard_router(gw))
+    _add_health_routes(app, gw)
+    _add_openai_routes(app, gw)
+    document_bodies(
+        app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+    )
+    return app
+
+
+def _add_health_routes(app: FastAPI, gw: Gateway) -> None:
+    """/health (for load balancers) and /metrics (Prometheus)."""
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while at least one worker is healthy, 503 otherwise (load balancers stop
+        sending here)."""
+        body, ok, retry = health_report(gw)
+        headers = {} if ok else {"retry-after": str(retry)}
+        return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def health_report(gw: Gateway) -> tuple[dict[str, Any], bool, float]:
+    """/health's body, whether it is healthy (some worker is and the cache service is
+    reachable), and the Retry-After to send when not."""
+    workers = [
+        {
+            "worker": w.pool_id,
+            "address": w.address,
+            "healthy": w.healthy,
+            "reason": w.unhealthy_reason or None,
+            "in_flight": w.in_flight,
+            # An unhealthy worker's last poll is stale: its requests are not running.
+            "running": w.load.running if w.load and w.healthy else None,
+            "waiting": w.load.waiting if w.load and w.healthy else None,
+            "max_pending_requests": w.load.max_pending if w.load else None,
+        }
+        for w in gw.directory.views()
+    ]
+    cache = gw.cache_status
+    cache_body = {
+        "reachable": cache.down_since is None,
+        "unreachable_for_s": round(cache.down_for(), 1),
+        "error": cache.last_error if cache.down_since is not None else None,
+    }
+    ok = any(w["healthy"] for w in workers) and not cache.down
+    # "starting": no worker has registered yet (a worker loads its model for seconds).
+    if cache.down:
+        status, retry = "cache service unreachable", OUTAGE_RETRY_AFTER_S
+    else:
+        status = "ok" if ok else "no healthy worker" if workers else "starting"
+        retry = STARTING_RETRY_AFTER_S
+    body = {"status": status, "model": gw.config.model_name, "cache_service": cache_body}
+    return {**body, "workers": workers}, ok, retry
+
+
+def _add_openai_routes(app: FastAPI, gw: Gateway) -> None:
+    """/v1/models, /v1/completions and /v1/chat/completions, behind the API key if one is set."""
 
     def check_api_key(request: Request) -> None:
         if not gw.config.api_key:
             return
         if not bearer_matches(request.headers.get("authorization", ""), gw.config.api_key):
             raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        """200 while at least one worker is healthy, 503 otherwise (load balancers stop
-        sending here)."""
-        workers = [
-            {
-                "worker": w.pool_id,
-                "address": w.address,
-                "healthy": w.healthy,
-                "reason": w.unhealthy_reason or None,
-                "in_flight": w.in_flight,
-                # An unhealthy worker's last poll is stale: its requests are not running.
-                "running": w.load.running if w.load and w.healthy else None,
-                "waiting": w.load.waiting if w.load and w.healthy else None,
-                "max_pending_requests": w.load.max_pending if w.load else None,
-            }
-            for w in gw.directory.views()
-        ]
-        cache = gw.cache_status
-        cache_body = {
-            "reachable": cache.down_since is None,
-            "unreachable_for_s": round(cache.down_for(), 1),
-            "error": cache.last_error if cache.down_since is not None else None,
-        }
-        ok = any(w["healthy"] for w in workers) and not cache.down
-        # "starting": no worker has registered yet (a worker loads its model for seconds).
-        if cache.down:
-            status, retry = "cache service unreachable", OUTAGE_RETRY_AFTER_S
-        else:
-            status = "ok" if ok else "no healthy worker" if workers else "starting"
-            retry = STARTING_RETRY_AFTER_S
-        body = {"status": status, "model": gw.config.model_name, "cache_service": cache_body}
-        headers = {} if ok else {"retry-after": str(retry)}
-        return JSONResponse(
-            {**body, "workers": workers}, status_code=200 if ok else 503, headers=headers
-        )
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
 
     def model_card() -> ModelCard:
         return ModelCard(
@@ -151,70 +171,6 @@ def create_app(gw: Gateway) -> FastAPI:
         check_api_key(request)
         body = await parse_body(request, ChatCompletionRequest)
         return respond(await until_disconnected(request, gw.chat.create(body, arrival)))
-
-    _document_bodies(
-        app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
-    )
-    return app
-
-
-ERROR_SCHEMA = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
-                "code": {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]},
-            },
-        }
-    },
-}
-
-
-def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
-    """Declares in /openapi.json the bodies ``parse_body`` reads (FastAPI cannot see them)
-    and the OpenAI error shape of every route's 4xx and 5xx."""
-    build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is not None:
-            return app.openapi_schema
-        schema = build()
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        components["ErrorResponse"] = ERROR_SCHEMA
-        error = {
-            "content": {
-                "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
-            }
-        }
-        for path, ops in schema["paths"].items():
-            for op in ops.values():
-                op.setdefault("responses", {}).update(
-                    {
-                        "4XX": {"description": "OpenAI error", **error},
-                        "5XX": {"description": "OpenAI error", **error},
-                    }
-                )
-                model = bodies.get(path)
-                if model is None:
-                    continue
-                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                components.update(body.pop("$defs", {}))
-                components[model.__name__] = body
-                ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-                op["requestBody"] = {
-                    "required": True,
-                    "content": {"application/json": {"schema": ref}},
-                }
-        app.openapi_schema = schema
-        return schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def respond(served: Served) -> Response:

@@ -26,6 +26,8 @@ LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 class GatewayMetrics:
     def __init__(self, directory: WorkerDirectory) -> None:
+        """Declares every request-level series: long because it is the table of them (name,
+        help, labels, buckets), one after the other, where a reader looks one up."""
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "kvserve_gateway_requests",
@@ -144,61 +146,81 @@ class _WorkerCollector(Collector):
         )
         hit.add_metric([], self.totals.cached / self.totals.prompt if self.totals.prompt else 0.0)
         yield hit
-        blocks = GaugeMetricFamily(
+        f = _WorkerFamilies()
+        for w in self.directory.views():
+            name = w.pool_id
+            f.healthy.add_metric([name], 1.0 if w.healthy else 0.0)
+            f.in_flight.add_metric([name], w.in_flight)
+            if w.load is not None:
+                f.queue.add_metric([name], w.load.waiting)
+                f.running.add_metric([name], w.load.running)
+                f.preemptions.add_metric([name], w.load.preemptions)
+            if w.blocks is not None:
+                b = w.blocks
+                states = (b.free_blocks, b.cached_blocks, b.referenced_blocks)
+                f.total.add_metric([name], b.num_blocks)
+                f.pool_hit.add_metric([name], b.token_hit_rate)
+            elif w.load is not None and w.route is not None:
+                cached = w.route.evictable_blocks
+                free = w.route.free_blocks
+                states = (free, cached, max(0, w.load.num_blocks - free - cached))
+                f.total.add_metric([name], w.load.num_blocks)
+            else:
+                continue
+            for state, n in zip(("free", "cached", "referenced"), states, strict=True):
+                f.blocks.add_metric([name, state], n)
+        yield from f.all()
+
+
+class _WorkerFamilies:
+    """The per-worker series of one scrape, empty until the collector fills them."""
+
+    def __init__(self) -> None:
+        self.blocks = GaugeMetricFamily(
             "kvserve_worker_kv_blocks",
             "KV blocks of a worker's pool by state: free, cached (indexed, unreferenced), "
             "referenced (leased by running requests).",
             labels=["worker", "state"],
         )
-        total = GaugeMetricFamily(
+        self.total = GaugeMetricFamily(
             "kvserve_worker_kv_blocks_total", "KV blocks in a worker's pool.", labels=["worker"]
         )
-        pool_hit = GaugeMetricFamily(
+        self.pool_hit = GaugeMetricFamily(
             "kvserve_worker_prefix_cache_hit_rate",
             "Token hit rate of a worker's pool as the cache service counts it.",
             labels=["worker"],
         )
-        queue = GaugeMetricFamily(
+        self.queue = GaugeMetricFamily(
             "kvserve_worker_queue_depth", "Requests waiting on a worker.", labels=["worker"]
         )
-        running = GaugeMetricFamily(
+        self.running = GaugeMetricFamily(
             "kvserve_worker_running", "Requests running on a worker.", labels=["worker"]
         )
-        in_flight = GaugeMetricFamily(
+        self.in_flight = GaugeMetricFamily(
             "kvserve_gateway_in_flight",
             "This gateway's open requests per worker.",
             labels=["worker"],
         )
-        healthy = GaugeMetricFamily(
+        self.healthy = GaugeMetricFamily(
             "kvserve_worker_healthy",
             "1 when the worker is reachable and alive.",
             labels=["worker"],
         )
-        preemptions = CounterMetricFamily(
+        self.preemptions = CounterMetricFamily(
             "kvserve_worker_preemptions",
             "Sequences a worker preempted for lack of KV blocks.",
             labels=["worker"],
         )
-        for w in self.directory.views():
-            name = w.pool_id
-            healthy.add_metric([name], 1.0 if w.healthy else 0.0)
-            in_flight.add_metric([name], w.in_flight)
-            if w.load is not None:
-                queue.add_metric([name], w.load.waiting)
-                running.add_metric([name], w.load.running)
-                preemptions.add_metric([name], w.load.preemptions)
-            if w.blocks is not None:
-                b = w.blocks
-                states = (b.free_blocks, b.cached_blocks, b.referenced_blocks)
-                total.add_metric([name], b.num_blocks)
-                pool_hit.add_metric([name], b.token_hit_rate)
-            elif w.load is not None and w.route is not None:
-                cached = w.route.evictable_blocks
-                free = w.route.free_blocks
-                states = (free, cached, max(0, w.load.num_blocks - free - cached))
-                total.add_metric([name], w.load.num_blocks)
-            else:
-                continue
-            for state, n in zip(("free", "cached", "referenced"), states, strict=True):
-                blocks.add_metric([name, state], n)
-        yield from (blocks, total, pool_hit, queue, running, in_flight, healthy, preemptions)
+
+    def all(self) -> tuple[GaugeMetricFamily | CounterMetricFamily, ...]:
+        """In the order a scrape lists them."""
+        return (
+            self.blocks,
+            self.total,
+            self.pool_hit,
+            self.queue,
+            self.running,
+            self.in_flight,
+            self.healthy,
+            self.preemptions,
+        )

@@ -92,42 +92,14 @@ async def running(
     gw = Gateway.build(config, tokenizer)
     await gw.poller.poll_once()  # know the workers before the first request
     gw.start()
-    pb_grpc.add_WorkerServicer_to_server(GatewayWorkerServicer(gw), grpc_server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
-    reflection.enable_server_reflection(
-        (WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server
-    )
-    http = _Uvicorn(
-        uvicorn.Config(
-            create_app(gw),
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            # The peer is the TCP peer: uvicorn would take it from X-Forwarded-For when the
-            # connection comes from 127.0.0.1, and any local client could then pick a fresh
-            # identity per request past --max-concurrent-per-client (gateway.concurrency).
-            proxy_headers=False,
-            timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
-            # HTTPS with the gRPC port's pair and client CA (read above, so a bad file failed
-            # startup there).
-            ssl_certfile=config.tls_cert or None,
-            ssl_keyfile=config.tls_key or None,
-            ssl_ca_certs=config.tls_client_ca or None,
-            ssl_cert_reqs=ssl.CERT_REQUIRED if config.tls_client_ca else ssl.CERT_NONE,
-        )
-    )
+    health_servicer = _add_grpc_services(grpc_server, gw)
+    http = _http_server(config, gw)
     http_task: asyncio.Task[None] | None = None
     try:
         await grpc_server.start()
         for name in ("", WORKER_SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        http_task = asyncio.create_task(http.serve(sockets=[sock]))
-        while not http.started:
-            if http_task.done():
-                http_task.result()  # raises what stopped it
-                raise RuntimeError("the HTTP server stopped during startup")
-            await asyncio.sleep(0.01)
+        http_task = await _serve_http(http, sock)
         yield RunningGateway(
             gw,
             _address(config.host, sock.getsockname()[1]),
@@ -141,3 +113,54 @@ async def running(
         sock.close()
         await grpc_server.stop(grace=SHUTDOWN_GRACE_S)
         await gw.close()
+
+
+def _add_grpc_services(server: grpc.aio.Server, gw: Gateway) -> health.aio.HealthServicer:
+    """Worker (the gateway's Generate), health and reflection on ``server``; the health
+    servicer, set SERVING once the server starts."""
+    pb_grpc.add_WorkerServicer_to_server(GatewayWorkerServicer(gw), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    return health_servicer
+
+
+def _http_server(config: GatewayConfig, gw: Gateway) -> _Uvicorn:
+    return _Uvicorn(
+        uvicorn.Config(
+            create_app(gw),
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            # The peer is the TCP peer: uvicorn would take it from X-Forwarded-For when the
+            # connection comes from 127.0.0.1, and any local client could then pick a fresh
+            # identity per request past --max-concurrent-per-client (gateway.concurrency).
+            proxy_headers=False,
+            timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
+            # HTTPS with the gRPC port's pair and client CA (read by server_credentials
+            # before, so a bad file failed startup there).
+            ssl_certfile=config.tls_cert or None,
+            ssl_keyfile=config.tls_key or None,
+            ssl_ca_certs=config.tls_client_ca or None,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if config.tls_client_ca else ssl.CERT_NONE,
+        )
+    )
+
+
+async def _serve_http(http: _Uvicorn, sock: socket.socket) -> asyncio.Task[None]:
+    """``http`` serving on ``sock`` in a task, once it has started (what stopped it, if it
+    stopped first, is raised; if this is cancelled, the server is stopped)."""
+    task = asyncio.create_task(http.serve(sockets=[sock]))
+    try:
+        while not http.started:
+            if task.done():
+                task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped during startup")
+            await asyncio.sleep(0.01)
+    except BaseException:
+        http.should_exit = True
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+    return task
