@@ -18,19 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvserve_model import blas
-from kvserve_model.blas import (
-    REEXEC_MARKER,
-    BlasLibrary,
-    ProbeResult,
-    Selection,
-    fast_blas_env,
-    library_env,
-    measure_gflops,
-    probe,
-    select_blas,
-    summary,
-)
+from kvserve_model import blas_candidates, blas_probe
+from kvserve_model.blas import REEXEC_MARKER, fast_blas_env, measure_gflops
+from kvserve_model.blas_candidates import BlasLibrary, library_env
+from kvserve_model.blas_probe import ProbeResult, Selection, probe, select_blas, summary
 
 ROOT = Path(__file__).resolve().parents[2]
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD is Linux's")
@@ -140,17 +131,17 @@ def test_thread_count_goes_to_the_chosen_librarys_variable():
 
 
 def test_malloc_tunables_are_added_and_the_operators_win():
-    env = blas.with_malloc_tunables({})
+    env = blas_candidates.with_malloc_tunables({})
     assert env["GLIBC_TUNABLES"] == (
         f"glibc.malloc.trim_threshold={1 << 30}:glibc.malloc.mmap_threshold={32 << 20}"
         ":glibc.malloc.mmap_max=0"
     )
     given = "glibc.malloc.trim_threshold=4096:glibc.cpu.hwcaps=-AVX512F"
-    env = blas.with_malloc_tunables({"GLIBC_TUNABLES": given})
+    env = blas_candidates.with_malloc_tunables({"GLIBC_TUNABLES": given})
     assert env["GLIBC_TUNABLES"] == (
         f"{given}:glibc.malloc.mmap_threshold={32 << 20}:glibc.malloc.mmap_max=0"
     )
-    assert blas.with_malloc_tunables(dict(env)) == env  # idempotent
+    assert blas_candidates.with_malloc_tunables(dict(env)) == env  # idempotent
 
 
 _FAULTS = """
@@ -226,12 +217,12 @@ def _result(name: str, gflops: float, ok: bool = True) -> ProbeResult:
 
 def test_choose_takes_the_preferred_of_the_equally_fast():
     a, b, c = _result("a", 100.0), _result("b", 115.0), _result("c", 60.0)
-    assert blas.choose([a, b, c]) == a  # b is within the floor: a comes first
-    assert blas.choose([a, b, c], recorded=b.path) == b  # the machine's last choice stays
-    fast = _result("fast", 100.0 / blas.SPEED_FLOOR + 1)
-    assert blas.choose([a, fast], recorded=a.path) == fast  # a clearly faster one wins
-    assert blas.choose([_result("x", 1.0, ok=False), c]) == c
-    assert blas.choose([_result("x", 500.0, ok=False)]) is None
+    assert blas_probe.choose([a, b, c]) == a  # b is within the floor: a comes first
+    assert blas_probe.choose([a, b, c], recorded=b.path) == b  # the machine's last choice stays
+    fast = _result("fast", 100.0 / blas_probe.SPEED_FLOOR + 1)
+    assert blas_probe.choose([a, fast], recorded=a.path) == fast  # a clearly faster one wins
+    assert blas_probe.choose([_result("x", 1.0, ok=False), c]) == c
+    assert blas_probe.choose([_result("x", 500.0, ok=False)]) is None
 
 
 def test_choose_is_stable_under_timing_noise():
@@ -243,8 +234,8 @@ def test_choose_is_stable_under_timing_noise():
     for _ in range(2000):
         noise = rng.uniform(0.9, 1.1, size=2)
         results = [_result("first", 100 * noise[0]), _result("second", 100 * noise[1])]
-        picks.add(blas.choose(results).name)
-        assert blas.choose(results, recorded="/lib/second.so").name == "second"
+        picks.add(blas_probe.choose(results).name)
+        assert blas_probe.choose(results, recorded="/lib/second.so").name == "second"
     assert picks == {"first"}
 
 
@@ -299,11 +290,11 @@ def test_a_crashing_and_a_wrong_library_are_rejected(fake_libs, private_cache: P
 def test_selection_skips_a_crashing_library_for_one_that_works(
     fake_libs, private_cache: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    real = [lib for lib in blas.candidates() if probe(lib, _clean_env()).ok]
+    real = [lib for lib in blas_candidates.candidates() if probe(lib, _clean_env()).ok]
     if not real:
         pytest.skip("no real BLAS works here to fall back to")
     monkeypatch.setattr(
-        blas, "candidates", lambda: [fake_libs["crash"], fake_libs["zeros"], real[0]]
+        blas_probe, "candidates", lambda: [fake_libs["crash"], fake_libs["zeros"], real[0]]
     )
     chosen = select_blas(_clean_env(), reprobe=True)
     assert chosen.chosen == real[0]
@@ -354,7 +345,7 @@ def test_on_a_cpu_without_avx512_a_portable_blas_is_chosen_and_correct(private_c
 
 
 def _config(path: str) -> str:
-    lib = next(c for c in blas.candidates() if c.path == path)
+    lib = next(c for c in blas_candidates.candidates() if c.path == path)
     code = "from kvserve_model.blas import library_config; print(library_config())"
     return _python(library_env(lib, _clean_env()), "-c", code).stdout
 
@@ -383,10 +374,10 @@ def test_an_explicit_library_finds_its_vendored_dependencies(
         [cc, "-shared", "-fPIC", "-o", str(user), str(tmp_path / "user.c"), str(dep)],
         check=True,
     )
-    assert dep.name in blas.needed_libraries(str(user))
-    assert blas.needed_libraries(str(tmp_path / "dep.c")) == []  # not an ELF file
+    assert dep.name in blas_candidates.needed_libraries(str(user))
+    assert blas_candidates.needed_libraries(str(tmp_path / "dep.c")) == []  # not an ELF file
     monkeypatch.setenv("KVSERVE_BLAS_LIB", str(user))
-    (lib,) = blas.candidates()
+    (lib,) = blas_candidates.candidates()
     assert lib.library_dirs == (str(tmp_path),)
     env = library_env(lib, _clean_env())
     done = _python(env, "-c", "import ctypes; print(ctypes.CDLL(None).user())")
@@ -396,7 +387,7 @@ def test_an_explicit_library_finds_its_vendored_dependencies(
 @linux
 def test_every_candidate_found_here_is_described_completely():
     """Each candidate's own dependencies resolve (the probe's child can load it)."""
-    for lib in blas.candidates():
+    for lib in blas_candidates.candidates():
         env = library_env(lib, _clean_env())
         done = _python(env, "-c", "pass")
         assert done.returncode == 0, (lib, done.stderr)
