@@ -1,7 +1,9 @@
 """The import rules of docs/architecture.md ("Import rules"), enforced.
 
 Statically: every import statement of every .py file of the six top-level packages (function-local
-ones and those under ``if TYPE_CHECKING`` included) names only packages its package may import.
+ones and those under ``if TYPE_CHECKING`` included) names only packages its package may import;
+inside the worker, the engine and the model path import nothing of the layers above them
+(``INSIDE``).
 Dynamically: importing a process's entry module in a fresh interpreter loads none of what that
 process must not load, whatever path it takes to get there (the static check sees one file at a
 time; this one sees the whole import graph).
@@ -49,6 +51,24 @@ EXCEPTIONS = {
     ),
 }
 
+# Inside the worker (docs/worker-engine.md): the model path sits below the engine, and both below
+# the edge (the gRPC servicer and lease client) and the assembly (config, device defaults, the
+# server, the warm-up), which turns config into the plain values the layers below take. Each
+# entry: the folder, and the modules (or packages, with everything under them) its files must not
+# import, function-local and ``TYPE_CHECKING`` imports included. No exceptions.
+EDGE = ("worker.server", "worker.servicer", "worker.lease_client")
+INSIDE: dict[str, tuple[str, ...]] = {
+    "worker/model": (
+        "worker.engine",
+        "worker.config",
+        "worker.device_defaults",
+        "worker.warmup",
+        *EDGE,
+        *RPC,
+    ),
+    "worker/engine": (*EDGE, *RPC),
+}
+
 
 def _imports(path: Path) -> list[tuple[str, int, bool]]:
     """(top-level module, line, inside a function) for every import statement in ``path``."""
@@ -75,6 +95,30 @@ def _imports_in(source: str, package: tuple[str, ...]) -> list[tuple[str, int, b
 
     visit(tree, False)
     return found
+
+
+def _modules_in(source: str, package: tuple[str, ...]) -> list[tuple[str, int]]:
+    """(module, line) for every module an import statement of ``source`` may load, by its full
+    dotted name: ``import a.b`` names ``a.b``; ``from a import b`` names ``a`` and ``a.b`` (``b``
+    may be a module); relative imports are resolved against ``package``."""
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.extend((a.name, node.lineno) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            found.append((module, node.lineno))
+            found.extend((f"{module}.{a.name}", node.lineno) for a in node.names)
+    return found
+
+
+def _names(module: str, forbidden: tuple[str, ...]) -> str | None:
+    """The entry of ``forbidden`` that ``module`` is, or is inside of; None if none."""
+    return next((f for f in forbidden if module == f or module.startswith(f + ".")), None)
 
 
 def _files(package: str) -> list[Path]:
@@ -131,6 +175,42 @@ def test_every_exception_is_still_needed() -> None:
         assert any(m == module for m, _, _ in _imports(ROOT / file)), (file, module)
 
 
+def test_the_dotted_checker_sees_submodules() -> None:
+    source = (
+        "import worker.engine.loop\n"
+        "from worker import config\n"
+        "from worker.engine.lease import Lease\n"
+        "def f():\n"
+        "    from ..engine import scheduler\n"
+        "if TYPE_CHECKING:\n"
+        "    from grpc import aio\n"
+    )
+    found = {m for m, _ in _modules_in(source, ("worker", "model"))}
+    assert {"worker.engine.loop", "worker.config", "worker.engine.lease", "grpc"} <= found
+    assert "worker.engine.scheduler" in found
+    assert _names("worker.engine.lease.Lease", ("worker.engine",)) == "worker.engine"
+    assert _names("worker.engines", ("worker.engine",)) is None
+    assert _names("grpc.aio", RPC) == "grpc"
+
+
+@pytest.mark.parametrize("folder", INSIDE)
+def test_inside_the_worker_no_layer_imports_one_above_it(folder: str) -> None:
+    """``worker/model`` imports nothing of the engine, the assembly or the edge; ``worker/engine``
+    nothing of the edge (it is handed its lease client: ``worker.engine.lease.LeaseService``);
+    neither imports gRPC or the protos."""
+    files = sorted(p for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
+    assert files
+    broken = []
+    for path in files:
+        package = path.relative_to(ROOT).parent.parts
+        lines = set()  # one report a statement: `from a import b` names a and a.b
+        for module, line in _modules_in(path.read_text(), package):
+            if (hit := _names(module, INSIDE[folder])) is not None and line not in lines:
+                lines.add(line)
+                broken.append(f"{path.relative_to(ROOT)}:{line} imports {module} ({hit})")
+    assert not broken, f"{folder} imports a layer above it:\n" + "\n".join(broken)
+
+
 @pytest.mark.parametrize("package", OURS)
 def test_each_package_says_what_it_owns_and_may_import(package: str) -> None:
     doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
@@ -180,6 +260,22 @@ def test_the_shared_package_and_the_launcher_load_no_mlx_and_no_service() -> Non
     )
     assert {"kvserve_model", "kvserve_launch"} <= loaded
     assert not loaded & {*MLX, "worker", "gateway", "kvcache_service", "kvserve_proto"}
+
+
+def test_the_engine_and_the_model_path_load_no_rpc_and_no_edge() -> None:
+    """Whatever path their imports take: the engine's loop and the model's runners load no gRPC,
+    no protos and nothing of the worker's edge (it is the assembly that builds the lease client
+    and hands it in)."""
+    loaded = _loaded_after(
+        "import worker.engine.loop, worker.engine.intake, worker.model.dense_runner\n"
+        "import worker.model.sampling, worker.model.draft\n"
+        "import sys\n"
+        "edge = sorted(m for m in sys.modules if m in "
+        f"{[*EDGE, 'worker.config', 'worker.device_defaults', 'worker.warmup']!r})\n"
+        "assert not edge, edge"
+    )
+    assert "worker" in loaded and "mlx" in loaded
+    assert not loaded & {*RPC}, sorted(loaded & {*RPC})
 
 
 def test_the_scheduler_imports_no_mlx_and_no_rpc() -> None:

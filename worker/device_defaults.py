@@ -11,7 +11,8 @@ memory that is free once the weights are loaded (the rest is left for activation
 scores, gathered K/V) and the step limits are raised.
 
 :func:`choose_limits` is the whole policy, a pure function of the device kind, the free memory
-and the bytes of one block, so it is tested without a GPU. :func:`device_kind` and
+and the bytes of one block, so it is tested without a GPU (:func:`dense_limits` is its form for
+the dense runner). :func:`device_kind` and
 :func:`free_memory` read the machine; every MLX memory call is optional (the API differs between
 MLX versions and backends), and a missing one means "unknown", never a failure.
 """
@@ -22,7 +23,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -128,6 +129,36 @@ def choose_limits(
         pool_source=source,
         max_pending_requests=PENDING_PER_BATCH_SLOT * batch if pending is None else pending,
     )
+
+
+def dense_limits(
+    bytes_per_token: int,
+    device: Device,
+    free_bytes: int | None,
+    config: WorkerConfig,
+    max_context: int,
+) -> WorkerLimits:
+    """Limits for the dense runner (``worker.model.dense_runner``), whose cache costs
+    ``bytes_per_token`` per token (``StateEstimate.bytes_per_token``). The leased blocks hold
+    nothing there; they count tokens, and the cache service bounds the tokens in flight by them
+    as it does for a paged pool:
+
+    - hybrid (attention layers): the block count comes from the KV budget exactly as for the
+      paged path (:func:`choose_limits`), a block being ``block_size`` tokens of the attention
+      layers' K/V, which the dense caches hold per token too;
+    - pure SSM (no per-token state): ``max_batch_size`` sequences of the whole context (unless
+      ``--num-blocks`` says otherwise): tokens cost no memory, so blocks need not bound them.
+
+    The recurrent state (``bytes_per_sequence``) is outside that budget, bounded by
+    ``max_batch_size`` (the engine runs no more sequences at once): it is logged at startup.
+    """
+    per_block = config.block_size * bytes_per_token
+    limits = choose_limits(device, free_bytes, max(1, per_block), config)
+    if per_block == 0 and not config.num_blocks:
+        blocks = limits.max_batch_size * -(-max_context // config.block_size)
+        source = f"{limits.max_batch_size} sequences x {max_context} tokens: no per-token state"
+        limits = replace(limits, num_blocks=blocks, pool_source=source)
+    return limits
 
 
 # MLX settings the worker process runs with unless the operator set them (``apply_mlx_env``).

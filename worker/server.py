@@ -21,13 +21,19 @@ from kvserve_model.errors import ModelLoadError
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker.config import ENV_PREFIX, WorkerConfig
-from worker.device_defaults import WorkerLimits, choose_limits, device_kind, free_memory
+from worker.device_defaults import (
+    WorkerLimits,
+    choose_limits,
+    dense_limits,
+    device_kind,
+    free_memory,
+)
 from worker.engine.executor import ModelExecutor, Runner
 from worker.engine.lease import PoolRegistration
-from worker.engine.lease_client import LeaseClient
 from worker.engine.loop import Engine, EngineLimits
 from worker.errors import RecurrentStateError, UnsupportedModelError
-from worker.model.dense_runner import DenseRunner, check_dense_parity, dense_limits, estimate_state
+from worker.lease_client import LeaseClient
+from worker.model.dense_runner import DenseRunner, check_dense_parity, estimate_state
 from worker.model.draft import DraftModel
 from worker.model.kv_pool import bytes_per_block
 from worker.model.loader import LoadedModel, load_model
@@ -147,7 +153,11 @@ def build_executor(
         device = device_kind()
         limits = with_scratch(
             dense_limits(
-                estimate, device, free_memory(device), config, context_length(loaded.config)
+                estimate.bytes_per_token,
+                device,
+                free_memory(device),
+                config,
+                context_length(loaded.config),
             )
         )
         per_block = max(1, config.block_size * estimate.bytes_per_token)

@@ -20,7 +20,7 @@ from kvcache_service.tokens import pack
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from worker.engine.lease import CacheUnavailable, PoolRegistration
-from worker.engine.lease_client import LeaseClient
+from worker.lease_client import LeaseClient
 
 SERVICE_TOKEN = "test-service-token"
 AUTH = [("authorization", f"Bearer {SERVICE_TOKEN}")]

@@ -36,12 +36,12 @@ from worker.engine.lease import (
     Rejected,
     Written,
 )
-from worker.engine.lease_client import LeaseClient
 from worker.engine.lease_sync import LeasePolicy, LeaseSync
 from worker.engine.sampling_params import Sampled, SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, TextStream
 from worker.errors import WorkerError
+from worker.lease_client import LeaseClient
 
 BS = 4
 TTL = 10.0

@@ -1,14 +1,18 @@
-"""Leases as the worker sees them: plain values and the typed failures of lease traffic.
+"""Leases as the engine sees them: plain values, the typed failures of lease traffic, and
+:class:`LeaseService`, the cache service as the engine is written against it.
 
 Pure Python (no gRPC, no protos, no MLX): the sequence, the scheduler and the lease sync
-import these; only ``worker.engine.lease_client`` turns the cache service's messages and status codes
-into them.
+import these. The engine takes a ``LeaseService`` as a constructor argument and never names an
+implementation: ``worker.lease_client.LeaseClient`` (at the edge, beside the servicer) turns
+the cache service's messages and status codes into these values and errors over gRPC, and the
+lease-sync tests answer it in process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 
 class LeaseError(Exception):
@@ -105,3 +109,48 @@ class PoolRegistration:
     head_dim: int
     dtype: str
     bytes_per_block: int = 0
+
+
+class LeaseService(Protocol):
+    """The cache service, in the engine's values: what the lease sync calls, and all it reads.
+
+    Every call raises a :class:`LeaseError` for a failure of the whole call (typed by what the
+    engine does about it: NoRoom, Fenced, LeaseLost, CacheUnavailable, ...); the batched calls
+    answer an error per item where one item failed alone. Calls carry ``incarnation``, the
+    pool's current one, which ``register`` sets.
+    """
+
+    incarnation: int
+    lease_ttl_s: float  # as the service announced at registration
+    heartbeat_interval_s: float  # how often ``heartbeat`` must be called
+    max_namespace_chars: int  # the longest namespace the service stores
+
+    async def register(self, reg: PoolRegistration) -> int:
+        """Registers the pool (again, after a restart or a fence); returns the incarnation."""
+        ...
+
+    async def heartbeat(self) -> list[int]:
+        """Renews the pool's liveness; returns the lease ids that expired since it last heard."""
+        ...
+
+    async def acquire(
+        self, asks: Sequence[LeaseAsk]
+    ) -> tuple[list[Lease | Deferred | LeaseError], list[int]]:
+        """One batched acquire, tried in order: per ask a Lease, a Deferred or the error it met
+        (NoRoom for the first that did not fit and every one after it), and the expired ids."""
+        ...
+
+    async def extend(self, items: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
+        """Grows each (lease id, tokens) lease to cover that many tokens, all or nothing;
+        returns each lease's new blocks."""
+        ...
+
+    async def commit(self, items: Sequence[tuple[int, Written]]) -> None:
+        """Publishes the full blocks of running leases to the index."""
+        ...
+
+    async def release(self, items: Sequence[tuple[int, Written | None]]) -> list[LeaseError | None]:
+        """Releases leases (committing what ``Written`` says); per item None or its error."""
+        ...
+
+    async def close(self) -> None: ...

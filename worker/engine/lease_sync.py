@@ -49,13 +49,13 @@ from worker.engine.lease import (
     LeaseAsk,
     LeaseError,
     LeaseLost,
+    LeaseService,
     NeverFits,
     NoRoom,
     PoolRegistration,
     Rejected,
     Written,
 )
-from worker.engine.lease_client import LeaseClient
 from worker.engine.outage import Outage
 from worker.engine.scheduler import Scheduler, Step
 from worker.engine.sequence import Sequence, Status
@@ -109,7 +109,7 @@ def _written(seq: Sequence) -> Written:
 class LeaseSync:
     def __init__(
         self,
-        client: LeaseClient,
+        client: LeaseService,
         registration: PoolRegistration,
         policy: LeasePolicy,
         scheduler: Scheduler,

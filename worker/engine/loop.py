@@ -24,8 +24,7 @@ from typing import Any
 
 from worker.engine.executor import ModelExecutor
 from worker.engine.intake import Intake, RequestLimits
-from worker.engine.lease import PoolRegistration
-from worker.engine.lease_client import LeaseClient
+from worker.engine.lease import LeaseService, PoolRegistration
 from worker.engine.lease_sync import LeasePolicy, LeaseSync
 from worker.engine.sampling_params import Accepted, RowFailed, Sampled
 from worker.engine.scheduler import Scheduler, Step
@@ -82,7 +81,7 @@ class Engine:
     def __init__(
         self,
         executor: ModelExecutor,
-        client: LeaseClient,
+        client: LeaseService,
         registration: PoolRegistration,
         limits: EngineLimits,
         tokenizer: Any,

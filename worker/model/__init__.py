@@ -4,8 +4,12 @@
 ``kv_pool`` (the physical blocks), ``paged_cache`` (mlx-lm's cache protocol over the pool),
 ``forward_batch`` / ``block_attention`` (batched forwards and attention over block tables),
 ``runner`` (paged) and ``dense_runner`` (recurrent models), ``sampling`` (per-row sampling on
-the MLX thread) and ``self_check`` (the startup parity check).
+the MLX thread; its results, plain values, in ``sampled``) and ``self_check`` (the startup
+parity check).
 
-May import: ``worker.errors``, ``worker.ids``, ``worker.engine.sampling_params`` and the
-engine's plain values, ``kvserve_model``, MLX and mlx-lm. Never gRPC or protos.
+May import: ``worker.errors``, ``worker.ids``, ``kvserve_model``, MLX and mlx-lm. Never
+``worker.engine`` (the engine imports the model path, not the other way: the sampling values
+both use live here, in ``sampled``), the worker's edge and assembly (``worker.config``,
+``worker.device_defaults``, ``worker.server``, ``worker.servicer``, ``worker.warmup``: callers
+turn config into plain values), gRPC or protos (tests/test_import_rules.py).
 """

@@ -21,15 +21,15 @@ What is not there, compared with the paged path: no prefix is shared or reused (
 with prefix caching off and publishes no block to the cache service's index: an index entry
 would point at blocks holding nothing), and each sequence runs its own forward (mlx-lm's batched
 caches left-pad, which changes recurrent state; one forward per sequence is exactly mlx-lm's
-``generate_step``). The leases still bound how many tokens are in flight; see
-:func:`dense_limits` for how the block count is chosen.
+``generate_step``). The leases still bound how many tokens are in flight; the caller chooses
+the block count (``worker.device_defaults.dense_limits``) and hands the runner plain values.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -37,8 +37,6 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from worker.config import WorkerConfig
-from worker.device_defaults import MIB, Device, WorkerLimits, choose_limits
 from worker.errors import BatchError
 from worker.model import mlx_fixes
 from worker.model.forward_batch import SeqInput
@@ -64,7 +62,7 @@ class StateEstimate:
 
     def describe(self) -> str:
         return (
-            f"recurrent state: caches {self.caches}; {self.bytes_per_sequence / MIB:.2f} MiB "
+            f"recurrent state: caches {self.caches}; {self.bytes_per_sequence / 2**20:.2f} MiB "
             f"per sequence + {self.bytes_per_token} bytes per token"
         )
 
@@ -87,34 +85,6 @@ def estimate_state(model: nn.Module) -> StateEstimate:
             dtype = k.dtype
     spec = ModelSpec(tuple(layers), dtype or logits.dtype, logits.shape[-1])
     return StateEstimate(spec, per_token, per_seq, describe_caches(cache))
-
-
-def dense_limits(
-    estimate: StateEstimate,
-    device: Device,
-    free_bytes: int | None,
-    config: WorkerConfig,
-    max_context: int,
-) -> WorkerLimits:
-    """Limits for the dense runner. The leased blocks hold nothing here; they count tokens, and
-    the cache service bounds the tokens in flight by them as it does for a paged pool:
-
-    - hybrid (attention layers): the block count comes from the KV budget exactly as for the
-      paged path (``choose_limits``), a block being ``block_size`` tokens of the attention
-      layers' K/V, which the dense caches hold per token too;
-    - pure SSM (no per-token state): ``max_batch_size`` sequences of the whole context (unless
-      ``--num-blocks`` says otherwise): tokens cost no memory, so blocks need not bound them.
-
-    The recurrent state (``bytes_per_sequence``) is outside that budget, bounded by
-    ``max_batch_size`` (the engine runs no more sequences at once): it is logged at startup.
-    """
-    per_block = config.block_size * estimate.bytes_per_token
-    limits = choose_limits(device, free_bytes, max(1, per_block), config)
-    if per_block == 0 and not config.num_blocks:
-        blocks = limits.max_batch_size * -(-max_context // config.block_size)
-        source = f"{limits.max_batch_size} sequences x {max_context} tokens: no per-token state"
-        limits = replace(limits, num_blocks=blocks, pool_source=source)
-    return limits
 
 
 @dataclass(slots=True)

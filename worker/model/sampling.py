@@ -1,4 +1,5 @@
-"""The per-step sampler (its parameters and results: ``worker.engine.sampling_params``).
+"""The per-step sampler (its parameters: ``kvserve_model.sampling_params``; its results:
+``worker.model.sampled``).
 
 Every request samples from its own PRNG key, never from MLX's global random state: a seeded
 request's key for a token derives from (seed, position), an unseeded one's from a seed drawn
@@ -26,7 +27,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
-from worker.engine.sampling_params import Accepted, RowFailed, Sampled, SamplingParams
+from kvserve_model.sampling_params import SamplingParams
+from worker.model.sampled import Accepted, RowFailed, Sampled
 
 log = logging.getLogger(__name__)
 

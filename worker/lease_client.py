@@ -1,13 +1,20 @@
-"""The worker's client of the cache service: its messages and status codes in, the plain
-values and typed errors of ``worker.engine.lease`` out.
+"""The worker's gRPC client of the cache service, at the edge: kvcache.v1's messages and status
+codes in, the plain values and typed errors of ``worker.engine.lease`` out. It implements
+``worker.engine.lease.LeaseService``, the protocol the engine is written against; the engine
+never sees gRPC (tests/test_import_rules.py), and is handed this client by the assembly
+(``worker.server``).
 
-Only this module touches the generated kvcache protos on the worker side.
+Only this module touches the generated kvcache protos on the worker side. It sends only the
+batched calls (AcquireLeases, ExtendLeases, CommitLeases, ReleaseLeases: wire revision 2). The
+single-item AcquireLease and ReleaseLease stay in the contract on purpose, though no worker
+sends them: clients written to wire revision 1 send one per lease, and the cache service's own
+tests and benchmarks (``bench/bench_kvcache.py``, ``bench/bench_shards.py``,
+``bench/bench_grpc_models.py``) and the gateway tests' fake worker call them, one lease at a
+time being the simplest way to drive the service.
 """
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Sequence
 
 import grpc
@@ -15,6 +22,7 @@ import grpc
 from kvserve_launch.grpc_status import status_code
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+from kvserve_proto.packed_tokens import pack
 from worker.engine.lease import (
     CacheUnavailable,
     Deferred,
@@ -68,7 +76,8 @@ def _lease_error(code: grpc.StatusCode, details: str, incarnation: int) -> Lease
 
 
 class LeaseClient:
-    """Async calls on one channel. `incarnation` is set by register() and sent with every call."""
+    """``worker.engine.lease.LeaseService`` over gRPC: async calls on one channel.
+    `incarnation` is set by register() and sent with every call."""
 
     def __init__(
         self, address: str, token: str = "", channel: grpc.aio.Channel | None = None
@@ -156,7 +165,7 @@ class LeaseClient:
                 items=[
                     pb.AcquireItem(
                         namespace=a.namespace,
-                        prompt_tokens=packed(a.tokens),
+                        prompt_tokens=pack(a.tokens),
                         reserve_tokens=a.reserve,
                         allow_defer=not a.skip_cache,
                         skip_cache=a.skip_cache,
@@ -223,18 +232,9 @@ class LeaseClient:
         ]
 
 
-def packed(tokens: Sequence[int]) -> bytes:
-    """Token ids in the wire's compact form: little-endian uint32 (kvcache.proto)."""
-    a = array("I")
-    a.fromlist(tokens if type(tokens) is list else list(tokens))
-    if sys.byteorder != "little":
-        a.byteswap()
-    return a.tobytes()
-
-
 def _update(w: Written) -> pb.SequenceUpdate:
     return pb.SequenceUpdate(
-        written_tokens=w.count, appended_from=w.tail_from, appended_tokens=packed(w.tail)
+        written_tokens=w.count, appended_from=w.tail_from, appended_tokens=pack(w.tail)
     )
 
 
