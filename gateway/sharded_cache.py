@@ -20,6 +20,9 @@ part that sees more than one (docs/sharding.md):
 
 Two shards listing one pool id is a misconfiguration (two workers with one ``--worker-id``
 on different shards): it is logged, and the live one's entry kept.
+
+One class a little over 300 lines on purpose: the fan-out, the shards left out and probed,
+and the merging of answers share one table (which shard owns which pool).
 """
 
 from __future__ import annotations

@@ -20,16 +20,29 @@ Memory: batches are held in one replay buffer, bounded in bytes (oldest dropped 
 every watcher reads from at its own position. A watcher that falls behind the buffer's start
 is ended (:class:`FellBehind`), so a slow consumer never holds more than the buffer does; with
 its cursor it resumes if the buffer still holds the batches after it, or gets a snapshot.
+
+The events themselves are values in event_types.py. This file is one log over 300 lines on
+purpose: recording, sealing, reading and the watchers all move one replay buffer and its byte
+bound, which stays correct only if they are read together.
 """
 
 from __future__ import annotations
 
-import enum
 import secrets
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvcache_service.errors import FellBehind
+from kvcache_service.event_types import (
+    Batch,
+    Cleared,
+    Cursor,
+    Event,
+    PoolKey,
+    Removed,
+    ResetReason,
+    Stored,
+)
 from kvcache_service.ids import BlockId, Namespace, PoolId
 from kvcache_service.tokens import TOKEN_BYTES
 
@@ -40,79 +53,6 @@ MAX_BATCH_BYTES = 1 << 20
 # What an event costs beyond its tokens and block ids (object headers, the batch's share).
 EVENT_OVERHEAD = 96
 BLOCK_ID_BYTES = 8
-
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    """A run of blocks entered the index along one path, each the child of the one before;
-    ``parent`` is the block the run continues (None: at the namespace's root). ``tokens`` are
-    packed (tokens.py), block_size per block; the last block may hold fewer (a tail)."""
-
-    namespace: Namespace
-    parent: BlockId | None
-    blocks: tuple[BlockId, ...]
-    tokens: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Removed:
-    """Blocks left the index, each a leaf when it went."""
-
-    blocks: tuple[BlockId, ...]
-
-
-class ClearReason(enum.Enum):
-    REGISTERED = "registered"  # a new incarnation: an empty index
-    FORGOTTEN = "forgotten"  # the pool is gone
-
-
-@dataclass(frozen=True, slots=True)
-class Cleared:
-    """Every block of the pool left the index at once."""
-
-    reason: ClearReason
-
-
-Event = Stored | Removed | Cleared
-
-
-@dataclass(frozen=True, slots=True)
-class PoolKey:
-    """Which pool incarnation a batch is of."""
-
-    pool_id: PoolId
-    incarnation: int
-    block_size: int
-
-
-@dataclass(frozen=True, slots=True)
-class Batch:
-    """One pool's events from one step of the service, in order. ``seq`` numbers batches
-    across the log (every pool), ``pool_seq`` this pool's alone; both consecutive."""
-
-    seq: int
-    pool: PoolKey
-    pool_seq: int
-    timestamp: float
-    events: tuple[Event, ...]
-    cost: int  # bytes held, estimated: what the replay buffer's bound counts
-
-
-@dataclass(frozen=True, slots=True)
-class Cursor:
-    """A position in a log: after batch ``seq`` of log ``log_id``."""
-
-    log_id: int
-    seq: int
-
-
-class ResetReason(enum.Enum):
-    """Why a watcher starts from a snapshot instead of where it asked."""
-
-    NO_CURSOR = "no cursor"
-    OTHER_LOG = "a cursor of another log"
-    TOO_OLD = "a cursor older than the replay buffer"
-    AHEAD = "a cursor past the log's end"
 
 
 @dataclass(slots=True)

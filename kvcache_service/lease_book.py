@@ -1,4 +1,9 @@
-"""The live leases of one pool and their lifecycle: acquire, extend, commit, release, expire."""
+"""The live leases of one pool and their lifecycle: acquire, extend, commit, release, expire.
+
+Over 300 lines on purpose: one class whose steps all move the same references, in-flight
+entries and index insertions; the refcount invariant (a block's refcount is the live leases
+listing it) holds only if every step keeps it, so they stay side by side.
+"""
 
 from __future__ import annotations
 
@@ -86,14 +91,7 @@ class LeaseBook:
         adopt = cow_src is not None and self._adoptable(cow_src)
         need = blocks_for(n + req.reserve_tokens, bs) - full
         held = [*shared, cow_src] if cow_src is not None else shared
-        try:
-            plan = self.budget.plan({ns: need - adopt}, held)
-        except OutOfBlocks:
-            if (why := self.budget.beyond_reach(ns, need - adopt, held)) is not None:
-                raise NeverFits(why) from None
-            raise
-        self.budget.ref_all(held)  # referenced first: the plan's evictions spare them
-        own = self.budget.allocate(plan, need - adopt, ns)
+        own = self._take_blocks(ns, need - adopt, held)
         if adopt:
             assert cow_src is not None
             self.index.remove_leaves([cow_src])  # this lease's own block now, not a cache entry
@@ -119,6 +117,19 @@ class LeaseBook:
         c.cached_tokens += cached
         cow = (lease.cow,) if lease.cow is not None else ()
         return Grant(lease_id, tuple(lease.table), cached, cow, expires_at)
+
+    def _take_blocks(self, ns: Namespace, need: int, held: list[BlockId]) -> list[BlockId]:
+        """``need`` fresh blocks for ``ns`` (evicting cached ones if needed), with ``held``
+        referenced first so the evictions spare them. OutOfBlocks where the pool has no room
+        now, NeverFits where it never could."""
+        try:
+            plan = self.budget.plan({ns: need}, held)
+        except OutOfBlocks:
+            if (why := self.budget.beyond_reach(ns, need, held)) is not None:
+                raise NeverFits(why) from None
+            raise
+        self.budget.ref_all(held)  # referenced first: the plan's evictions spare them
+        return self.budget.allocate(plan, need, ns)
 
     def _adoptable(self, block: BlockId) -> bool:
         """Whether a lease whose prompt continues a tail (a finished sequence's partial last

@@ -234,12 +234,7 @@ class RadixIndex:
         """
         cb = self.chunk_bytes
         assert (after is None) == (start == 0), "`after` is the block before `start`"
-        if after is None:
-            node = self.roots.get(ns) or self._root(ns)
-            j = 0  # blocks of `node` the walk has passed
-        else:
-            node = self._where[after]
-            j = len(node.blocks) if node.blocks[-1] == after else node.blocks.index(after) + 1
+        node, j = self._walk_from(ns, after)  # j: blocks of `node` the walk has passed
         pos = start * cb  # where the walk is in `tokens`
         end = pos + len(blocks) * cb
         assert end <= len(tokens), "insert takes whole blocks"
@@ -277,6 +272,14 @@ class RadixIndex:
             node, j = child, 0
         return out
 
+    def _walk_from(self, ns: Namespace, after: BlockId | None) -> tuple[Node, int]:
+        """Where a walk resumes just past indexed block ``after`` (at ``ns``'s root when
+        None): the node, and how many of its blocks are behind."""
+        if after is None:
+            return self.roots.get(ns) or self._root(ns), 0
+        node = self._where[after]
+        return node, len(node.blocks) if node.blocks[-1] == after else node.blocks.index(after) + 1
+
     def insert_tail(
         self, ns: Namespace, tokens: Tokens, start: int, after: BlockId | None, block: BlockId
     ) -> bool:
@@ -292,15 +295,11 @@ class RadixIndex:
         part = tokens[start * cb :]
         assert 0 < len(part) < cb, "a tail holds part of a block"
         assert (after is None) == (start == 0), "`after` is the block before `start`"
-        if after is None:
-            node = self.roots.get(ns) or self._root(ns)
-        else:
-            node = self._where[after]
-            j = node.blocks.index(after) + 1
-            if j < len(node.blocks):
-                if node.edge.startswith(part, j * cb):
-                    return False  # the node's next block holds them
-                node = self._split(node, j)
+        node, j = self._walk_from(ns, after)
+        if j < len(node.blocks):
+            if node.edge.startswith(part, j * cb):
+                return False  # the node's next block holds them
+            node = self._split(node, j)
         for child in node.by_first.get(part[:TOKEN_BYTES], {}).values():
             if child.edge.startswith(part):
                 return False

@@ -12,9 +12,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvcache_service.admin_servicer import AdminServicer
 from kvcache_service.authority import AuthorityConfig, CacheAuthority
 from kvcache_service.config import ENV_PREFIX, ServiceConfig
-from kvcache_service.servicer import AdminServicer, KVCacheServicer
+from kvcache_service.servicer import KVCacheServicer
 from kvserve_launch.malformed import MalformedRequests
 from kvserve_launch.startup import EXCLUSIVE_PORT, add_port
 from kvserve_launch.tls import server_credentials

@@ -25,6 +25,10 @@ half-written model, and the next start converts again. The directory's name carr
 source's identity (its size, header and sampled data, as the worker fingerprints weights), so a
 changed file converts anew. Numpy reads the GGUF through a memory map; the conversion needs no
 MLX, so the launcher and the gateway can run it.
+
+One file (about 400 lines) on purpose: one conversion, read top to bottom in the order it
+runs: the plan (names, types, refusals), config.json, the tensors; the GGUF reading and the
+tokenizer are files of their own (gguf_file.py, gguf_tokenizer.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from gateway.pool_copy import Desync
 from kvcache_service import convert
 from kvcache_service.authority import AuthorityConfig, CacheAuthority
 from kvcache_service.errors import OutOfBlocks
-from kvcache_service.events import Cursor, ResetReason
+from kvcache_service.event_types import Cursor, ResetReason
 from kvcache_service.ids import Namespace, PoolId
 from kvcache_service.leases import AcquireRequest, Grant, SequenceUpdate
 from kvcache_service.pool import PoolSpec

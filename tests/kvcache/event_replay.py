@@ -13,7 +13,7 @@ from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvcache_service.events import Batch, Cleared, ClearReason, Removed, Stored
+from kvcache_service.event_types import Batch, Cleared, ClearReason, Removed, Stored
 from kvcache_service.tokens import unpack
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 

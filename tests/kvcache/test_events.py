@@ -16,7 +16,8 @@ from hypothesis.stateful import initialize, invariant, rule
 
 from kvcache_service.authority import AuthorityConfig, CacheAuthority
 from kvcache_service.errors import FellBehind, TooManyWatchers
-from kvcache_service.events import MAX_BATCH_BYTES, Cursor, EventLog, PoolKey, ResetReason
+from kvcache_service.event_types import Cursor, PoolKey, ResetReason
+from kvcache_service.events import MAX_BATCH_BYTES, EventLog
 from kvcache_service.ids import BlockId, Namespace, PoolId
 from kvcache_service.leases import AcquireRequest, Grant, SequenceUpdate
 from kvcache_service.pool import PoolSpec
