@@ -170,55 +170,18 @@ def launch(cfg: LaunchConfig, sink: Sink = print_sink, python: str = sys.executa
     prepare_model(cfg.model, lambda line: sink("launch", line + "\n"))
     started: list[Child] = []
     timeout = cfg.startup_timeout_s
-    n = cfg.cache_shards
     try:
-        caches = [
-            Child(
-                "cache" if n == 1 else f"cache-{i}",
-                cache_command(cfg, python, shard=i),
-                ready_prefix="KVCACHE_READY",
-                env=secret_env(cfg),
-                sink=sink,
-                port_setting=setting(ENV_PREFIX, "cache_port"),
-            ).start()
-            for i in range(n)
-        ]
+        caches = _start_caches(cfg, python, sink)
         started.extend(caches)
         cache_addresses = [c.wait_ready(timeout) for c in caches]
-        env = worker_env(cfg)
-        workers = [
-            Child(
-                f"worker-{i}",
-                worker_command(cfg, i, cache_addresses[i % n], python),
-                ready_prefix="WORKER_READY",
-                env=env,
-                sink=sink,
-                port_setting=setting(ENV_PREFIX, "worker_base_port"),
-            ).start()
-            for i in range(cfg.workers)
-        ]
+        workers = _start_workers(cfg, cache_addresses, python, sink)
         started.extend(workers)
-        gateway = Child(
-            "gateway",
-            gateway_command(cfg, ",".join(cache_addresses), python),
-            ready_prefix="GATEWAY_READY",
-            env=secret_env(cfg),
-            sink=sink,
-            port_setting=f"{setting(ENV_PREFIX, 'http_port')} / {setting(ENV_PREFIX, 'grpc_port')}",
-        ).start()
+        gateway = _start_gateway(cfg, cache_addresses, python, sink)
         started.append(gateway)
         fields = dict(part.split("=", 1) for part in gateway.wait_ready(timeout).split())
         worker_addresses = [w.wait_ready(timeout) for w in workers]
         wait_for_health(cfg, fields["http"], gateway, len(workers))
-        # A restart binds the ports the child has now: the others know it by them.
-        for child, address in zip(
-            caches + workers, cache_addresses + worker_addresses, strict=True
-        ):
-            child.restart_argv = pinned(child.argv, {"--port": port_of(address)})
-        gateway.restart_argv = pinned(
-            gateway.argv,
-            {"--http-port": port_of(fields["http"]), "--grpc-port": port_of(fields["grpc"])},
-        )
+        _pin_ports(caches + workers, cache_addresses + worker_addresses, gateway, fields)
     except BaseException:
         stop_all(list(reversed(started)), 5.0)
         raise
@@ -233,6 +196,67 @@ def launch(cfg: LaunchConfig, sink: Sink = print_sink, python: str = sys.executa
         fields["grpc"],
         caches[1:],
         cache_addresses[1:],
+    )
+
+
+def _start_caches(cfg: LaunchConfig, python: str, sink: Sink) -> list[Child]:
+    """The cache service, or its shards, started (not yet ready)."""
+    n = cfg.cache_shards
+    return [
+        Child(
+            "cache" if n == 1 else f"cache-{i}",
+            cache_command(cfg, python, shard=i),
+            ready_prefix="KVCACHE_READY",
+            env=secret_env(cfg),
+            sink=sink,
+            port_setting=setting(ENV_PREFIX, "cache_port"),
+        ).start()
+        for i in range(n)
+    ]
+
+
+def _start_workers(
+    cfg: LaunchConfig, cache_addresses: list[str], python: str, sink: Sink
+) -> list[Child]:
+    """The workers started (not yet ready), worker i registering with shard i mod N."""
+    env = worker_env(cfg)
+    n = len(cache_addresses)
+    return [
+        Child(
+            f"worker-{i}",
+            worker_command(cfg, i, cache_addresses[i % n], python),
+            ready_prefix="WORKER_READY",
+            env=env,
+            sink=sink,
+            port_setting=setting(ENV_PREFIX, "worker_base_port"),
+        ).start()
+        for i in range(cfg.workers)
+    ]
+
+
+def _start_gateway(cfg: LaunchConfig, cache_addresses: list[str], python: str, sink: Sink) -> Child:
+    return Child(
+        "gateway",
+        gateway_command(cfg, ",".join(cache_addresses), python),
+        ready_prefix="GATEWAY_READY",
+        env=secret_env(cfg),
+        sink=sink,
+        port_setting=f"{setting(ENV_PREFIX, 'http_port')} / {setting(ENV_PREFIX, 'grpc_port')}",
+    ).start()
+
+
+def _pin_ports(
+    children: list[Child], addresses: list[str], gateway: Child, gateway_fields: dict[str, str]
+) -> None:
+    """A restart binds the ports the child has now: the others know it by them."""
+    for child, address in zip(children, addresses, strict=True):
+        child.restart_argv = pinned(child.argv, {"--port": port_of(address)})
+    gateway.restart_argv = pinned(
+        gateway.argv,
+        {
+            "--http-port": port_of(gateway_fields["http"]),
+            "--grpc-port": port_of(gateway_fields["grpc"]),
+        },
     )
 
 

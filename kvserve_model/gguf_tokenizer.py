@@ -56,37 +56,8 @@ def tokenizer_files(header: GGUFHeader, context: int) -> dict[str, dict[str, Any
     """``tokenizer.json`` and ``tokenizer_config.json`` for ``header``'s tokenizer; raises
     ModelLoadError (one line) for one this module does not build."""
     meta = header.metadata
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        what = "none" if kind is None else repr(kind)
-        raise ModelLoadError(
-            f"{header.path.name}: tokenizer model {what} is not supported "
-            "(byte-level BPE, tokenizer.ggml.model 'gpt2', is)"
-        )
-    pre = str(meta.get("tokenizer.ggml.pre", "default"))
-    if pre not in PRE_TOKENIZERS:
-        raise ModelLoadError(
-            f"{header.path.name}: pre-tokenizer {pre!r} is not supported "
-            f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})"
-        )
-    tokens: list[str] = list(meta.get("tokenizer.ggml.tokens", []))
-    merges: list[str] = list(meta.get("tokenizer.ggml.merges", []))
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    if not tokens or not merges or len(types) != len(tokens):
-        raise ModelLoadError(f"{header.path.name}: incomplete tokenizer (tokens, types, merges)")
-    added = [
-        {
-            "id": i,
-            "content": tokens[i],
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "special": types[i] == CONTROL,
-        }
-        for i in range(len(tokens))
-        if types[i] in (CONTROL, USER_DEFINED)
-    ]
+    pre, tokens, merges, types = _vocabulary(header)
+    added = _added_tokens(tokens, types)
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
     splits = [
         {"type": "Split", "pattern": {"Regex": e}, "behavior": "Isolated", "invert": False}
@@ -135,6 +106,48 @@ def tokenizer_files(header: GGUFHeader, context: int) -> dict[str, dict[str, Any
     if template := meta.get("tokenizer.chat_template"):
         config["chat_template"] = template
     return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}
+
+
+def _vocabulary(header: GGUFHeader) -> tuple[str, list[str], list[str], list[int]]:
+    """The tokenizer's pre-tokenizer name, tokens, merges and token types, checked: a
+    byte-level BPE with a known pre-tokenizer and a complete vocabulary, or ModelLoadError."""
+    meta = header.metadata
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        what = "none" if kind is None else repr(kind)
+        raise ModelLoadError(
+            f"{header.path.name}: tokenizer model {what} is not supported "
+            "(byte-level BPE, tokenizer.ggml.model 'gpt2', is)"
+        )
+    pre = str(meta.get("tokenizer.ggml.pre", "default"))
+    if pre not in PRE_TOKENIZERS:
+        raise ModelLoadError(
+            f"{header.path.name}: pre-tokenizer {pre!r} is not supported "
+            f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})"
+        )
+    tokens: list[str] = list(meta.get("tokenizer.ggml.tokens", []))
+    merges: list[str] = list(meta.get("tokenizer.ggml.merges", []))
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    if not tokens or not merges or len(types) != len(tokens):
+        raise ModelLoadError(f"{header.path.name}: incomplete tokenizer (tokens, types, merges)")
+    return pre, tokens, merges, types
+
+
+def _added_tokens(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
+    """The control (special) and user-defined tokens, matched whole in text."""
+    return [
+        {
+            "id": i,
+            "content": tokens[i],
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": types[i] == CONTROL,
+        }
+        for i in range(len(tokens))
+        if types[i] in (CONTROL, USER_DEFINED)
+    ]
 
 
 def _special_tokens(header: GGUFHeader, tokens: list[str]) -> dict[str, str]:
