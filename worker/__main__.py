@@ -18,7 +18,7 @@ from kvserve_model.resolve import resolve_model
 from worker import precompile
 from worker.config import WorkerConfig
 from worker.device_defaults import apply_mlx_env
-from worker.model.gpu_attention import cuda_available
+from worker.model.device import cuda_available
 
 log = logging.getLogger("worker")
 
@@ -40,7 +40,9 @@ def start(config: WorkerConfig) -> Service:
 def start_precompile(config: WorkerConfig) -> precompile.Precompile | None:
     """The CUDA kernels compiled in a child while this process imports mlx-lm
     (``worker.precompile``); None off CUDA, or where the model does not resolve (the load
-    then says why)."""
+    then says why), with ``--no-precompile``, or where attention is not the CUDA backend's."""
+    if not config.precompile or config.attention not in ("auto", "cuda"):
+        return None
     try:
         return precompile.start(resolve_model(config.model, log=log.info), config.block_size)
     except ModelLoadError:

@@ -13,6 +13,8 @@ from kvserve_model.sampling_limits import MAX_DRAFT_TOKENS
 
 ENV_PREFIX = "KVWORKER_"
 DEQUANTIZE = ("auto", "always", "never")
+# worker.model.attention.BACKENDS (not imported: this module loads before MLX may).
+ATTENTION = ("auto", "reference", "cpu", "cuda", "metal")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,22 @@ class WorkerConfig:
     # Check the paged path against mlx-lm's dense path on a small batch at startup and refuse a
     # model whose logits differ (worker.model.self_check).
     self_check: bool = True
+    # Attention over the pool (worker.model.attention): the backend, chosen once at start.
+    # "auto": cpu on a CPU, cuda on an NVIDIA GPU, reference (gather-then-SDPA) on an Apple
+    # GPU; "metal" (the decode kernel's untested Metal twin) only when asked.
+    attention: str = "auto"
+    # cpu: MLX streams a decode's attention is split over (0: one per core, at most 8), and
+    # whether the numba decode kernel may be measured and taken at start.
+    attention_streams: int = 0
+    cpu_decode_kernel: bool = True
+    # cuda: prefill chunks through the block-table prefill kernel (off: gather then cuDNN),
+    # decode forwards compiled (worker.model.compiled_decode), the self-check's kernels built
+    # in a child process at start (worker.precompile), and MLX's sorted expert gathers kept
+    # (off: routed to the unsorted kernels, worker.model.mlx_fixes).
+    prefill_kernel: bool = True
+    compile_decodes: bool = True
+    precompile: bool = True
+    cuda_sorted_gather: bool = False
     # TLS (kvserve_launch.tls). The gRPC port: PEM certificate and key, both or neither; the
     # same pair is the worker's client certificate when it dials the cache service over TLS.
     tls_cert: str = ""
@@ -119,6 +137,10 @@ def check(c: WorkerConfig) -> str | None:
         return "--stream-interval must be >= 1"
     if not 1 <= c.num_draft_tokens <= MAX_DRAFT_TOKENS:
         return f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}]"
+    if c.attention not in ATTENTION:
+        return f"--attention must be one of {', '.join(ATTENTION)}"
+    if c.attention_streams < 0:
+        return "--attention-streams must be >= 0 (0: one per core)"
     if c.dequantize not in DEQUANTIZE:
         return f"--dequantize must be one of {', '.join(DEQUANTIZE)}"
     if not 0.0 <= c.kv_memory_fraction <= 1.0:
@@ -164,6 +186,18 @@ SETTINGS = Settings(
         "dequantize": "quantized weights to float32: auto (on a CPU, where they fit a quarter of "
         "memory), always or never",
         "self_check": "refuse a model whose paged path disagrees with mlx-lm's dense path",
+        "attention": "attention backend: auto, reference (gather-then-SDPA), cpu, cuda or metal "
+        "(untested)",
+        "attention_streams": "cpu: MLX streams decode attention is split over (0: one per core)",
+        "cpu_decode_kernel": Flag(
+            "cpu: keep the numba decode kernel out of the start-up choice", off_only=True
+        ),
+        "prefill_kernel": Flag("cuda: prefill through gather then cuDNN only", off_only=True),
+        "compile_decodes": Flag("cuda: run decode forwards uncompiled", off_only=True),
+        "precompile": Flag(
+            "cuda: build the self-check's kernels in the worker, not in a child", off_only=True
+        ),
+        "cuda_sorted_gather": "cuda: keep MLX's sorted expert gathers (an MLX that fixed them)",
         "tls_cert": "PEM certificate: with --tls-key, the gRPC port serves TLS",
         "tls_key": "PEM private key of --tls-cert",
         "tls_ca": "PEM CA bundle: reach the cache service over TLS, verified against it",

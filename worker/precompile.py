@@ -81,9 +81,9 @@ def ptx_cache_dir() -> Path:
 
 def start(model_dir: Path, block_size: int) -> Precompile | None:
     """Spawn the child (only where MLX runs on CUDA); None where there is nothing to do."""
-    from worker.model.gpu_attention import cuda_available
+    from worker.model.device import cuda_available
 
-    if not cuda_available() or os.environ.get("KVSERVE_PRECOMPILE") == "0":
+    if not cuda_available():
         return None
     from worker.device_defaults import free_memory
 

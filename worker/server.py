@@ -33,6 +33,8 @@ from worker.engine.lease import PoolRegistration
 from worker.engine.loop import Engine, EngineLimits
 from worker.errors import RecurrentStateError, UnsupportedModelError
 from worker.lease_client import LeaseClient
+from worker.model import mlx_fixes
+from worker.model.attention import AttentionOptions
 from worker.model.dense_runner import DenseRunner, check_dense_parity, estimate_state
 from worker.model.draft import DraftModel
 from worker.model.kv_pool import bytes_per_block
@@ -86,6 +88,20 @@ async def _warm_up_in_background(
     log.info("%s", report.describe())
 
 
+def attention_options(config: WorkerConfig) -> AttentionOptions:
+    """The attention flags as the model path takes them (plain values); ``--cuda-sorted-gather``
+    is a process-wide choice, made here, before the first runner."""
+    if config.cuda_sorted_gather:
+        mlx_fixes.keep_sorted_gathers()
+    return AttentionOptions(
+        backend=config.attention,
+        streams=config.attention_streams,
+        cpu_decode_kernel=config.cpu_decode_kernel,
+        prefill_kernel=config.prefill_kernel,
+        compile_decodes=config.compile_decodes,
+    )
+
+
 def build_executor(
     config: WorkerConfig,
     loaded: LoadedModel,
@@ -134,6 +150,7 @@ def build_executor(
             loaded.model,
             block_size=config.block_size,
             num_blocks=limits.num_blocks + limits.scratch_blocks,
+            attention=attention_options(config),
         )
         log.info("%s", runner.describe())
         log.info("%s", runner.choose_decode_attention().describe())

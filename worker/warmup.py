@@ -34,7 +34,7 @@ most the one step in progress. Its sequences write only *scratch* blocks: the po
 ever name them (block ids ``first_block`` on). Sequences of one forward get distinct blocks,
 as leases would.
 
-Where decode attention runs the block-table kernel (``worker.model.gpu_attention``, an NVIDIA
+Where decode attention runs the block-table kernel (``worker.model.attention.gpu_decode``, an NVIDIA
 GPU), the kernel is compiled once per variant -- rows per thread block (from the query heads
 per KV head times the queries of a call: 1 for a decode, up to 17 for a speculative verify or
 a short prefill chunk) and one-pass or split-then-merge (long contexts, few sequences) -- about
@@ -43,7 +43,7 @@ decode right after its first request's prefill, and the requests waiting on that
 waited those seconds too. So the warm-up also runs forwards of 1, 2, 3 and 5 queries over one
 block and over many (:data:`KERNEL_QUERIES`): every variant a request can reach; and a
 24-token prefill chunk over a short and a 512-token context, the block-table prefill kernel's
-one-pass and split variants (``worker.model.gpu_prefill``: about 3 s each to compile).
+one-pass and split variants (``worker.model.attention.gpu_prefill``: about 3 s each to compile).
 
 Not covered: mlx-lm's compiled samplers bake ``temperature``, ``top_p`` and ``min_p`` into the
 kernel as constants, so each new value compiles one more small kernel on first use (CPU: about
@@ -66,7 +66,6 @@ from typing import Any
 from worker.engine.executor import ModelExecutor, SampleRow, Speculation
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import TextStream
-from worker.model import gpu_attention
 from worker.model.forward_batch import SeqInput
 from worker.model.sampling import RowSampler
 
@@ -75,11 +74,11 @@ log = logging.getLogger(__name__)
 MAX_DECODE_SIZES = 8
 # Queries per call that select every rows-per-tile variant of the GPU kernel for any number of
 # query heads per KV head (rows are rounded up to a power of two, at most 8:
-# ``gpu_attention.rows_per_tile``); each runs over a short and a long context (one pass, split).
+# ``gpu_decode.rows_per_tile``); each runs over a short and a long context (one pass, split).
 KERNEL_QUERIES = (1, 2, 3, 5)
-KERNEL_LONG_BLOCKS = 16  # a context this long splits (``gpu_attention.choose_splits``)
+KERNEL_LONG_BLOCKS = 16  # a context this long splits (``gpu_decode.choose_splits``)
 # A prefill chunk past the decode kernel's 17 queries, over one short and one long context:
-# the block-table prefill kernel's one-pass and split variants (``worker.model.gpu_prefill``).
+# the block-table prefill kernel's one-pass and split variants (``attention.gpu_prefill``).
 PREFILL_KERNEL_QUERIES = 24
 PREFILL_LONG_TOKENS = 512  # eight key tiles of 64: a single sequence's chunk splits
 WARMUP_TEXT = "Warm-up: the quick brown fox jumps over the lazy dog. 0123456789"
@@ -373,7 +372,8 @@ async def warm_up(
     has one. Raises whatever a forward raises."""
     runner = executor.runner
     if kernel_variants is None:  # the paged runner's decodes on the GPU kernel
-        kernel_variants = gpu_attention.active() and bool(getattr(runner, "block_decode", False))
+        attention = getattr(runner, "attention", None)
+        kernel_variants = attention is not None and attention.name == "cuda"
     t0 = time.perf_counter()
     steps = plan(
         block_size=runner.block_size,

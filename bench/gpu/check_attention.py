@@ -1,8 +1,8 @@
 """Correctness and speed of the GPU block-table decode attention, in one run on an NVIDIA GPU.
 
-``worker.model.gpu_attention.paged_decode_attention`` (``mx.fast.cuda_kernel``) against:
+``worker.model.gpu_decode.paged_decode_attention`` (``mx.fast.cuda_kernel``) against:
 
-(a) float64 numpy (``gpu_attention.reference_attention``) and gather-then-SDPA (the worker's
+(a) float64 numpy (``gpu_decode.reference_attention``) and gather-then-SDPA (the worker's
     GPU path before the kernel: ``KVPool.gather`` then ``mx.fast.scaled_dot_product_attention``
     with the batch's own mask) on random pools with shuffled block ids: batch 1-64, context
     1-32k (lengths off block boundaries, mixed lengths in a batch), head dims 64/128/256, GQA
@@ -44,7 +44,8 @@ import mlx.core as mx
 import numpy as np
 from bench_models import gpu_name  # type: ignore[import-not-found]
 
-from worker.model import gpu_attention, gpu_prefill, mlx_fixes
+from worker.model import mlx_fixes
+from worker.model.attention import gpu_decode, gpu_prefill
 from worker.model.forward_batch import ForwardBatch, SeqInput
 
 # Largest abs error accepted against float64, as a fraction of max(1, max |reference|).
@@ -175,7 +176,7 @@ def check(small: bool, start: int = 0, stop: int = 1000) -> bool:
         batch, pool_k, pool_v, q = build(case, rng)
         tables, ends, q_lens = batch.kernel_inputs()
         scale = case.d**-0.5
-        ref = gpu_attention.reference_attention(
+        ref = gpu_decode.reference_attention(
             as_f32(q), as_f32(pool_k), as_f32(pool_v), np.array(tables), np.array(ends),
             scale, case.window, np.array(q_lens),
         )  # fmt: skip
@@ -183,16 +184,16 @@ def check(small: bool, start: int = 0, stop: int = 1000) -> bool:
         sdpa = as_f32(gathered_sdpa(batch, pool_k, pool_v, q, scale, case.window))
         sdpa_err = float(np.abs(sdpa - ref).max())
         rep_nq = case.rep * batch.query_len
-        tiles = -(-rep_nq // gpu_attention.rows_per_tile(case.rep, batch.query_len))
-        auto = gpu_attention.choose_splits(
+        tiles = -(-rep_nq // gpu_decode.rows_per_tile(case.rep, batch.query_len))
+        auto = gpu_decode.choose_splits(
             batch.size * case.h * tiles,
-            gpu_attention.visible_blocks(batch.key_blocks, case.bs, batch.query_len, case.window),
+            gpu_decode.visible_blocks(batch.key_blocks, case.bs, batch.query_len, case.window),
         )
         for splits in (auto, 1 if auto > 1 else min(3, batch.key_blocks)):
             # An output the kernel leaves unwritten shows.
             mlx_fixes.dirty_buffer_cache(q, pool_k, pool_v, tables, ends, q_lens)
             got = as_f32(
-                gpu_attention.paged_decode_attention(
+                gpu_decode.paged_decode_attention(
                     q, pool_k, pool_v, tables, ends, scale, case.window, q_lens, splits=splits
                 )
             )
@@ -211,7 +212,7 @@ def check(small: bool, start: int = 0, stop: int = 1000) -> bool:
             bad = np.array(tables)
             bad[0, 1] = np.array(tables)[0, 2]  # block 1 of sequence 0 read from elsewhere
             got = as_f32(
-                gpu_attention.paged_decode_attention(
+                gpu_decode.paged_decode_attention(
                     q, pool_k, pool_v, mx.array(bad), ends, scale, case.window, q_lens
                 )
             )
@@ -288,7 +289,7 @@ def bench(small: bool) -> None:
             return gathered_sdpa(batch, pool_k, pool_v, x, scale, None)
 
         def kernel(x, pool_k=pool_k, pool_v=pool_v, tables=tables, ends=ends, q_lens=q_lens):
-            return gpu_attention.paged_decode_attention(
+            return gpu_decode.paged_decode_attention(
                 x, pool_k, pool_v, tables, ends, scale, None, q_lens
             )
 
@@ -298,7 +299,7 @@ def bench(small: bool) -> None:
         t_dense = timed(dense, q, chain, repeats)
         t_gather = timed(gather, q, chain, repeats)
         t_kernel = timed(kernel, q, chain, repeats)
-        splits = gpu_attention.choose_splits(b * h, n)
+        splits = gpu_decode.choose_splits(b * h, n)
         gbps = 2 * b * h * ctx * d * dtype.size / t_kernel / 1e9
         rows.append((b, ctx, t_dense, t_gather, t_kernel))
         print(
@@ -312,14 +313,14 @@ def bench(small: bool) -> None:
         del k_dense, v_dense
     print("\nkernel time by number of splits (us; * = the automatic choice)")
     for (b, ctx), (q, pool_k, pool_v, tables, ends, q_lens, n) in sweep_at.items():
-        auto = gpu_attention.choose_splits(b * h, n)
+        auto = gpu_decode.choose_splits(b * h, n)
         line = []
         for s in (1, 2, 4, 8, 16, 32, 64):
             if s > n:
                 break
 
             def f(x, s=s, pool_k=pool_k, pool_v=pool_v, tables=tables, ends=ends, q_lens=q_lens):
-                return gpu_attention.paged_decode_attention(
+                return gpu_decode.paged_decode_attention(
                     x, pool_k, pool_v, tables, ends, d**-0.5, None, q_lens, splits=s
                 )
 
@@ -362,13 +363,13 @@ def greedy(small: bool) -> bool:
 
     print("\n## (c) greedy tokens: ModelRunner with the kernel vs mlx-lm dense")
     calls = {"n": 0}
-    real = gpu_attention.paged_decode_attention
+    real = gpu_decode.paged_decode_attention
 
     def counted(*args, **kwargs):
         calls["n"] += 1
         return real(*args, **kwargs)
 
-    gpu_attention.paged_decode_attention = counted  # type: ignore[assignment]
+    gpu_decode.paged_decode_attention = counted  # type: ignore[assignment]
     helpers.CONFIGS["llama_d128"] = {
         **helpers.CONFIGS["llama"],
         "hidden_size": 1024,
@@ -431,7 +432,7 @@ def greedy(small: bool) -> bool:
             f"{'ok' if good else 'FAIL'}",
             flush=True,
         )
-    gpu_attention.paged_decode_attention = real  # type: ignore[assignment]
+    gpu_decode.paged_decode_attention = real  # type: ignore[assignment]
     print("(c):", "PASS" if ok else "FAIL", flush=True)
     return ok
 
@@ -449,8 +450,8 @@ def main() -> int:
     small = args.cpu_dry_run
     if small:
         _stand_in_for_the_kernel()
-    elif not gpu_attention.active():
-        print("needs MLX's CUDA backend on an NVIDIA GPU (gpu_attention.active() is False)")
+    elif not gpu_decode.active():
+        print("needs MLX's CUDA backend on an NVIDIA GPU (gpu_decode.active() is False)")
         return 2
     print(f"mlx {mx.__version__}, device {mx.default_device()}, {gpu_name()}")
     ok = True
@@ -477,15 +478,15 @@ def _stand_in_for_the_kernel() -> None:
     runner takes their paths."""
 
     def kernel(q, pool_k, pool_v, tables, ends, scale, window=None, q_lens=None, splits=None):
-        out = gpu_attention.reference_attention(
+        out = gpu_decode.reference_attention(
             as_f32(q), as_f32(pool_k), as_f32(pool_v), np.array(tables), np.array(ends),
             scale, window, None if q_lens is None else np.array(q_lens),
         )  # fmt: skip
         return mx.array(out.astype(np.float32)).astype(q.dtype)
 
-    gpu_attention.paged_decode_attention = kernel  # type: ignore[assignment]
+    gpu_decode.paged_decode_attention = kernel  # type: ignore[assignment]
     gpu_prefill.paged_prefill_attention = kernel  # type: ignore[assignment]
-    gpu_attention.active = lambda: True  # type: ignore[assignment]
+    gpu_decode.active = lambda: True  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

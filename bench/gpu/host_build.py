@@ -5,7 +5,7 @@ gpu-serving-benchmark.md``: 2.6-4.6 ms of a 7.8-10 ms step on an H100 host).
 
 Building the graph needs no GPU: on a machine without MLX's CUDA backend the block-table
 kernel is replaced by a stand-in that returns lazy arrays of its output shapes (nothing is
-evaluated, so nothing it would compute is needed), and ``gpu_attention.active()`` is forced
+evaluated, so nothing it would compute is needed), and ``gpu_decode.active()`` is forced
 on, so that the worker's runner takes exactly the GPU's decode path through its Python:
 ``ForwardBatch``, the pool writes, the attention hook's checks, the kernel's launch plan;
 and the same forward compiled (``worker.model.compiled_decode``: the traced graph replayed).
@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx
 from bench_models import make_model  # type: ignore[import-not-found]
 
-from worker.model import gpu_attention
+from worker.model import device as devices
+from worker.model.attention import gpu_decode
 
 
 def stand_in_kernel(backend: str, kind: str) -> Callable[..., list[mx.array]]:
@@ -67,10 +68,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    stood_in = not gpu_attention.cuda_available()
+    stood_in = not devices.cuda_available()
     if stood_in:
-        gpu_attention._kernel = stand_in_kernel  # type: ignore[assignment]
-        gpu_attention.active = lambda: True  # type: ignore[assignment]
+        gpu_decode._kernel = stand_in_kernel  # type: ignore[assignment]
+        gpu_decode.active = lambda: True  # type: ignore[assignment]
 
     from mlx_lm.models.cache import KVCache
 

@@ -9,16 +9,16 @@ boolean array). Per layer, in microseconds (medians), this script times:
 
 - **gather**: that path under the mask (the pool write excluded: every path pays it); the
   gather is ``KVPool.gather``: on an NVIDIA GPU a copy kernel
-  (``gpu_attention.gather_blocks``), elsewhere MLX's indexing (timed alone in the last
+  (``gpu_decode.gather_blocks``), elsewhere MLX's indexing (timed alone in the last
   columns, with a ``take``-based alternative);
 - **exact**: the gathered context without the array mask, one ``"causal"`` call per group of
-  sequences with the same queries and context (``block_attention.exact_context_attention``,
+  sequences with the same queries and context (``cuda.exact_context_attention``,
   what the worker runs now on an NVIDIA GPU for calls of more than 17 queries);
 - **float mask**: the gather path with the mask as an additive fp16 array (0 / -inf) instead
   of a boolean one;
 - **dense**: SDPA over contiguous K/V that are already in place, each sequence's exact
   context, ``"causal"`` (bottom-right): the floor a block-table prefill kernel would approach;
-- **kernel**: the block-table decode kernel (``gpu_attention.paged_decode_attention``) handed
+- **kernel**: the block-table decode kernel (``gpu_decode.paged_decode_attention``) handed
   all the queries. It serves 8 query rows a thread block and each block re-reads the context,
   so it is not made for this; it shows what the CUDA cores alone give here.
 
@@ -50,7 +50,8 @@ import mlx.core as mx
 import numpy as np
 from bench_models import gpu_name  # type: ignore[import-not-found]
 
-from worker.model import block_attention, gpu_attention
+from worker.model import device as devices
+from worker.model.attention import cuda, gpu_decode
 from worker.model.forward_batch import ForwardBatch, SeqInput
 from worker.model.kv_pool import KVPool
 from worker.model.spec import LayerSpec
@@ -148,7 +149,7 @@ def run_case(c: Case, dtype: mx.Dtype, repeat: int, kernel: bool) -> tuple[dict[
 
     def exact() -> mx.array:
         k, v = pool.gather(0, batch.tables)
-        return block_attention.exact_context_attention(q, k, v, batch, scale)
+        return cuda.exact_context_attention(q, k, v, batch, scale)
 
     def take_gather() -> tuple[mx.array, mx.array]:
         # One index per block along the pool's block axis, then a view in [B, heads, L, dim]
@@ -161,7 +162,7 @@ def run_case(c: Case, dtype: mx.Dtype, repeat: int, kernel: bool) -> tuple[dict[
 
     def exact_take() -> mx.array:
         k, v = take_gather()
-        return block_attention.exact_context_attention(q, k, v, batch, scale)
+        return cuda.exact_context_attention(q, k, v, batch, scale)
 
     def gather_only() -> mx.array:
         return mx.stack(pool.gather(0, batch.tables))
@@ -215,7 +216,7 @@ def run_case(c: Case, dtype: mx.Dtype, repeat: int, kernel: bool) -> tuple[dict[
         tab, ends, q_lens = batch.kernel_inputs()
 
         def block_table() -> mx.array:
-            return gpu_attention.paged_decode_attention(
+            return gpu_decode.paged_decode_attention(
                 q, k_pool, v_pool, tab, ends, scale, None, q_lens
             )
 
@@ -238,7 +239,7 @@ def main() -> None:
         sys.exit("no GPU here: run it on the GPU machine (--cpu-dry-run checks the script)")
     cases = DRY_CASES if a.cpu_dry_run else CASES
     dtype = mx.float32 if a.cpu_dry_run else mx.float16
-    kernel = gpu_attention.cuda_available()
+    kernel = devices.cuda_available()
     where = gpu_name() if gpu else "CPU dry run"
     print(f"# {where}, MLX {mx.__version__}, {str(dtype).rsplit('.', 1)[-1]}, per layer\n")
     print(

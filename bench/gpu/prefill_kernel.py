@@ -1,12 +1,12 @@
 """The block-table prefill kernel (``worker.model.gpu_prefill``) on a GPU: checked, then timed.
 
-1. **Checks** against the float64 reference (``gpu_attention.reference_attention``) on random
+1. **Checks** against the float64 reference (``gpu_decode.reference_attention``) on random
    pools with shuffled block ids: batch 1-64, contexts 1-32k, head dims 64/128, GQA 1/4/8,
    block sizes 16/32, windows, ragged query counts, fp16 and bf16, one split and several.
    Prints each case's max error relative to the output's scale; any case over tolerance fails.
 2. **Per layer, microseconds** (medians), the cases of ``prefill_attention.py``: the kernel,
    the path it replaces (gather with the copy kernel, then one cuDNN call per context group:
-   ``block_attention.exact_context_attention``) and dense cuDNN over contiguous K/V.
+   ``cuda.exact_context_attention``) and dense cuDNN over contiguous K/V.
 3. **First calls of new shapes**: a run of prefill chunks whose (queries, context) were not
    seen before, as serving makes them, through each path: the kernel compiles once per
    (dtype, head dim, block size, GQA) and takes shapes as arguments; cuDNN builds a graph for
@@ -31,7 +31,9 @@ import numpy as np
 from bench_models import gpu_name  # type: ignore[import-not-found]
 from prefill_attention import BLOCK_SIZE, CASES, paged_case, timed  # type: ignore[import-not-found]
 
-from worker.model import block_attention, gpu_attention, gpu_prefill, mlx_fixes
+from worker.model import device as devices
+from worker.model import mlx_fixes
+from worker.model.attention import cuda, gpu_decode, gpu_prefill
 from worker.model.forward_batch import ForwardBatch, SeqInput
 from worker.model.kv_pool import KVPool
 from worker.model.spec import LayerSpec
@@ -101,7 +103,7 @@ def check() -> bool:
             q, pool_k, pool_v, tables, ends, scale, window, q_lens, splits=splits
         )
         f32 = [np.array(a.astype(mx.float32)) for a in (q, pool_k, pool_v)]
-        want = gpu_attention.reference_attention(
+        want = gpu_decode.reference_attention(
             *f32, np.array(tables), np.array(ends), scale, window, np.array(q_lens)
         )
         err = float(np.abs(np.array(got.astype(mx.float32)) - want).max())
@@ -146,7 +148,7 @@ def bench_case(c, repeat: int, dtype: mx.Dtype) -> None:  # type: ignore[no-unty
 
     def exact() -> mx.array:
         k, v = pool.gather(0, batch.tables)
-        return block_attention.exact_context_attention(q, k, v, batch, scale)
+        return cuda.exact_context_attention(q, k, v, batch, scale)
 
     def dense() -> mx.array:
         return mx.fast.scaled_dot_product_attention(q, kd, vd, scale=scale, mask="causal")
@@ -186,7 +188,7 @@ def first_calls() -> None:
                 )
             else:
                 k, v = pool.gather(0, batch.tables)
-                out = block_attention.exact_context_attention(q, k, v, batch, 0.125)
+                out = cuda.exact_context_attention(q, k, v, batch, 0.125)
             mx.eval(out)
             if (prefix, own) != (1000, 50):
                 rows[name].append((time.perf_counter() - start) * 1e3)
@@ -204,7 +206,7 @@ def main() -> int:
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
     a = ap.parse_args()
-    if not gpu_attention.cuda_available():
+    if not devices.cuda_available():
         sys.exit("needs MLX's CUDA backend: run it on the GPU machine")
     print(f"# {gpu_name()}, MLX {mx.__version__}\n")
     start = time.perf_counter()

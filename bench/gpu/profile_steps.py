@@ -39,7 +39,7 @@ import numpy as np
 from bench_models import add_gpu_model_args, make_model  # type: ignore[import-not-found]
 
 from worker.engine.executor import ModelExecutor
-from worker.model import gpu_attention
+from worker.model.attention import gpu_decode
 from worker.model.forward_batch import ForwardBatch, SeqInput
 from worker.model.loader import load_model
 from worker.model.runner import ModelRunner
@@ -276,7 +276,7 @@ def main() -> None:
 
         # 5. Host-side costs of a decode step.
         seqs = [SeqInput([65], t, SHORT_PROMPT + args.steps) for t in short_tables]
-        if gpu_attention.active():  # one layer's decode attention: the kernel against SDPA
+        if gpu_decode.active():  # one layer's decode attention: the kernel against SDPA
             fb = ForwardBatch(seqs, bs, num_blocks, runner.spec.mask_rank)
             tables_in, ends_in, qlens = fb.kernel_inputs()
             pool_k, pool_v = runner.pool.layer_arrays(0)
@@ -285,7 +285,7 @@ def main() -> None:
             kd = mx.random.normal((b, kv_heads, ctx, dim)).astype(dt)
             mx.eval(q1, kd)
             t_kernel = statistics.median(
-                timed(lambda: gpu_attention.paged_decode_attention(
+                timed(lambda: gpu_decode.paged_decode_attention(
                     q1, pool_k, pool_v, tables_in, ends_in, dim**-0.5, None, qlens))
                 for _ in range(30)
             )  # fmt: skip
@@ -313,7 +313,7 @@ def main() -> None:
             host = {
                 "pool write (K and V)": lambda: runner.pool.write(
                     0, fb.write_blocks, fb.write_slots, k1, k1),
-                "kernel call": lambda: gpu_attention.paged_decode_attention(
+                "kernel call": lambda: gpu_decode.paged_decode_attention(
                     q1, pool_k, pool_v, tables_in, ends_in, dim**-0.5, None, qlens),
                 "dense slice update (K and V)": lambda: (
                     kc.__setitem__((Ellipsis, slice(ctx, ctx + 1), slice(None)), k1),

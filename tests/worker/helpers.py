@@ -18,7 +18,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from worker.model import gpu_attention
+from worker.model.attention import AttentionOptions, device_backend, gpu_decode
+from worker.model.attention.cuda import CudaBackend
 from worker.model.forward_batch import SeqInput
 from worker.model.runner import ModelRunner
 
@@ -214,9 +215,9 @@ def reference_kernel(
     window: int | None = None,
     q_lens: mx.array | None = None,
 ) -> mx.array:
-    """The GPU block-table kernel's float64 reference (``gpu_attention.reference_attention``)
+    """The GPU block-table kernel's float64 reference (``gpu_decode.reference_attention``)
     with the kernel's signature: stands in for it off an NVIDIA GPU."""
-    out = gpu_attention.reference_attention(
+    out = gpu_decode.reference_attention(
         np.array(queries.astype(mx.float32)),
         np.array(pool_k.astype(mx.float32)),
         np.array(pool_v.astype(mx.float32)),
@@ -263,3 +264,22 @@ def traceable_kernel(
         mask=seen[:, None],
     )
     return out.astype(queries.dtype)
+
+
+def route_as_cuda(monkeypatch: Any, kernel: Any = None) -> None:
+    """Runners built from now on take the CUDA backend, as on an NVIDIA GPU (its options as
+    given; ``attention.cuda``), ``kernel`` (default :func:`traceable_kernel`) standing in for
+    the decode kernel: the GPU's routing, the compiled decodes included, on any device."""
+    from worker.model import runner as runner_module
+
+    def choose(options: AttentionOptions | None = None) -> CudaBackend:
+        options = options or AttentionOptions()
+        return CudaBackend(options.prefill_kernel, options.compile_decodes)
+
+    monkeypatch.setattr(gpu_decode, "paged_decode_attention", kernel or traceable_kernel)
+    monkeypatch.setattr(runner_module, "choose_backend", choose)
+
+
+def runs_cuda_attention() -> bool:
+    """Whether this machine's runners take the CUDA backend by themselves."""
+    return device_backend() == "cuda"

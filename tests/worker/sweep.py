@@ -31,7 +31,9 @@ from tests.worker.helpers import (
     reference_kernel,
     traceable_kernel,
 )
-from worker.model import gpu_attention, gpu_prefill, mlx_fixes
+from worker.model import mlx_fixes
+from worker.model.attention import gpu_decode, gpu_prefill
+from worker.model.attention.cuda import CudaBackend
 from worker.model.runner import ModelRunner
 
 BS = 8
@@ -67,8 +69,12 @@ class _Scene:
     def __init__(self, model: nn.Module, check: Check) -> None:
         self.model = model
         self.check = check
-        self.runner = ModelRunner.create(model, block_size=BS, num_blocks=NUM_BLOCKS)
-        self.runner.decode_kernel = check.decode == "kernel"
+        attention = CudaBackend() if check.decode == "gpu" else None
+        self.runner = ModelRunner.create(
+            model, block_size=BS, num_blocks=NUM_BLOCKS, attention=attention
+        )
+        if check.decode == "kernel":
+            self.runner.attention.decode_path = "kernel"
         self.paged: dict[str, PagedSeq] = {}
         self.dense: dict[str, DenseSeq] = {}
         self.pos: dict[str, int] = {}  # prompt positions the paged side has computed
@@ -278,9 +284,9 @@ def run_parity(
 
 @contextlib.contextmanager
 def _gpu_routing(on: bool) -> Iterator[None]:
-    """With ``on``, attention is routed as on an NVIDIA GPU (``block_attention._gpu_sdpa``:
-    decodes to the block-table kernel, prefill chunks to the block-table prefill kernel, or
-    to the exact-context path once their shapes recur), references standing in for both
+    """With ``on`` (the scenes' runners then take the CUDA backend, ``attention.cuda``: decodes
+    to the block-table kernel, prefill chunks to the block-table prefill kernel, or to the
+    exact-context path once their shapes recur), references standing in for both
     kernels (the decode kernel's in lazy MLX ops, so that decodes run compiled as on a GPU:
     ``worker.model.compiled_decode``; the prefill kernel's in float64), the prefill kernel's
     dtype and head-dim limits opened to the tiny fp32 models."""
@@ -288,12 +294,10 @@ def _gpu_routing(on: bool) -> Iterator[None]:
         yield
         return
     with (
-        mock.patch.object(gpu_attention, "active", lambda: True),
-        mock.patch.object(gpu_attention, "paged_decode_attention", traceable_kernel),
+        mock.patch.object(gpu_decode, "paged_decode_attention", traceable_kernel),
         mock.patch.object(gpu_prefill, "paged_prefill_attention", reference_kernel),
         mock.patch.object(gpu_prefill, "DTYPES", (*gpu_prefill.DTYPES, mx.float32)),
         mock.patch.object(gpu_prefill, "HEAD_DIMS", tuple(range(8, 257, 8))),
-        mock.patch.object(gpu_prefill, "HISTORY", gpu_prefill.ShapeHistory()),
     ):
         yield
 

@@ -25,11 +25,14 @@ from tests.worker.helpers import (
     decode_together,
     max_diff,
     prompts,
+    route_as_cuda,
+    runs_cuda_attention,
     tiny_model,
     traceable_kernel,
 )
 from worker.errors import BatchError
-from worker.model import compiled_decode, gpu_attention
+from worker.model import compiled_decode
+from worker.model.attention import AttentionBackend, AttentionOptions
 from worker.model.forward_batch import ForwardBatch, SeqInput
 from worker.model.kv_pool import KVPool
 from worker.model.paged_cache import PagedLayerCache
@@ -48,9 +51,7 @@ def kernel_calls(monkeypatch):
         calls.append(tuple(queries.shape))
         return traceable_kernel(queries, *args)
 
-    monkeypatch.delenv(compiled_decode.ENV_SWITCH, raising=False)
-    monkeypatch.setattr(gpu_attention, "active", lambda: True)
-    monkeypatch.setattr(gpu_attention, "paged_decode_attention", kernel)
+    route_as_cuda(monkeypatch, kernel)
     return calls
 
 
@@ -74,6 +75,7 @@ def test_compiled_decodes_match_dense_mlx_lm(family, kernel_calls):
     edges: each step's logits as dense mlx-lm's, the trace replayed for repeated shapes."""
     model = tiny_model(family)
     runner = ModelRunner.create(model, block_size=BS, num_blocks=64)
+    kernel_calls.clear()  # the start's check that the model takes stand-ins built one decode
     paged, dense, first = _prefilled(model, runner, (5, 9, 14))
     assert runner.compiled_decode is None  # prefill is not compiled
     assert decode_together(runner, paged, dense, 12, first) <= TOL
@@ -157,10 +159,10 @@ def test_a_model_that_cannot_be_traced_decodes_uncompiled(kernel_calls, monkeypa
     assert sum("cannot be compiled" in r.message for r in caplog.records) == 1
 
 
-def test_the_switch_turns_it_off(kernel_calls, monkeypatch):
-    monkeypatch.setenv(compiled_decode.ENV_SWITCH, "0")
+def test_the_switch_turns_it_off(kernel_calls):
     model = tiny_model("llama")
-    runner = ModelRunner.create(model, block_size=BS, num_blocks=64)
+    off = AttentionOptions(compile_decodes=False)  # --no-compile-decodes
+    runner = ModelRunner.create(model, block_size=BS, num_blocks=64, attention=off)
     paged, dense, first = _prefilled(model, runner, (5, 9))
     assert decode_together(runner, paged, dense, 3, first) <= TOL
     assert runner.compiled_decode is None and kernel_calls  # the kernel, uncompiled
@@ -170,13 +172,12 @@ def test_only_kernel_served_decodes_compile(monkeypatch):
     """On a CPU's own attention path, and for a model that needs int offsets: no compiled
     forward."""
     model = tiny_model("llama")
-    if not gpu_attention.active():  # this machine's own attention path
+    if not runs_cuda_attention():  # this machine's own attention path
         runner = ModelRunner.create(model, block_size=BS, num_blocks=64)
         paged, dense, first = _prefilled(model, runner, (5, 9))
         assert decode_together(runner, paged, dense, 2, first) <= TOL
         assert runner.compiled_decode is None
-    monkeypatch.setattr(gpu_attention, "active", lambda: True)
-    monkeypatch.setattr(gpu_attention, "paged_decode_attention", traceable_kernel)
+    route_as_cuda(monkeypatch)
     spec = dataclasses.replace(probe(model), int_offsets=True)
     pool = KVPool.for_model(spec, block_size=BS, num_blocks=64)
     assert not ModelRunner(model, pool, spec).compile_decodes
@@ -236,7 +237,7 @@ def test_a_traced_batch_refuses_host_values():
     model = tiny_model("llama")
     pool = KVPool(probe(model).layers, 16, BS)
     with pytest.raises(BatchError, match="not traceable"):
-        PagedLayerCache(batch, pool, 0).size()
+        PagedLayerCache(batch, pool, 0, AttentionBackend()).size()
 
 
 def test_bucket_rows_and_buckets():
@@ -302,8 +303,9 @@ def test_prepared_shapes_are_replayed_and_leave_the_pool_alone(kernel_calls):
 def test_nothing_is_prepared_where_decodes_do_not_compile(monkeypatch):
     model = tiny_model("llama")
     runner = ModelRunner.create(model, block_size=BS, num_blocks=64)
-    if not gpu_attention.active():
+    if not runs_cuda_attention():
         assert runner.prepare_compiled_decodes(8, 64) == 0
-    monkeypatch.setattr(gpu_attention, "active", lambda: True)
+    route_as_cuda(monkeypatch)
+    runner = ModelRunner.create(model, block_size=BS, num_blocks=64)
     runner.compile_decodes = False
     assert runner.prepare_compiled_decodes(8, 64) == 0 and runner.compiled_decode is None

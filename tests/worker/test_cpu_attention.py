@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from worker.model import cpu_attention
+from worker.model.attention import cpu_prefill
 
 
 def qkv(b: int, hq: int, hk: int, n_q: int, n_k: int, d: int, seed: int, dtype=mx.float32):
@@ -47,8 +47,8 @@ def test_matches_mlx_sdpa(b, hq, hk, n_q, n_k, d, mask_kind) -> None:
         mask = mx.array(rng.standard_normal((1, 1, n_q, n_k)).astype(np.float32))
     else:
         mask = mx.array(rng.standard_normal((b, hq, n_q, n_k)).astype(np.float32))
-    assert cpu_attention.servable(q, k, mask)
-    got = cpu_attention.prefill_attention(q, k, v, 0.3, mask)
+    assert cpu_prefill.servable(q, k, mask)
+    got = cpu_prefill.prefill_attention(q, k, v, 0.3, mask)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
     assert got.shape == want.shape and got.dtype == want.dtype
     # Float32 rounding apart (the two sides may run on different BLAS libraries).
@@ -57,7 +57,7 @@ def test_matches_mlx_sdpa(b, hq, hk, n_q, n_k, d, mask_kind) -> None:
 
 def test_half_precision_in_and_out() -> None:
     q, k, v = qkv(1, 8, 2, 9, 20, 32, seed=1, dtype=mx.float16)
-    got = cpu_attention.prefill_attention(q, k, v, 0.2, "causal")
+    got = cpu_prefill.prefill_attention(q, k, v, 0.2, "causal")
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal")
     assert got.dtype == mx.float16
     np.testing.assert_allclose(
@@ -67,12 +67,12 @@ def test_half_precision_in_and_out() -> None:
 
 def test_what_it_leaves_to_mlx() -> None:
     q, k, _ = qkv(1, 4, 2, 1, 9, 8, seed=2)
-    assert not cpu_attention.servable(q, k, None)  # a decode: the block-table path's
+    assert not cpu_prefill.servable(q, k, None)  # a decode: the block-table path's
     q, k, _ = qkv(1, 6, 4, 3, 9, 8, seed=2)
-    assert not cpu_attention.servable(q, k, None)  # heads that do not group
+    assert not cpu_prefill.servable(q, k, None)  # heads that do not group
     q, k, _ = qkv(1, 4, 2, 3, 9, 8, seed=2)
-    assert not cpu_attention.servable(q, k, "sliding")  # a mask form it does not know
-    assert not cpu_attention.servable(q, k, mx.zeros((1, 1, 3, 8)))  # keys it cannot align
+    assert not cpu_prefill.servable(q, k, "sliding")  # a mask form it does not know
+    assert not cpu_prefill.servable(q, k, mx.zeros((1, 1, 3, 8)))  # keys it cannot align
 
 
 def test_softmax_in_place_writes_only_its_own_scores() -> None:
@@ -80,10 +80,10 @@ def test_softmax_in_place_writes_only_its_own_scores() -> None:
     earlier call's output, must come out untouched, and a second call must agree."""
     q, k, v = qkv(2, 8, 2, 6, 24, 16, seed=5)
     before = [np.array(a) for a in (q, k, v)]
-    first = cpu_attention.prefill_attention(q, k, v, 0.25, "causal")
+    first = cpu_prefill.prefill_attention(q, k, v, 0.25, "causal")
     mx.eval(first)
     kept = np.array(first)
-    second = cpu_attention.prefill_attention(q, k, v, 0.25, "causal")
+    second = cpu_prefill.prefill_attention(q, k, v, 0.25, "causal")
     for a, b in zip((q, k, v), before, strict=True):
         np.testing.assert_array_equal(np.array(a), b)
     np.testing.assert_array_equal(np.array(first), kept)
@@ -93,8 +93,8 @@ def test_softmax_in_place_writes_only_its_own_scores() -> None:
 def test_scores_large_enough_to_split_over_threads() -> None:
     """Past PARALLEL_MIN the exponentials run on several threads, by rows: same result."""
     b, hq, hk, n_q, n_k = 1, 4, 2, 300, 1024
-    assert b * hq * n_q * n_k >= cpu_attention.PARALLEL_MIN
+    assert b * hq * n_q * n_k >= cpu_prefill.PARALLEL_MIN
     q, k, v = qkv(b, hq, hk, n_q, n_k, 32, seed=9)
-    got = cpu_attention.prefill_attention(q, k, v, 0.2, "causal")
+    got = cpu_prefill.prefill_attention(q, k, v, 0.2, "causal")
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal")
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-4)

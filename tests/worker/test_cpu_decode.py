@@ -12,7 +12,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from worker.model import cpu_decode
+from tests.worker.helpers import tiny_model
+from worker.model.attention import AttentionOptions, cpu_decode
+from worker.model.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="numba is not installed")
 
@@ -112,9 +114,12 @@ def test_what_it_serves():
         cpu_decode.paged_decode_attention(q, pool, pool, np.zeros((2, 1), np.int32), [1, 1], 1.0, 0)
 
 
-def test_the_switch_turns_it_off(monkeypatch):
-    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
-    assert not cpu_decode.available()
+@pytest.mark.skipif(mx.default_device() == mx.gpu, reason="the CPU backend's choice")
+def test_the_switch_turns_it_off():
+    off = AttentionOptions(cpu_decode_kernel=False)  # --no-cpu-decode-kernel
+    runner = ModelRunner.create(tiny_model("llama"), num_blocks=8, attention=off)
+    choice = runner.choose_decode_attention(batch=2, context=16, repeats=1)
+    assert choice.kernel_s == 0 and runner.attention.decode_path != "kernel"
 
 
 def test_its_threads_follow_the_cores_this_process_may_use(monkeypatch):

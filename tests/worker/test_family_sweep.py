@@ -21,7 +21,7 @@ import pytest
 
 from tests.worker import families, sweep
 from worker.errors import RecurrentStateError, UnsupportedModelError
-from worker.model import cpu_decode
+from worker.model.attention import cpu_decode
 from worker.model.dense_runner import DenseRunner, check_dense_parity, estimate_state
 from worker.model.runner import ModelRunner
 from worker.model.self_check import SelfCheckResult, check_paged_parity
@@ -129,7 +129,7 @@ def test_family_decodes_by_the_cpu_kernel(family):
 def test_family_on_the_gpu_attention_paths(family):
     """Attention routed as on an NVIDIA GPU (decodes to the block-table kernel; prefill
     chunks to the block-table prefill kernel, or once their shapes recur to one causal call
-    per context, ``block_attention.exact_context_attention``; the kernels' float64 reference
+    per context, ``cuda.exact_context_attention``; the kernels' float64 reference
     standing in) matches dense mlx-lm for every paged family."""
     if _classified(family).kind != "paged" or _refused(family):
         pytest.skip("not served paged")

@@ -1,4 +1,4 @@
-"""The GPU block-table decode attention (``worker.model.gpu_attention``) and its wiring.
+"""The GPU block-table decode attention (``worker.model.attention.gpu_decode``) and its wiring.
 
 Everything here but the tests marked ``cuda`` runs on the CPU: the kernel sources rendered from
 one template for CUDA and Metal, the launch arithmetic, the float64 reference the GPU check holds
@@ -12,6 +12,7 @@ and were run on an H100 (``docs/gpu-attention.md``).
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 
@@ -21,8 +22,19 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import tests.worker.test_paged_parity as parity
-from tests.worker.helpers import TOL, reference_kernel, tiny_model
-from worker.model import block_attention, gpu_attention, mlx_fixes
+from tests.worker.helpers import (
+    TOL,
+    reference_kernel,
+    route_as_cuda,
+    runs_cuda_attention,
+    tiny_model,
+)
+from worker.model import device as devices
+from worker.model import mlx_fixes
+from worker.model.attention import AttentionBackend, backend, gpu_decode, seam
+from worker.model.attention import cuda as cuda_backend
+from worker.model.attention.cpu import CpuBackend
+from worker.model.attention.cuda import CudaBackend
 from worker.model.forward_batch import ForwardBatch, SeqInput
 from worker.model.kv_pool import KVPool
 from worker.model.paged_cache import PagedLayerCache
@@ -30,7 +42,7 @@ from worker.model.runner import ModelRunner
 from worker.model.spec import probe
 
 cuda = pytest.mark.skipif(
-    not gpu_attention.cuda_available(), reason="needs an NVIDIA GPU (MLX's CUDA backend)"
+    not devices.cuda_available(), reason="needs an NVIDIA GPU (MLX's CUDA backend)"
 )
 KINDS = ("single", "partial", "reduce")
 
@@ -40,13 +52,13 @@ KINDS = ("single", "partial", "reduce")
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_and_metal_sources_come_from_one_template(kind):
-    cuda_header, cuda_body = gpu_attention.render("cuda", kind)
-    metal_header, metal_body = gpu_attention.render("metal", kind)
+    cuda_header, cuda_body = gpu_decode.render("cuda", kind)
+    metal_header, metal_body = gpu_decode.render("metal", kind)
     for body in (cuda_body, metal_body):
         assert "$" not in body
     # The bodies differ only in the backend's names for indices: swap them and they agree.
     translated = cuda_body
-    names = gpu_attention._BACKENDS
+    names = gpu_decode._BACKENDS
     for key in sorted(names["cuda"], key=lambda k: -len(names["cuda"][k])):
         if names["cuda"][key]:
             translated = translated.replace(names["cuda"][key], names["metal"][key])
@@ -59,36 +71,36 @@ def test_cuda_and_metal_sources_come_from_one_template(kind):
 
 def test_every_input_and_output_is_used():
     for kind in KINDS:
-        _, body = gpu_attention.render("cuda", kind)
-        for name in gpu_attention._INPUTS[kind] + gpu_attention._OUTPUTS[kind]:
+        _, body = gpu_decode.render("cuda", kind)
+        for name in gpu_decode._INPUTS[kind] + gpu_decode._OUTPUTS[kind]:
             assert re.search(rf"\b{name}\b", body), (kind, name)
 
 
 def test_the_metal_twin_builds_without_a_gpu():
     """Only built (MLX checks nothing until it runs): it is untested on hardware."""
     for kind in KINDS:
-        assert callable(gpu_attention._kernel("metal", kind))
+        assert callable(gpu_decode._kernel("metal", kind))
 
 
 # --- launch arithmetic ------------------------------------------------------------------------
 
 
 def test_rows_per_tile():
-    assert gpu_attention.rows_per_tile(1, 1) == 1
-    assert gpu_attention.rows_per_tile(4, 1) == 4
-    assert gpu_attention.rows_per_tile(8, 1) == 8
-    assert gpu_attention.rows_per_tile(2, 3) == 8  # 6 rows round up
-    assert gpu_attention.rows_per_tile(4, 5) == 8  # 20 rows: three tiles of 8
-    assert gpu_attention.rows_per_tile(16, 1) == 8
+    assert gpu_decode.rows_per_tile(1, 1) == 1
+    assert gpu_decode.rows_per_tile(4, 1) == 4
+    assert gpu_decode.rows_per_tile(8, 1) == 8
+    assert gpu_decode.rows_per_tile(2, 3) == 8  # 6 rows round up
+    assert gpu_decode.rows_per_tile(4, 5) == 8  # 20 rows: three tiles of 8
+    assert gpu_decode.rows_per_tile(16, 1) == 8
 
 
 def test_splits_fill_the_gpu_at_small_batch_and_vanish_at_large():
-    choose = gpu_attention.choose_splits
+    choose = gpu_decode.choose_splits
     # batch 1, 8 KV heads, 16k tokens in blocks of 32: as many splits as allowed
-    assert choose(8, 512) == gpu_attention.MAX_SPLITS
+    assert choose(8, 512) == gpu_decode.MAX_SPLITS
     # batch 8 x 8 heads at 4k: enough for ~TARGET_CTAS thread blocks
     s = choose(64, 128)
-    assert 64 * s >= gpu_attention.TARGET_CTAS and 64 * (s - 1) < gpu_attention.TARGET_CTAS
+    assert 64 * s >= gpu_decode.TARGET_CTAS and 64 * (s - 1) < gpu_decode.TARGET_CTAS
     assert choose(128 * 8, 128) == 1  # batch 128: the batch alone fills the GPU
     assert choose(8, 3) == 1  # fewer blocks than warps: one split
     assert choose(8, 40) == 10  # at least one block per warp in a split
@@ -98,7 +110,7 @@ def test_splits_fill_the_gpu_at_small_batch_and_vanish_at_large():
 
 
 def test_visible_blocks_under_a_window():
-    vb = gpu_attention.visible_blocks
+    vb = gpu_decode.visible_blocks
     assert vb(100, 32, 1, None) == 100
     assert vb(100, 32, 1, 1) == 1  # the query's own key
     assert vb(100, 32, 1, 64) == 3  # 64 keys from the middle of a block touch three
@@ -115,18 +127,17 @@ def test_visible_blocks_under_a_window():
 def test_supports():
     q = mx.zeros((2, 8, 1, 128), mx.float16)
     k = mx.zeros((2, 10, 32, 128), mx.float16)
-    assert gpu_attention.supports(q, k, k)
-    assert not gpu_attention.supports(mx.zeros((2, 8, 1, 96), mx.float16), k[..., :96], k[..., :96])
-    assert not gpu_attention.supports(q, k, mx.zeros((2, 10, 32, 64), mx.float16))  # Dv != D
-    assert not gpu_attention.supports(mx.zeros((2, 7, 1, 128), mx.float16), k, k)  # 7 % 2
-    assert not gpu_attention.supports(mx.zeros((2, 8, 18, 128), mx.float16), k, k)  # prefill
-    assert not gpu_attention.supports(q, k.astype(mx.int32), k.astype(mx.int32))
+    assert gpu_decode.supports(q, k, k)
+    assert not gpu_decode.supports(mx.zeros((2, 8, 1, 96), mx.float16), k[..., :96], k[..., :96])
+    assert not gpu_decode.supports(q, k, mx.zeros((2, 10, 32, 64), mx.float16))  # Dv != D
+    assert not gpu_decode.supports(mx.zeros((2, 7, 1, 128), mx.float16), k, k)  # 7 % 2
+    assert not gpu_decode.supports(mx.zeros((2, 8, 18, 128), mx.float16), k, k)  # prefill
+    assert not gpu_decode.supports(q, k.astype(mx.int32), k.astype(mx.int32))
 
 
-@pytest.mark.skipif(gpu_attention.cuda_available(), reason="a CPU-only MLX")
-def test_inactive_without_cuda(monkeypatch):
-    monkeypatch.delenv(gpu_attention.ENV_SWITCH, raising=False)
-    assert not gpu_attention.active()
+@pytest.mark.skipif(devices.cuda_available(), reason="a CPU-only MLX")
+def test_inactive_without_cuda():
+    assert not runs_cuda_attention()
     assert (
         not ModelRunner.create(tiny_model("llama"), num_blocks=8)
         .choose_decode_attention(batch=2, context=16, repeats=1)
@@ -183,7 +194,7 @@ def test_reference_matches_sdpa_on_gathered_blocks(lengths, nq, q_lens, window):
     tables, ends, query_lens = batch.kernel_inputs()
     scale = 0.3
     want = _gathered_sdpa(batch, pool_k, pool_v, q, scale, window)
-    got = gpu_attention.reference_attention(
+    got = gpu_decode.reference_attention(
         np.array(q), np.array(pool_k), np.array(pool_v), np.array(tables), np.array(ends),
         scale, window, np.array(query_lens),
     )  # fmt: skip
@@ -199,8 +210,8 @@ def test_reference_detects_a_wrong_block():
     bad = good.copy()
     bad[0, 2] = good[0, 2] + 1 if good[0, 2] + 1 < pool_k.shape[1] - 1 else good[0, 2] - 1
     args = (np.array(q), np.array(pool_k), np.array(pool_v))
-    a = gpu_attention.reference_attention(*args, good, np.array(ends), 0.5)
-    b = gpu_attention.reference_attention(*args, bad, np.array(ends), 0.5)
+    a = gpu_decode.reference_attention(*args, good, np.array(ends), 0.5)
+    b = gpu_decode.reference_attention(*args, bad, np.array(ends), 0.5)
     assert np.abs(a - b).max() > 1e-2
 
 
@@ -248,8 +259,8 @@ def test_exact_context_attention_equals_sdpa_under_the_mask(starts, lens):
     b, nq, kl = batch.size, batch.query_len, batch.key_len
     q = mx.array(rng.standard_normal((b, h * rep, nq, d)).astype(np.float32) * 2)
     k, v = (mx.array(rng.standard_normal((b, h, kl, d)).astype(np.float32)) for _ in range(2))
-    assert block_attention._exact_contexts_express(batch, q, k, mask)
-    got = block_attention.exact_context_attention(q, k, v, batch, 0.3)
+    assert cuda_backend._exact_contexts_express(batch, q, k, mask)
+    got = cuda_backend.exact_context_attention(q, k, v, batch, 0.3)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
     assert got.shape == want.shape
     got, want = np.array(got), np.array(want)
@@ -267,7 +278,7 @@ def test_exact_context_attention_leaves_what_it_cannot_express():
     q = mx.zeros((2, 2, 3, 8))
     k = mx.zeros((2, 1, batch.key_len, 8))
     plain, windowed = batch.mask(return_array=True), batch.mask(2)
-    ok = block_attention._exact_contexts_express
+    ok = cuda_backend._exact_contexts_express
     assert ok(batch, q, k, plain)
     assert not ok(batch, q, k, windowed)  # a sliding window
     assert not ok(batch, q, k, mx.array(np.array(plain)))  # equal, not the batch's own
@@ -282,12 +293,11 @@ def test_exact_context_attention_leaves_what_it_cannot_express():
 class _Spy:
     """Stands in for the kernel (float64 reference) and for mlx-lm's SDPA, counting calls."""
 
-    def __init__(
-        self, monkeypatch: pytest.MonkeyPatch, active: bool = True, count_original: bool = True
-    ) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, count_original: bool = True) -> None:
+        """Runners built from now on take the CUDA backend (``route_as_cuda``)."""
         self.kernel: list[tuple[tuple[int, ...], int | None]] = []
         self.original = 0
-        original = block_attention._ORIGINAL_SDPA
+        original = backend.ORIGINAL_SDPA
 
         def kernel(queries, pool_k, pool_v, tables, context_lens, scale, window=None, q_lens=None):
             self.kernel.append((tuple(queries.shape), window))
@@ -299,15 +309,15 @@ class _Spy:
             self.original += 1
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(gpu_attention, "active", lambda: active)
-        monkeypatch.setattr(gpu_attention, "paged_decode_attention", kernel)
+        route_as_cuda(monkeypatch, kernel)
         if count_original:  # (install() patches only modules holding the real original)
-            monkeypatch.setattr(block_attention, "_ORIGINAL_SDPA", sdpa)
+            monkeypatch.setattr(backend, "ORIGINAL_SDPA", sdpa)
 
 
-def _layer(num_blocks=16, bs=4, h=2, d=16, block_decode=True):
+def _layer(attention=None, num_blocks=16, bs=4, h=2, d=16):
     """A decode batch of two sequences (contexts 7 and 2) on one layer's cache view, with
-    their K/V written: (cache, queries, keys, values)."""
+    their K/V written, attention by ``attention`` (default: the CUDA backend): (cache,
+    queries, keys, values)."""
     rng = np.random.default_rng(0)
     seqs = [SeqInput([1], [3, 0], 6), SeqInput([4], [1], 1)]
     batch = ForwardBatch(seqs, bs, num_blocks)
@@ -315,7 +325,7 @@ def _layer(num_blocks=16, bs=4, h=2, d=16, block_decode=True):
     spec = probe(model)
     pool = KVPool(spec.layers[:1], num_blocks, bs)
     assert pool.layer_arrays(0)[0].shape[-1] == d and pool.layer_arrays(0)[0].shape[0] == h
-    cache = PagedLayerCache(batch, pool, 0, True, (), block_decode)
+    cache = PagedLayerCache(batch, pool, 0, attention or CudaBackend())
     new = [mx.array(rng.standard_normal((2, h, 1, d)).astype(np.float32)) for _ in range(2)]
     keys, values = cache.update_and_fetch(*new)
     q = mx.array(rng.standard_normal((2, 2 * h, 1, d)).astype(np.float32))
@@ -327,7 +337,7 @@ def test_paged_sdpa_serves_decodes_with_the_kernel(monkeypatch):
     spy = _Spy(monkeypatch)
     batch = cache.batch
     for mask, window in ((batch.mask(), None), (batch.mask(5), 5), (None, None)):
-        got = block_attention.paged_sdpa(q, keys, values, cache, 0.25, mask)
+        got = seam.paged_sdpa(q, keys, values, cache, 0.25, mask)
         want = mx.fast.scaled_dot_product_attention(
             q, keys, values, scale=0.25, mask=batch.mask(window)
         )
@@ -337,22 +347,22 @@ def test_paged_sdpa_serves_decodes_with_the_kernel(monkeypatch):
 
 def test_paged_sdpa_keeps_what_the_kernel_cannot_express_on_mlx_lm_s_path(monkeypatch):
     cache, q, keys, values = _layer()
-    off, q2, k2, v2 = _layer(block_decode=False)
+    off, q2, k2, v2 = _layer(AttentionBackend())  # the reference backend
     spy = _Spy(monkeypatch)
     batch = cache.batch
     foreign = mx.array(np.array(batch.mask()))  # same values, not built by the batch
-    block_attention.paged_sdpa(q, keys, values, cache, 0.25, foreign)
-    block_attention.paged_sdpa(q, keys * 1, values, cache, 0.25, batch.mask())  # changed keys
+    seam.paged_sdpa(q, keys, values, cache, 0.25, foreign)
+    seam.paged_sdpa(q, keys * 1, values, cache, 0.25, batch.mask())  # changed keys
     sinks = mx.zeros((q.shape[1],))
-    block_attention.paged_sdpa(q, keys, values, cache, 0.25, batch.mask(), sinks=sinks)
-    block_attention.paged_sdpa(q2, k2, v2, off, 0.25, off.batch.mask())
+    seam.paged_sdpa(q, keys, values, cache, 0.25, batch.mask(), sinks=sinks)
+    seam.paged_sdpa(q2, k2, v2, off, 0.25, off.batch.mask())
     assert spy.kernel == [] and spy.original == 4  # decodes: masked SDPA, not per group
 
 
 def test_paged_sdpa_never_calls_the_kernel_on_the_cpu(monkeypatch):
-    cache, q, keys, values = _layer()
-    spy = _Spy(monkeypatch, active=False)
-    block_attention.paged_sdpa(q, keys, values, cache, 0.25, cache.batch.mask())
+    cache, q, keys, values = _layer(CpuBackend())
+    spy = _Spy(monkeypatch)
+    seam.paged_sdpa(q, keys, values, cache, 0.25, cache.batch.mask())
     assert spy.kernel == [] and spy.original == 0  # the CPU's own block-table path
 
 
@@ -371,22 +381,22 @@ def test_runner_on_the_kernel_path_matches_dense_mlx_lm(family, monkeypatch):
     kernel's interface: greedy tokens and fp32 logits as the dense path."""
     spy = _Spy(monkeypatch, count_original=False)
     exact = []
-    real = block_attention.exact_context_attention
+    real = cuda_backend.exact_context_attention
     monkeypatch.setattr(
-        block_attention,
+        cuda_backend,
         "exact_context_attention",
         lambda q, *a: exact.append(q.shape[2]) or real(q, *a),
     )
     model = tiny_model(family)
     runner = ModelRunner.create(model, block_size=parity.BS, num_blocks=64)
-    assert runner.block_attention and runner._streams == ()
-    assert runner.choose_decode_attention().path.startswith("block-table kernel")
+    assert runner.attention.name == "cuda" and runner.stand_ins
+    assert runner.choose_decode_attention().path == "cuda"
     assert parity._batched_prefill_and_decode(model, runner) <= TOL
     assert parity._shared_unaligned_prefix(model, runner) <= TOL
     windows = {w for _, w in spy.kernel}
     assert spy.kernel and windows == ({None, 16} if family == "gemma3" else {None})
     # The four-prompt prefill (5-31 tokens, an array mask) took the exact-context path.
-    assert exact and min(exact) > block_attention.FEW_QUERIES
+    assert exact and min(exact) > backend.FEW_QUERIES
 
 
 def test_kernel_forwards_build_no_gather(monkeypatch):
@@ -400,37 +410,44 @@ def test_kernel_forwards_build_no_gather(monkeypatch):
     runner = ModelRunner.create(model, block_size=parity.BS, num_blocks=64)
     assert parity._batched_prefill_and_decode(model, runner) <= TOL
     prefills = len(model.layers)  # the first forward: one gather per layer
-    assert len(gathers) == prefills and runner._stand_ins
+    assert len(gathers) == prefills and runner.stand_ins
 
 
 def test_a_model_that_changes_the_fetched_keys_gets_them_gathered(monkeypatch, caplog):
     """Attention that does not hand the fetched K/V to attention unchanged (here: scaled by
-    one, new arrays) would attend over the stand-ins: the runner notices before evaluating,
-    builds the forward again with the gathered context, and gathers from then on."""
+    one, new arrays) would attend over the stand-ins: the runner finds it at start (one
+    decode's graph built, never evaluated) and gathers in every forward; no forward runs
+    twice."""
     _Spy(monkeypatch, count_original=False)
     model = tiny_model("llama")
-    runner = ModelRunner.create(model, block_size=parity.BS, num_blocks=64)
     module = sys.modules[type(model.layers[0].self_attn).__module__]
-    hooked = module.scaled_dot_product_attention
-    assert hooked is block_attention.paged_sdpa
 
     def changes_keys(queries, keys, values, cache, scale, mask, sinks=None):
-        return hooked(queries, keys * 1, values * 1, cache=cache, scale=scale, mask=mask)
+        return seam.paged_sdpa(queries, keys * 1, values * 1, cache=cache, scale=scale, mask=mask)
 
+    monkeypatch.setattr(module, "scaled_dot_product_attention", changes_keys)
+    forwards = []
+    real_call = type(model).__call__
+    monkeypatch.setattr(
+        type(model), "__call__", lambda *a, **k: forwards.append(1) or real_call(*a, **k)
+    )
+    with caplog.at_level(logging.WARNING, logger="worker.model.runner"):
+        runner = ModelRunner.create(model, block_size=parity.BS, num_blocks=64)
+    assert not runner.stand_ins and not runner.compile_decodes
+    assert "does not take the fetched K/V unchanged" in caplog.text
     prompt = list(range(3, 3 + 2 * parity.BS - 1))
     runner.forward([SeqInput(prompt, [0, 1], 0)])
-    monkeypatch.setattr(module, "scaled_dot_product_attention", changes_keys)
     # One sequence whose context fills its blocks: its decode has no mask array (no padded
     # keys to hide), so attention over the stand-ins would fail silently, not loudly.
+    forwards.clear()
     got = runner.forward([SeqInput([7], [0, 1], len(prompt))])
+    assert len(forwards) == 1  # one forward a step
     cache = make_prompt_cache(model)
     model(mx.array([prompt]), cache=cache)
     want = model(mx.array([[7]]), cache=cache)[:, -1, :]
     assert float(mx.abs(got - want).max()) <= TOL
     assert parity._batched_prefill_and_decode(model, runner) <= TOL
     assert parity._shared_unaligned_prefix(model, runner) <= TOL
-    assert not runner._stand_ins
-    assert "does not hand the fetched K/V" in caplog.text
 
 
 def test_speculative_verify_forwards_on_the_kernel_path(family, monkeypatch):
@@ -464,11 +481,11 @@ def test_kernel_matches_the_reference(dtype, lengths, nq, q_lens, window, d, rep
     scale = d**-0.5
     # An output the kernel leaves unwritten shows.
     mlx_fixes.dirty_buffer_cache(q, pool_k, pool_v, tables, ends, query_lens)
-    got = gpu_attention.paged_decode_attention(
+    got = gpu_decode.paged_decode_attention(
         q, pool_k, pool_v, tables, ends, scale, window, query_lens
     )
     f32 = [np.array(a.astype(mx.float32)) for a in (q, pool_k, pool_v)]
-    want = gpu_attention.reference_attention(
+    want = gpu_decode.reference_attention(
         *f32, np.array(tables), np.array(ends), scale, window, np.array(query_lens)
     )
     tol = {mx.float32: 1e-4, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}[dtype]
@@ -481,7 +498,7 @@ def test_runner_with_the_kernel_matches_dense_mlx_lm(family):
 
     model = tiny_model(family)
     runner = ModelRunner.create(model, block_size=parity.BS, num_blocks=64)
-    assert runner.block_attention and gpu_attention.active()
+    assert runner.attention.name == "cuda"
     assert parity._batched_prefill_and_decode(model, runner) <= tolerance_for(mx.float32)
 
 
@@ -498,8 +515,8 @@ def test_block_gather_kernel_equals_indexing(dtype, batch, blocks, bs, h, d):
     pool = mx.array(rng.standard_normal((h, num_blocks, bs, d)).astype(np.float32)).astype(dtype)
     tables = rng.integers(0, num_blocks, (batch, blocks)).astype(np.int32)
     tables[0, -1] = num_blocks - 1
-    assert gpu_attention.gather_supported(pool)
-    got = gpu_attention.gather_blocks(pool, mx.array(tables))
+    assert gpu_decode.gather_supported(pool)
+    got = gpu_decode.gather_blocks(pool, mx.array(tables))
     heads = mx.arange(h)[None, :, None]
     want = pool[heads, mx.array(tables)[:, None, :]].reshape(batch, h, blocks * bs, d)
     assert got.shape == want.shape and got.dtype == want.dtype

@@ -15,9 +15,13 @@ import numpy as np
 import pytest
 
 import tests.worker.test_paged_parity as parity
-from tests.worker.helpers import TOL, reference_kernel, tiny_model
+from tests.worker.helpers import TOL, reference_kernel, route_as_cuda, tiny_model
 from tests.worker.test_gpu_attention import _random_case
-from worker.model import block_attention, gpu_attention, gpu_prefill, mlx_fixes
+from worker.model import device as devices
+from worker.model import mlx_fixes
+from worker.model import runner as runner_module
+from worker.model.attention import AttentionOptions, gpu_decode, gpu_prefill, seam
+from worker.model.attention import cuda as cuda_backend
 from worker.model.forward_batch import ForwardBatch, SeqInput
 from worker.model.kv_pool import KVPool
 from worker.model.paged_cache import PagedLayerCache
@@ -25,7 +29,7 @@ from worker.model.runner import ModelRunner
 from worker.model.spec import probe
 
 cuda = pytest.mark.skipif(
-    not gpu_attention.cuda_available(), reason="needs an NVIDIA GPU (MLX's CUDA backend)"
+    not devices.cuda_available(), reason="needs an NVIDIA GPU (MLX's CUDA backend)"
 )
 
 
@@ -71,8 +75,8 @@ def test_the_recorded_shapes_are_the_calls_the_cudnn_path_makes(starts, lens, mo
         return real(q, k, v, **kw)
 
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", sdpa)
-    block_attention.exact_context_attention(q, k, v, batch, 0.25)
-    recorded = block_attention.cudnn_shapes(batch, q, k, batch.mask())
+    cuda_backend.exact_context_attention(q, k, v, batch, 0.25)
+    recorded = cuda_backend.cudnn_shapes(batch, q, k, batch.mask())
     assert [r[:3] for r in recorded] == made
     assert {r[3:] for r in recorded} == {(batch.key_len, 6, 2, 16, str(mx.float32))}
 
@@ -93,19 +97,26 @@ class _Routes:
             self.kernel.append((queries.shape[2], window))
             return reference_kernel(queries, pool_k, pool_v, tables, ends, scale, window, q_lens)
 
-        real_exact = block_attention.exact_context_attention
+        real_exact = cuda_backend.exact_context_attention
 
         def exact(q, *args):
             self.exact.append(q.shape[2])
             return real_exact(q, *args)
 
-        monkeypatch.setattr(gpu_attention, "active", lambda: True)
-        monkeypatch.setattr(gpu_attention, "paged_decode_attention", reference_kernel)
+        route_as_cuda(monkeypatch, reference_kernel)
+        choose = runner_module.choose_backend
+
+        def backend(options=None):  # one history across runners, as in one worker's life
+            chosen = choose(options)
+            chosen.history = self.history
+            return chosen
+
+        monkeypatch.setattr(runner_module, "choose_backend", backend)
         monkeypatch.setattr(gpu_prefill, "paged_prefill_attention", kernel)
         monkeypatch.setattr(gpu_prefill, "DTYPES", (*gpu_prefill.DTYPES, mx.float32))
         monkeypatch.setattr(gpu_prefill, "HEAD_DIMS", (16, 32, *gpu_prefill.HEAD_DIMS))
-        monkeypatch.setattr(gpu_prefill, "HISTORY", self.history)
-        monkeypatch.setattr(block_attention, "exact_context_attention", exact)
+        monkeypatch.setattr(cuda_backend, "exact_context_attention", exact)
+        self.backend = backend
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma3"])
@@ -126,23 +137,23 @@ def test_prefill_takes_the_kernel_then_cudnn_once_its_shapes_recur(family, monke
             assert len(routes.exact) - exact == exact + sum(w is None for _, w in kernel)
     if family == "gemma3":
         assert {w for _, w in routes.kernel} == {None, 16}
-    monkeypatch.setenv(gpu_prefill.ENV_SWITCH, "0")
     before = len(routes.kernel)
-    runner = ModelRunner.create(model, block_size=parity.BS, num_blocks=64)
+    off = AttentionOptions(prefill_kernel=False)  # --no-prefill-kernel
+    runner = ModelRunner.create(model, block_size=parity.BS, num_blocks=64, attention=off)
     routes.history.clear()
     assert parity._batched_prefill_and_decode(model, runner) <= TOL
     assert len(routes.kernel) == before  # switched off
 
 
-def _prefill_layer(d: int = 16):
+def _prefill_layer(backend, d: int = 16):
     """A prefill batch of two sequences (one over a cached block) on one layer's cache view,
-    K/V written: (cache, queries, keys, values)."""
+    K/V written, attention by ``backend``: (cache, queries, keys, values)."""
     rng = np.random.default_rng(1)
     seqs = [SeqInput([1] * 20, [3, 0, 5, 6, 7, 8], 4), SeqInput([4] * 18, [1, 2, 9, 10, 11], 0)]
     batch = ForwardBatch(seqs, 4, 16)
     spec = probe(tiny_model("llama"))
     pool = KVPool(spec.layers[:1], 16, 4)
-    cache = PagedLayerCache(batch, pool, 0, True, ())
+    cache = PagedLayerCache(batch, pool, 0, backend)
     new = [mx.array(rng.standard_normal((2, 2, 20, d)).astype(np.float32)) for _ in range(2)]
     keys, values = cache.update_and_fetch(*new)
     q = mx.array(rng.standard_normal((2, 4, 20, d)).astype(np.float32))
@@ -151,18 +162,20 @@ def _prefill_layer(d: int = 16):
 
 def test_the_kernel_serves_only_what_it_can_rebuild(monkeypatch):
     routes = _Routes(monkeypatch)
-    cache, q, keys, values = _prefill_layer()
+    cache, q, keys, values = _prefill_layer(routes.backend())
     batch = cache.batch
     mask = batch.mask()
-    got = block_attention.paged_sdpa(q, keys, values, cache, 0.25, mask)
+    got = seam.paged_sdpa(q, keys, values, cache, 0.25, mask)
     want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.25, mask=mask)
     assert float(mx.abs(got - want).max()) < 1e-5 and routes.kernel == [(20, None)]
     routes.kernel.clear()
-    fresh = [_prefill_layer() for _ in range(3)]  # a new batch each: decided per forward
+    fresh = [
+        _prefill_layer(routes.backend()) for _ in range(3)
+    ]  # a new batch each: decided per forward
     (c1, q1, k1, v1), (c2, q2, k2, v2), (c3, q3, k3, v3) = fresh
-    block_attention.paged_sdpa(q1, k1 * 1, v1, c1, 0.25, c1.batch.mask())  # changed keys
-    block_attention.paged_sdpa(q2, k2, v2, c2, 0.25, mx.array(np.array(c2.batch.mask())))
-    block_attention.paged_sdpa(q3, k3, v3, c3, 0.25, c3.batch.mask(), sinks=mx.zeros((4,)))
+    seam.paged_sdpa(q1, k1 * 1, v1, c1, 0.25, c1.batch.mask())  # changed keys
+    seam.paged_sdpa(q2, k2, v2, c2, 0.25, mx.array(np.array(c2.batch.mask())))
+    seam.paged_sdpa(q3, k3, v3, c3, 0.25, c3.batch.mask(), sinks=mx.zeros((4,)))
     assert routes.kernel == []
 
 
@@ -221,7 +234,7 @@ def test_kernel_matches_the_reference(dtype, lengths, q_lens, window, d, rep, bs
         q, pool_k, pool_v, tables, ends, scale, window, query_lens, splits=splits
     )
     f32 = [np.array(a.astype(mx.float32)) for a in (q, pool_k, pool_v)]
-    want = gpu_attention.reference_attention(
+    want = gpu_decode.reference_attention(
         *f32, np.array(tables), np.array(ends), scale, window, np.array(query_lens)
     )
     tol = {mx.float16: 4e-3, mx.bfloat16: 2.5e-2}[dtype]
@@ -243,7 +256,6 @@ def test_the_self_check_passes_through_the_kernel(family, dtype, monkeypatch):
         "paged_prefill_attention",
         lambda q, *a, **k: calls.append(1) or real(q, *a, **k),
     )
-    monkeypatch.setattr(gpu_prefill, "HISTORY", gpu_prefill.ShapeHistory())
     model = tiny_model(
         family, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64
     )
@@ -255,7 +267,7 @@ def test_the_self_check_passes_through_the_kernel(family, dtype, monkeypatch):
 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_both_kernels_launch_one_pass_or_split_then_reduce(splits, monkeypatch):
-    """The launch both kernels share (``gpu_attention.launch``), with the kernels stood in
+    """The launch both kernels share (``gpu_decode.launch``), with the kernels stood in
     for: which variants run, with which grids and output shapes, on any machine."""
     calls = []
 
@@ -266,7 +278,7 @@ def test_both_kernels_launch_one_pass_or_split_then_reduce(splits, monkeypatch):
 
         return call
 
-    monkeypatch.setattr(gpu_attention, "_kernel", stand_in)
+    monkeypatch.setattr(gpu_decode, "_kernel", stand_in)
     monkeypatch.setattr(gpu_prefill, "_kernel", stand_in)
     q = mx.zeros((3, 8, 40, 64), mx.float32)
     pool = mx.zeros((2, 20, 16, 64), mx.float16)
@@ -283,7 +295,7 @@ def test_both_kernels_launch_one_pass_or_split_then_reduce(splits, monkeypatch):
     else:
         assert calls[0][3] == [(3, 8, 40, 64)] and calls[0][4] == [mx.float16]
     calls.clear()
-    out = gpu_attention.paged_decode_attention(
+    out = gpu_decode.paged_decode_attention(
         q[:, :, :1], pool, pool, tables, ends, 0.1, splits=splits
     )
     assert out.shape == (3, 8, 1, 64) and [c[0] for c in calls] == want

@@ -20,13 +20,14 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from tests.worker import families, sweep
 from tests.worker.helpers import tiny_model
-from worker.model import gpu_attention, mlx_fixes
+from worker.model import device as devices
+from worker.model import mlx_fixes
 from worker.model.dense_runner import DenseRunner, check_dense_parity, estimate_state
 from worker.model.runner import ModelRunner
 from worker.model.self_check import check_paged_parity
 
 cuda = pytest.mark.skipif(
-    not gpu_attention.cuda_available(), reason="needs an NVIDIA GPU (MLX's CUDA backend)"
+    not devices.cuda_available(), reason="needs an NVIDIA GPU (MLX's CUDA backend)"
 )
 
 
@@ -62,27 +63,28 @@ def test_sorted_calls_run_unsorted_only_on_cuda(on_cuda):
 
 
 def test_the_device_a_call_runs_on():
-    with mock.patch.object(gpu_attention, "cuda_available", lambda: True):
+    with mock.patch.object(devices, "cuda_available", lambda: True):
         assert mlx_fixes._on_cuda(None) == (mx.default_device() == mx.gpu)
         assert not mlx_fixes._on_cuda(mx.cpu)
         assert not mlx_fixes._on_cuda(mx.default_stream(mx.cpu))
         assert mlx_fixes._on_cuda(mx.gpu)
         assert mlx_fixes._on_cuda(mx.Device(mx.gpu))
-    with mock.patch.object(gpu_attention, "cuda_available", lambda: False):
+    with mock.patch.object(devices, "cuda_available", lambda: False):
         assert not mlx_fixes._on_cuda(mx.gpu)  # Metal: MLX's sorted kernel is kept
 
 
 def test_install_is_once_per_process_and_only_with_cuda(monkeypatch):
     mlx_fixes.uninstall()
     originals = (mx.gather_mm, mx.gather_qmm)
-    with mock.patch.object(gpu_attention, "cuda_available", lambda: False):
+    with mock.patch.object(devices, "cuda_available", lambda: False):
         assert not mlx_fixes.install()
         assert (mx.gather_mm, mx.gather_qmm) == originals
-    with mock.patch.object(gpu_attention, "cuda_available", lambda: True):
-        monkeypatch.setenv("KVSERVE_CUDA_SORTED_GATHER", "1")
+    with mock.patch.object(devices, "cuda_available", lambda: True):
+        monkeypatch.setattr(mlx_fixes, "_kept_sorted", False)
+        mlx_fixes.keep_sorted_gathers()  # --cuda-sorted-gather
         assert not mlx_fixes.install()
         assert (mx.gather_mm, mx.gather_qmm) == originals
-        monkeypatch.delenv("KVSERVE_CUDA_SORTED_GATHER")
+        monkeypatch.setattr(mlx_fixes, "_kept_sorted", False)
         assert mlx_fixes.install()
         wrapped = (mx.gather_mm, mx.gather_qmm)
         assert wrapped[0] is not originals[0] and wrapped[1] is not originals[1]
@@ -94,7 +96,7 @@ def test_install_is_once_per_process_and_only_with_cuda(monkeypatch):
 def test_every_runner_installs_it_where_cuda_is():
     mlx_fixes.uninstall()
     model = tiny_model("llama", 0)
-    with mock.patch.object(gpu_attention, "cuda_available", lambda: True):
+    with mock.patch.object(devices, "cuda_available", lambda: True):
         ModelRunner.create(model, block_size=16, num_blocks=8)
     assert mlx_fixes.installed()
 
@@ -120,7 +122,7 @@ def test_a_moe_layer_is_unchanged_when_its_sort_is_dropped(layer, quantized):
     idx = mx.array(rng.integers(0, 4, (40, 2)).astype(np.uint32))  # 80 pairs: sorted
     sorted_out = m(x, idx)
     with (
-        mock.patch.object(gpu_attention, "cuda_available", lambda: True),
+        mock.patch.object(devices, "cuda_available", lambda: True),
         mock.patch.object(mlx_fixes, "_on_cuda", lambda stream: calls.append(True) or True),
     ):
         mlx_fixes.uninstall()

@@ -34,7 +34,7 @@ from tests.worker.helpers import (
     prompts,
     tiny_model,
 )
-from worker.model import block_attention, cpu_decode
+from worker.model.attention import AttentionOptions, cpu, cpu_decode
 from worker.model.forward_batch import SeqInput
 from worker.model.runner import ModelRunner
 
@@ -149,7 +149,8 @@ def test_speculative_verify_forwards_with_rollback(model, kernel):
         pytest.skip("numba is not installed")
     rng = np.random.default_rng(11)
     runner = _runner(model, num_blocks=40)
-    runner.decode_kernel = kernel
+    if kernel:
+        runner.attention.decode_path = "kernel"
     true = [p + c for p, c in zip(prompts(rng, 11, 20, 7), prompts(rng, 40, 40, 40), strict=True)]
     dense = [DenseSeq(model, t).logits_all for t in true]
     tables = [_blocks(0, 10), _blocks(10, 10), _blocks(20, 10)]
@@ -223,7 +224,7 @@ def test_batches_of_one_two_three(model, size):
 
 @pytest.mark.parametrize("scenario", ["batch", "copy_on_write"])
 def test_reference_path(model, scenario):
-    runner = _runner(model, block_attention=False)
+    runner = _runner(model, attention=AttentionOptions(backend="reference"))
     run = _batched_prefill_and_decode if scenario == "batch" else _shared_unaligned_prefix
     assert run(model, runner) <= TOL
 
@@ -233,7 +234,7 @@ def test_gathered_decodes_with_cpu_prefill(model, scenario):
     """What ``choose_decode_attention`` picks on a multithreaded BLAS: prefill chunks through
     the CPU attention, decodes gathered."""
     runner = _runner(model)
-    runner.block_decode = False
+    runner.attention.decode_path = runner.attention.pool_path = "gather"
     run = _batched_prefill_and_decode if scenario == "batch" else _shared_unaligned_prefix
     assert run(model, runner) <= TOL
 
@@ -259,15 +260,11 @@ def test_decodes_by_the_cpu_kernel(model, scenario, monkeypatch):
     monkeypatch.setattr(
         cpu_decode, "paged_decode_attention", counted("kernel", cpu_decode.paged_decode_attention)
     )
-    monkeypatch.setattr(
-        block_attention,
-        "block_table_attention",
-        counted("blocks", block_attention.block_table_attention),
-    )
+    monkeypatch.setattr(cpu, "block_table_attention", counted("blocks", cpu.block_table_attention))
     run = _batched_prefill_and_decode if scenario == "batch" else _shared_unaligned_prefix
     assert run(model, _runner(model)) <= TOL  # block-table attention, counted
     runner = _runner(model)
-    runner.decode_kernel = True
+    runner.attention.decode_path = "kernel"
     assert run(model, runner) <= TOL
     # Every layer decode block-table attention served, and the short forwards (up to 17
     # queries a sequence, b's 9-token tail here) that MLX serves gathered.
@@ -289,9 +286,10 @@ def test_the_decode_attention_choice_is_measured(model):
     assert choice.path in ("blocks", "gather", "kernel")
     assert choice.blocks_s > 0 and choice.gather_s > 0
     assert (choice.kernel_s > 0) == cpu_decode.available()
-    assert runner.block_decode == (choice.path == "blocks") or choice.path == "kernel"
-    assert runner.decode_kernel == (choice.path == "kernel")
-    assert _runner(model, block_attention=False).choose_decode_attention().path == "gather"
+    assert runner.attention.decode_path == choice.path
+    assert runner.attention.pool_path in ("blocks", "gather")
+    reference = _runner(model, attention=AttentionOptions(backend="reference"))
+    assert reference.choose_decode_attention().path == "reference"
 
 
 @cpu_only
@@ -306,13 +304,15 @@ def test_a_kernel_that_fails_is_left_out_of_the_choice(model, monkeypatch):
     runner = _runner(model)
     choice = runner.choose_decode_attention(batch=2, context=16, repeats=1)
     assert choice.path in ("blocks", "gather") and choice.kernel_s == 0
-    assert not runner.decode_kernel
+    assert runner.attention.decode_path != "kernel"
 
 
 @pytest.mark.parametrize("scenario", ["batch", "copy_on_write"])
 def test_block_attention_split_over_streams(model, scenario, monkeypatch):
-    monkeypatch.setattr(block_attention, "MIN_SPLIT", 1)  # split even tiny batches
-    runner = _runner(model, attention_streams=3)  # uneven parts of the (sequence, head) rows
+    monkeypatch.setattr(cpu, "MIN_SPLIT", 1)  # split even tiny batches
+    runner = _runner(
+        model, attention=AttentionOptions(streams=3)
+    )  # uneven parts of the (sequence, head) rows
     run = _batched_prefill_and_decode if scenario == "batch" else _shared_unaligned_prefix
     assert run(model, runner) <= TOL
 

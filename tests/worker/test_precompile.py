@@ -13,7 +13,7 @@ import pytest
 
 from kvserve_model.tiny_model import ensure_tiny_model
 from worker import precompile
-from worker.model.gpu_attention import cuda_available
+from worker.model.device import cuda_available
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,8 +15,9 @@ from kvserve_launch.startup import ModelUnavailable
 from kvserve_model.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 from tests.worker.helpers import FAMILIES, TOL, tiny_model
 from worker.config import WorkerConfig
-from worker.model import gpu_attention
+from worker.model import runner as runner_module
 from worker.model import spec as model_spec
+from worker.model.attention import AttentionBackend
 from worker.model.forward_batch import ForwardBatch
 from worker.model.loader import LoadedModel, load_model
 from worker.model.runner import ModelRunner
@@ -34,8 +35,8 @@ def _ignore_padding(monkeypatch) -> None:
     """A paged path that forgets its padding: the mask a batch of equal sequences would get.
     On an NVIDIA GPU the block-table kernel, which computes its masks from positions, would
     serve every forward of the check correctly even so: it is switched off, so that the GPU
-    takes the masked path this breaks."""
-    monkeypatch.setenv(gpu_attention.ENV_SWITCH, "0")
+    takes the masked path this breaks: runners take the reference backend."""
+    monkeypatch.setattr(runner_module, "choose_backend", lambda options=None: AttentionBackend())
     monkeypatch.setattr(
         ForwardBatch,
         "_build_mask",

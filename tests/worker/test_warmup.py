@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.model import gpu_attention, gpu_prefill
+from worker.model.attention import gpu_decode, gpu_prefill
 from worker.model.forward_batch import ForwardBatch
 from worker.warmup import decode_sizes, plan
 
@@ -112,10 +112,10 @@ def test_the_default_plan_covers_prefill_decode_and_sampling() -> None:
 def kernel_variant(step, heads: int, rep: int, bs: int) -> tuple[int, bool]:
     """The GPU kernel variant a forward of ``step`` launches: rows per tile, split or not."""
     nq = max(len(i.token_ids) for i in step.inputs)
-    rt = gpu_attention.rows_per_tile(rep, nq)
+    rt = gpu_decode.rows_per_tile(rep, nq)
     tiles = -(-(rep * nq) // rt)
     key_blocks = max(-(-i.end // bs) for i in step.inputs)
-    splits = gpu_attention.choose_splits(len(step.inputs) * heads * tiles, key_blocks)
+    splits = gpu_decode.choose_splits(len(step.inputs) * heads * tiles, key_blocks)
     return rt, splits > 1
 
 
@@ -137,11 +137,11 @@ def test_the_gpu_plan_compiles_every_kernel_variant_a_request_can_reach(heads, r
     covered = {
         kernel_variant(s, heads, rep, bs)
         for s in steps
-        if max(len(i.token_ids) for i in s.inputs) <= gpu_attention.MAX_QUERIES
+        if max(len(i.token_ids) for i in s.inputs) <= gpu_decode.MAX_QUERIES
     }
     reachable = {
-        (gpu_attention.rows_per_tile(rep, nq), split)
-        for nq in range(1, gpu_attention.MAX_QUERIES + 1)
+        (gpu_decode.rows_per_tile(rep, nq), split)
+        for nq in range(1, gpu_decode.MAX_QUERIES + 1)
         for split in (False, True)
     }
     assert reachable <= covered
@@ -168,7 +168,7 @@ def test_the_gpu_plan_compiles_the_prefill_kernel_s_variants(bs, heads, rep) -> 
     splits = set()
     for s in steps:
         nq = max(len(i.token_ids) for i in s.inputs)
-        if s.kernel and nq > gpu_attention.MAX_QUERIES:
+        if s.kernel and nq > gpu_decode.MAX_QUERIES:
             width = max(-(-i.end // bs) for i in s.inputs)
             n = gpu_prefill.choose_splits(len(s.inputs), heads, rep, nq, width * bs, None)
             splits.add(n > 1)

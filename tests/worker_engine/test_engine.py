@@ -17,12 +17,11 @@ from kvcache_service.leases import AcquireRequest, Reuse
 from kvcache_service.tokens import pack
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kpb
 from kvserve_proto.worker.v1 import worker_pb2 as pb
-from tests.worker.helpers import traceable_kernel
+from tests.worker.helpers import route_as_cuda
 from tests.worker_engine.conftest import AUTH, BS, System, generate, request, started_system
 from worker.engine import loop
 from worker.engine.executor import ModelExecutor, SampleRow, _Job
 from worker.engine.sampling_params import SamplingParams
-from worker.model import compiled_decode, gpu_attention
 from worker.model.forward_batch import SeqInput
 from worker.model.runner import ModelRunner
 from worker.model.sampling import RowSampler
@@ -40,9 +39,7 @@ async def system(model, request, monkeypatch) -> AsyncIterator[System]:
     shapes, padding rows, the warm-up's traces), the lookahead on. None may change a token, a
     logprob or a block."""
     if request.param == "compiled":
-        monkeypatch.delenv(compiled_decode.ENV_SWITCH, raising=False)
-        monkeypatch.setattr(gpu_attention, "active", lambda: True)
-        monkeypatch.setattr(gpu_attention, "paged_decode_attention", traceable_kernel)
+        route_as_cuda(monkeypatch)
     async with started_system(model) as s:
         s.lookahead = request.param != "plain"
         yield s
@@ -55,8 +52,9 @@ def prompt(seed: int, n: int) -> list[int]:
 
 async def test_greedy_output_equals_mlx_lm(system: System, reference) -> None:
     stub = await system.add_worker()
-    compiled = system.workers[0].engine.executor.runner.compiled_decode
-    assert (compiled is not None) == gpu_attention.active()  # the GPU routing compiles
+    runner = system.workers[0].engine.executor.runner
+    compiled = runner.compiled_decode
+    assert (compiled is not None) == (runner.attention.name == "cuda")  # the GPU routing compiles
     traced = compiled.traces if compiled is not None else 0
     for seed, n in [(1, 5), (2, 40), (3, 100)]:  # one block, unaligned, several chunks
         p = prompt(seed, n)

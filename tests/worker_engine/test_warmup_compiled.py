@@ -5,9 +5,8 @@ pays a trace."""
 
 from __future__ import annotations
 
-from tests.worker.helpers import traceable_kernel
+from tests.worker.helpers import route_as_cuda, runs_cuda_attention
 from worker.engine.executor import ModelExecutor
-from worker.model import compiled_decode, gpu_attention
 from worker.model.runner import ModelRunner
 from worker.warmup import warm_up
 
@@ -15,9 +14,7 @@ LIMITS = {"max_batch_size": 4, "max_step_tokens": 64, "max_context": 256}
 
 
 async def test_the_warm_up_traces_every_decode_bucket(model, monkeypatch) -> None:
-    monkeypatch.delenv(compiled_decode.ENV_SWITCH, raising=False)
-    monkeypatch.setattr(gpu_attention, "active", lambda: True)
-    monkeypatch.setattr(gpu_attention, "paged_decode_attention", traceable_kernel)
+    route_as_cuda(monkeypatch)
     executor = ModelExecutor(lambda: ModelRunner.create(model.model, block_size=8, num_blocks=64))
     try:
         report = await warm_up(executor, model.tokenizer, **LIMITS, kernel_variants=False)
@@ -36,5 +33,5 @@ async def test_no_shapes_on_this_cpu_s_own_path(model) -> None:
         report = await warm_up(executor, model.tokenizer, **LIMITS)
     finally:
         executor.shutdown()
-    if not gpu_attention.active():
+    if not runs_cuda_attention():
         assert report.compiled_shapes == 0 and "compiled" not in report.describe()

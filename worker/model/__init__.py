@@ -2,8 +2,8 @@
 
 ``loader`` (weights, fingerprint), ``spec`` (what the model's layers need, and what it refuses),
 ``kv_pool`` (the physical blocks), ``paged_cache`` (mlx-lm's cache protocol over the pool),
-``forward_batch`` / ``block_attention`` (batched forwards and attention over block tables),
-``runner`` (paged) and ``dense_runner`` (recurrent models), ``sampling`` (per-row sampling on
+``forward_batch`` (one batched forward's metadata), ``attention`` (attention over the pool's
+block tables: one backend a device, chosen at start), ``runner`` (paged) and ``dense_runner`` (recurrent models), ``sampling`` (per-row sampling on
 the MLX thread; its results, plain values, in ``sampled``) and ``self_check`` (the startup
 parity check).
 

@@ -22,14 +22,14 @@ dropped). Each trace costs about one uncompiled forward's host time plus MLX's c
 (33-67 ms for a 22-layer model on a 2-core CPU); the worker's warm-up traces every bucket up to
 its batch and context limits (``ModelRunner.prepare_compiled_decodes``).
 
-Only where decodes take the block-table kernel (``worker.model.gpu_attention``): the CPU's
-decode attention (stream splits, numba) is not traceable, and its steps are bound by compute.
-``KVSERVE_COMPILE_DECODE=0`` turns it off.
+Only where the attention backend's decodes are traceable (``AttentionBackend.compiles_decodes``:
+the CUDA block-table kernel, ``worker.model.attention.cuda``): the CPU's decode attention
+(stream splits, numba) is not, and its steps are bound by compute. ``--no-compile-decodes``
+turns it off.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
@@ -39,13 +39,6 @@ import numpy as np
 from worker.model.forward_batch import ForwardBatch, SeqInput
 from worker.model.kv_pool import KVPool
 from worker.model.paged_cache import PagedLayerCache
-
-ENV_SWITCH = "KVSERVE_COMPILE_DECODE"
-
-
-def enabled() -> bool:
-    """Whether decode forwards may be compiled (``KVSERVE_COMPILE_DECODE``, default on)."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def bucket_blocks(blocks: int) -> int:
@@ -145,10 +138,8 @@ class CompiledDecode:
         real = self._pool.arrays()
         self._pool.replace(pool)
         try:
-            caches = self._caches(batch)
-            logits = self._model(batch.tokens, cache=caches)
-            if not all(c.served for c in caches if c.fetched() is not None):
-                raise NotTraceable("a layer's attention was not served by the block-table kernel")
+            batch.stand_ins = True  # the runner compiles only where the model takes them
+            logits = self._model(batch.tokens, cache=self._caches(batch))
             return logits[:, -1, :].astype(mx.float32), self._pool.arrays()
         finally:
             self._pool.replace(real)

@@ -12,7 +12,7 @@ in the float's exponent bits) with multiplies and adds only, compiled into one f
 within a few float32 ulps of ``exp``, 4-5x faster. :func:`softmax` and :func:`swiglu` build on
 it (a float32 SwiGLU of a prefill's size runs in numpy instead: its SIMD ``exp`` is faster
 still); :func:`install` points the ``swiglu`` of a model's modules at this one on the CPU (as
-``block_attention.install`` does for attention). Inputs below the float32 range give exactly 0
+``attention.seam.install`` does for attention). Inputs below the float32 range give exactly 0
 (a softmax's masked keys), inputs above it the largest finite power instead of inf.
 
 Compiled per input shape (the bit cast cannot be traced shapelessly): a new shape traces in

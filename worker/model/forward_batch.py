@@ -94,6 +94,7 @@ class ForwardBatch:
         "query_lens",
         "real_size",
         "size",
+        "stand_ins",
         "starts",
         "tables",
         "tables_np",
@@ -179,8 +180,12 @@ class ForwardBatch:
         self._traced_ends: mx.array | None = None
         self.prefill_kernel: bool | None = None
         """Whether this forward's prefill attention takes the block-table prefill kernel
-        (``worker.model.gpu_prefill``) in its windowless layers; decided by the attention hook
-        at the first of them, so that they all agree (None: not decided yet)."""
+        (``attention.gpu_prefill``) in its windowless layers; decided by the CUDA backend at
+        the first of them, so that they all agree (None: not decided yet)."""
+        self.stand_ins = False
+        """Whether each layer's cache hands back the new K/V in place of its gathered context
+        (``PagedLayerCache.update_and_fetch``): set by the runner for a forward whose
+        attention reads the pool by block table (``AttentionBackend.stand_ins``)."""
 
     def _tables(self, seqs: Sequence[SeqInput], num_blocks: int) -> np.ndarray:
         """Each sequence's blocks up to its end, padded with the trash block; one numpy
@@ -288,7 +293,7 @@ class ForwardBatch:
 
     def mask_window(self, mask: Any) -> tuple[bool, int | None]:
         """Whether ``mask`` is an array :meth:`mask` built for this batch, and for which
-        window: attention that computes the mask from positions (``worker.model.gpu_attention``)
+        window: attention that computes the mask from positions (``attention.gpu_decode``)
         serves only masks it can rebuild."""
         for (window, _), built in self._masks.items():
             if built is mask and isinstance(built, mx.array):
@@ -309,7 +314,7 @@ class ForwardBatch:
     def context_groups(self) -> ContextGroups:
         """The batch's sequences grouped by (queries, context length), for attention that
         runs one exact-length, causal call per group instead of one call under an array mask
-        (``block_attention.exact_context_attention``); built once per forward."""
+        (``attention.cuda.exact_context_attention``); built once per forward."""
         if self._context_groups is None:
             by_shape: dict[tuple[int, int], list[int]] = {}
             shapes = zip(self.query_lens.tolist(), self.ends.tolist(), strict=True)

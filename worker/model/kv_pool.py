@@ -27,7 +27,6 @@ import numpy as np
 
 from worker.errors import BatchError, PoolConfigError
 from worker.ids import BlockId
-from worker.model import gpu_attention
 from worker.model.spec import LayerSpec, ModelSpec
 
 DEFAULT_BLOCK_SIZE = 32
@@ -142,11 +141,6 @@ class KVPool:
         """K and V of whole blocks ``tables`` ``[B, 1, n]``, as contiguous ``[B, heads, n*bs, dim]``."""
         keys, values = self._keys[layer], self._values[layer]
         b, n = tables.shape[0], tables.shape[2]
-        if gpu_attention.gather_supported(keys) and gpu_attention.gather_supported(values):
-            flat = tables.reshape(b, n)
-            return gpu_attention.gather_blocks(keys, flat), gpu_attention.gather_blocks(
-                values, flat
-            )
         heads = self._heads[layer]
         k, v = keys[heads, tables], values[heads, tables]
         return (

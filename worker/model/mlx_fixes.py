@@ -16,27 +16,32 @@ calls leave, and its cause inside MLX is not pinned down (docs/gpu-attention.md)
 GPU runs unsorted (the kernels every decode already takes; the sort is a speed hint, the
 result is the same). The sorted ``gather_qmm`` was not caught wrong, but it may share the
 fault and its unsorted kernel measured as fast (3.71 against 3.73 ms, 64 experts, 3,072 rows,
-4-bit). Calls on the CPU, or on Metal, are left as they are. ``KVSERVE_CUDA_SORTED_GATHER=1``
-keeps the sorted kernels (for an MLX that has fixed them).
+4-bit). Calls on the CPU, or on Metal, are left as they are. ``--cuda-sorted-gather`` keeps the
+sorted kernels (for an MLX that has fixed them: :func:`keep_sorted_gathers`).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 
-from worker.model import gpu_attention
+from worker.model import device as devices
 
 _WRAPPED = "_kvserve_unsorted_on_cuda"
 
 
-def sorted_gather_allowed() -> bool:
-    """Whether ``KVSERVE_CUDA_SORTED_GATHER=1`` keeps MLX's sorted kernel on CUDA."""
-    return os.environ.get("KVSERVE_CUDA_SORTED_GATHER", "0") == "1"
+_kept_sorted = False  # keep_sorted_gathers() was called: install() does nothing
+
+
+def keep_sorted_gathers() -> None:
+    """Keep MLX's sorted gather kernels in this process (``--cuda-sorted-gather``): call
+    before the first runner is built."""
+    global _kept_sorted
+    _kept_sorted = True
+    uninstall()
 
 
 def _on_cuda(stream: Any) -> bool:
@@ -47,7 +52,7 @@ def _on_cuda(stream: Any) -> bool:
         device = stream.device
     else:
         device = stream
-    return device == mx.gpu and gpu_attention.cuda_available()
+    return device == mx.gpu and devices.cuda_available()
 
 
 def unsorted_on_cuda(op: Callable[..., mx.array]) -> Callable[..., mx.array]:
@@ -73,7 +78,7 @@ def install() -> bool:
     unsorted kernels, once per process (every caller looks them up on ``mx`` at call time,
     mlx-lm's included). Returns whether the wrappers are in place. No-op without CUDA or with
     the sorted kernels kept."""
-    if not gpu_attention.cuda_available() or sorted_gather_allowed():
+    if not devices.cuda_available() or _kept_sorted:
         return installed()
     for name in _OPS:
         op = getattr(mx, name)

@@ -12,8 +12,7 @@ A view lives for one forward only; it holds no state of its own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -21,56 +20,24 @@ from worker.errors import BatchError
 from worker.model.forward_batch import ForwardBatch
 from worker.model.kv_pool import KVPool
 
+if TYPE_CHECKING:
+    from worker.model.attention.backend import AttentionBackend
+
 
 class PagedLayerCache:
-    """mlx-lm cache protocol for layer ``layer`` of ``pool`` during one forward of ``batch``."""
+    """mlx-lm cache protocol for layer ``layer`` of ``pool`` during one forward of ``batch``,
+    whose attention ``backend`` serves (``worker.model.attention``)."""
 
-    __slots__ = (
-        "_batch",
-        "_fetched",
-        "_layer",
-        "_pool",
-        "attention_streams",
-        "block_attention",
-        "block_decode",
-        "decode_kernel",
-        "served",
-        "stand_ins",
-    )
+    __slots__ = ("_batch", "_fetched", "_layer", "_pool", "backend")
 
     def __init__(
-        self,
-        batch: ForwardBatch,
-        pool: KVPool,
-        layer: int,
-        block_attention: bool = False,
-        attention_streams: Sequence[mx.Stream] = (),
-        block_decode: bool = True,
-        stand_ins: bool = False,
-        decode_kernel: bool = False,
+        self, batch: ForwardBatch, pool: KVPool, layer: int, backend: AttentionBackend
     ) -> None:
         self._batch = batch
         self._pool = pool
         self._layer = layer
+        self.backend = backend
         self._fetched: tuple[mx.array, mx.array] | None = None
-        self.block_attention = block_attention
-        """Whether ``worker.model.block_attention.paged_sdpa`` may serve this layer's decodes."""
-        self.attention_streams = attention_streams
-        """Streams block attention splits its rows over (empty: the default stream)."""
-        self.block_decode = block_decode
-        """With ``block_attention``: decodes read blocks where they lie; off, they gather
-        (``ModelRunner.choose_decode_attention`` measures which is faster here)."""
-        self.decode_kernel = decode_kernel
-        """With ``block_attention``, on the CPU: decodes it can serve go to the compiled
-        kernel (``worker.model.cpu_decode``), where the same measurement chose it."""
-        self.stand_ins = stand_ins
-        """:meth:`update_and_fetch` returns the new K/V as stand-ins for the context, not a
-        gather: for forwards whose attention reads the pool by block table (the GPU kernel),
-        where the gather would never run but building it per layer costs host time. Only
-        ``worker.model.block_attention`` may take them, and it sets :attr:`served`."""
-        self.served = False
-        """Whether attention computed this layer from the pool (``block_attention``); with
-        stand-ins, a layer not served attended over them: the forward must run again."""
 
     @property
     def offset(self) -> int | mx.array:
@@ -92,17 +59,20 @@ class PagedLayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write ``[B, heads, N, dim]`` at this forward's slots; return the context, gathered.
 
-        The gather is lazy: when block-table attention serves the layer (see
-        ``worker.model.block_attention``) it is never evaluated and costs nothing.
+        The gather is lazy: when the backend reads the pool by block table it is never
+        evaluated. In a forward with stand-ins (``ForwardBatch.stand_ins``) the new K/V come
+        back in place of the context, and the backend gathers it if it has to
+        (``AttentionCall.context``).
         """
         batch = self._batch
         self._pool.write(self._layer, batch.write_blocks, batch.write_slots, keys, values)
-        self._fetched = (keys, values) if self.stand_ins else self.gather()
+        self._fetched = (keys, values) if batch.stand_ins else self.gather()
         return self._fetched
 
     def gather(self) -> tuple[mx.array, mx.array]:
-        """Each sequence's whole blocks ``[B, heads, L, dim]`` (lazy)."""
-        return self._pool.gather(self._layer, self._batch.tables)
+        """Each sequence's whole blocks ``[B, heads, L, dim]`` (lazy), as the backend reads
+        them."""
+        return self.backend.gather(self._pool, self._layer, self._batch.tables)
 
     def fetched(self) -> tuple[mx.array, mx.array] | None:
         """What :meth:`update_and_fetch` returned in this forward, if it was called."""

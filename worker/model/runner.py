@@ -9,22 +9,23 @@ the step. All calls come from the one thread that owns the model.
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
-import statistics
-import threading
-import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from worker.errors import BatchError, PoolConfigError
-from worker.model import block_attention as block_attention_hook
-from worker.model import compiled_decode, cpu_decode, cpu_math, gpu_attention, mlx_fixes
+from worker.model import compiled_decode, cpu_math, mlx_fixes
+from worker.model.attention import (
+    FEW_QUERIES,
+    AttentionBackend,
+    AttentionCall,
+    AttentionOptions,
+    DecodeChoice,
+    choose_backend,
+)
+from worker.model.attention.seam import install as install_attention
 from worker.model.compiled_decode import CompiledDecode
 from worker.model.forward_batch import ForwardBatch, SeqInput
 from worker.model.kv_pool import DEFAULT_BLOCK_SIZE, KVPool
@@ -37,12 +38,12 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     """An mlx-lm model and its KV pool, one forward at a time.
 
-    ``block_attention`` (default: on the CPU device, and on an NVIDIA GPU unless
-    ``KVSERVE_CUDA_ATTENTION=0``) serves decode attention straight from the pool blocks
-    (``worker.model.block_attention``), on the CPU split over ``attention_streams`` MLX CPU
-    streams (default: one per available core, at most 8), on the GPU with a block-table kernel
-    (``worker.model.gpu_attention``); off, every forward gathers K/V and runs SDPA (the
-    reference path). All match mlx-lm's dense ``KVCache`` path.
+    Attention runs on one backend (``worker.model.attention``), chosen at start from
+    ``attention`` (a backend, or the options to choose one by; default: the device's own):
+    on the CPU decodes read the pool blocks where they lie, split over MLX CPU streams, and
+    prefill chunks take numpy's softmax; on an NVIDIA GPU both take block-table kernels; the
+    reference backend gathers K/V and runs SDPA for every call. All match mlx-lm's dense
+    ``KVCache`` path.
 
     MLX streams belong to the thread that creates them: build the runner on the thread that
     will call :meth:`forward`.
@@ -54,8 +55,7 @@ class ModelRunner:
         pool: KVPool,
         spec: ModelSpec | None = None,
         *,
-        block_attention: bool | None = None,
-        attention_streams: int | None = None,
+        attention: AttentionBackend | AttentionOptions | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -64,30 +64,24 @@ class ModelRunner:
             raise PoolConfigError(
                 f"pool has {pool.num_layers} layers, model {len(self.spec.layers)}"
             )
-        if block_attention is None:
-            block_attention = mx.default_device() == mx.cpu or gpu_attention.active()
-        self.block_attention = block_attention
-        self.block_decode = block_attention
-        """Whether decodes read blocks where they lie (else gather, then SDPA); see
-        :meth:`choose_decode_attention`."""
-        self.decode_kernel = False
-        """On the CPU: whether decodes go to the compiled kernel (``worker.model.cpu_decode``),
-        which reads blocks where they lie; set by :meth:`choose_decode_attention`."""
-        self._streams: tuple[mx.Stream, ...] = ()
-        # Kernel-served forwards skip building the per-layer gather (PagedLayerCache.stand_ins)
-        # until a model shows it needs it.
-        self._stand_ins = True
-        self.compile_decodes = compiled_decode.enabled() and not self.spec.int_offsets
-        """Whether decodes the GPU kernel serves run compiled (``worker.model.
-        compiled_decode``); off for good once a model shows it cannot be traced."""
-        self._compiled: CompiledDecode | None = None
+        if not isinstance(attention, AttentionBackend):
+            attention = choose_backend(attention)
+        self.attention = attention
         if mx.default_device() == mx.cpu:
             cpu_math.install(model)  # MLX's CPU exp is ~5x slower than its multiplies
         mlx_fixes.install()  # kernels a device computes wrong (CUDA: sorted gather_mm)
-        if block_attention:
-            block_attention_hook.install(model)
-            if not gpu_attention.active():  # the CPU path splits attention over streams
-                self._streams = _streams(attention_streams or min(8, _cores()))
+        install_attention(model)
+        attention.prepare(model, pool)
+        self.stand_ins = attention.stand_ins and self._attends_over_fetched()
+        """Whether decode forwards skip the per-layer gather (``ForwardBatch.stand_ins``):
+        where the backend reads the pool by block table and this model hands the K/V its
+        cache fetched to attention unchanged (checked once, here)."""
+        self.compile_decodes = (
+            attention.compiles_decodes and self.stand_ins and not self.spec.int_offsets
+        )
+        """Whether decodes run compiled (``worker.model.compiled_decode``); off for good once
+        a model shows it cannot be traced."""
+        self._compiled: CompiledDecode | None = None
 
     @classmethod
     def create(
@@ -97,21 +91,14 @@ class ModelRunner:
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_blocks: int | None = None,
         memory_bytes: int | None = None,
-        block_attention: bool | None = None,
-        attention_streams: int | None = None,
+        attention: AttentionBackend | AttentionOptions | None = None,
     ) -> ModelRunner:
         """Probe ``model`` and build its pool by block count or memory budget."""
         spec = probe(model)
         pool = KVPool.for_model(
             spec, block_size=block_size, num_blocks=num_blocks, memory_bytes=memory_bytes
         )
-        return cls(
-            model,
-            pool,
-            spec,
-            block_attention=block_attention,
-            attention_streams=attention_streams,
-        )
+        return cls(model, pool, spec, attention=attention)
 
     kind = "paged"
 
@@ -181,14 +168,9 @@ class ModelRunner:
         return self._compiled if self.compile_decodes else None
 
     def _decodes_compile(self) -> bool:
-        """Whether decodes run compiled: every layer's attention served by the GPU
-        block-table kernel (``worker.model.compiled_decode``), the model traceable so far."""
-        return (
-            self.compile_decodes
-            and self._stand_ins
-            and self.block_decode
-            and gpu_attention.active()
-        )
+        """Whether decodes run compiled (``worker.model.compiled_decode``): the backend's
+        decodes traceable, the model so far too."""
+        return self.compile_decodes
 
     def _compiles(self, seqs: Sequence[SeqInput]) -> bool:
         """Whether this forward runs compiled: decodes only, where decodes compile."""
@@ -231,10 +213,7 @@ class ModelRunner:
     def _compiled_forward(self) -> CompiledDecode:
         if self._compiled is None:
             self._compiled = CompiledDecode(
-                self.model,
-                self.pool,
-                lambda b: self._layer_caches(b, stand_ins=True),
-                self.spec.mask_rank,
+                self.model, self.pool, self._layer_caches, self.spec.mask_rank
             )
         return self._compiled
 
@@ -295,82 +274,11 @@ class ModelRunner:
         mx.eval(all_logits, *self.pool.arrays())
         return [all_logits[i, : int(n)] for i, n in enumerate(batch.query_lens)]
 
-    def choose_decode_attention(
-        self, batch: int = 32, context: int = 1024, repeats: int = 7
-    ) -> DecodeChoice:
-        """Times one layer's decode attention every way on this machine and keeps the fastest.
-
-        Block-table attention (``mx.gather_mm``) is one small GEMM per (sequence, head, block):
-        with a single-threaded BLAS it matches a dense cache, but a multithreaded one (BLIS
-        ``-mt``, which the BLAS choice takes on AMD CPUs) pays a thread hand-off per GEMM, and
-        there gathering the blocks a few sequences at a time and running SDPA on them
-        (``block_attention.gathered_attention``) was faster. The BLAS is chosen at
-        start by measurement (``kvserve_model.blas``); so is this, at a decode shape of
-        ``batch`` sequences of ``context`` tokens with the model's heads (fewer where the pool
-        is smaller), and gathers only where that is more than 10% faster. The compiled kernel
-        (``worker.model.cpu_decode``, where numba imports and the pool is fp32) reads blocks
-        in place without either cost, and is taken where it is more than 10% faster than the
-        better of the two (batch 32 x 1,024 below: 366 ms a step). Off the CPU path
-        (``block_attention`` off) decodes always gather; on an NVIDIA GPU they take the
-        block-table kernel (``worker.model.gpu_attention``), unmeasured.
-
-        Measured at the CPU's default batch, where decode throughput is decided (2-core AMD
-        EPYC, AOCL-BLIS-mt, 110M llama, context 1,024, whole decode steps, glibc keeping freed
-        memory: ``kvserve_model.blas.MALLOC_TUNABLES``): batch 32 601 ms gathered against 841 by
-        blocks; batch 8 193 against 261."""
-        if not self.block_attention:
-            return DecodeChoice("gather", 0.0, 0.0)
-        if gpu_attention.active():
-            return DecodeChoice("block-table kernel (CUDA)", 0.0, 0.0)
-        k, v = self.pool.layer_arrays(0)
-        heads, per_head, bs, dim = k.shape
-        n = max(1, min(context // bs, (per_head - 1) // batch))
-        batch = max(1, min(batch, (per_head - 1) // n))
-        rep = max(
-            1, getattr(getattr(self.model, "args", None), "num_attention_heads", heads) // heads
-        )
-        q = mx.random.normal((batch, heads * rep, 1, dim), key=mx.random.key(0)).astype(k.dtype)
-        order = np.random.default_rng(0).permutation(per_head - 1)[: batch * n].tolist()
-        decodes = [SeqInput([0], order[i * n : (i + 1) * n], n * bs - 1) for i in range(batch)]
-        rows = ForwardBatch(decodes, bs, self.pool.num_blocks).block_rows(heads, per_head)
-        scale = dim**-0.5
-
-        def blocks() -> mx.array:
-            return block_attention_hook.block_table_attention(
-                q, k, v, rows, scale, None, self._streams
-            )
-
-        def gather() -> mx.array:
-            return block_attention_hook.gathered_attention(
-                q, k, v, rows, scale, None, self._streams
-            )
-
-        tables = np.array([d.block_table for d in decodes], dtype=np.int32)
-        ends = np.full(batch, n * bs, dtype=np.int64)
-
-        def kernel() -> mx.array:
-            return cpu_decode.paged_decode_attention(q, k, v, tables, ends, scale)
-
-        ways = {"blocks": blocks, "gather": gather}
-        if cpu_decode.available() and cpu_decode.supports(q, k, v):
-            try:  # compiles it (or loads it from the cache): a failure only leaves it out
-                mx.eval(kernel())
-                ways["kernel"] = kernel
-            except Exception:
-                log.warning("the compiled CPU decode kernel failed: not used", exc_info=True)
-        times: dict[str, list[float]] = {name: [] for name in ways}
-        for _ in range(repeats + 1):  # the first round warms them up (and compiles the kernel)
-            for name, f in ways.items():
-                start = time.perf_counter()
-                mx.eval(f())
-                times[name].append(time.perf_counter() - start)
-        took = {name: statistics.median(t[1:]) for name, t in times.items()}
-        # Block-table attention is the measured default; another path must be clearly faster.
-        self.block_decode = took["gather"] > GATHER_MARGIN * took["blocks"]
-        best = took["blocks"] if self.block_decode else took["gather"]
-        self.decode_kernel = "kernel" in took and took["kernel"] < GATHER_MARGIN * best
-        path = "kernel" if self.decode_kernel else "blocks" if self.block_decode else "gather"
-        return DecodeChoice(path, took["blocks"], took["gather"], took.get("kernel", 0.0))
+    def choose_decode_attention(self, **shape: int) -> DecodeChoice:
+        """Let the backend measure which decode path is fastest on this machine, and keep it
+        (the CPU's; other backends have one path). ``shape``: ``batch``, ``context``,
+        ``repeats`` of the measurement (``CpuBackend.choose_decode``)."""
+        return self.attention.choose_decode(self.model, self.pool, **shape)
 
     def _groups(self, seqs: Sequence[SeqInput]) -> list[list[int]]:
         """The forwards ``seqs`` run in: one, unless the model needs an int offset
@@ -393,47 +301,41 @@ class ModelRunner:
             if batch.query_len != 1 or tokens.shape != (batch.size,):
                 raise BatchError("lazy tokens stand for one decode token a sequence")
             batch.tokens = tokens.reshape(batch.size, 1).astype(mx.int32)
-        stand_ins = (
-            self._stand_ins
-            and self.block_decode
-            and batch.query_len <= block_attention_hook.FEW_QUERIES
-            and gpu_attention.active()
-        )
-        caches = self._layer_caches(batch, stand_ins)
-        if not stand_ins:
-            return batch, self.model(batch.tokens, cache=caches)
-        try:
-            logits = self.model(batch.tokens, cache=caches)
-            served = all(c.served for c in caches if c.fetched() is not None)
-        except Exception:  # shapes that do not line up with the stand-ins, raised eagerly
-            served = False
-        if not served:
-            # Some layer attended over the stand-ins itself (its attention changes the fetched
-            # K/V, or is not mlx-lm's): nothing is evaluated yet, so build the forward again,
-            # gathering, and for good. Its writes land once more on the same slots, last.
-            log.warning(
-                "this model's attention does not hand the fetched K/V to attention unchanged: "
-                "its GPU decodes build the gathered context too"
-            )
-            self._stand_ins = False
-            return self._run(seqs, tokens)
-        return batch, logits
+        batch.stand_ins = self.stand_ins and batch.query_len <= FEW_QUERIES
+        return batch, self.model(batch.tokens, cache=self._layer_caches(batch))
 
-    def _layer_caches(self, batch: ForwardBatch, stand_ins: bool) -> list[PagedLayerCache]:
+    def _layer_caches(self, batch: ForwardBatch) -> list[PagedLayerCache]:
         """Every layer's cache view of ``batch`` for one forward."""
         return [
-            PagedLayerCache(
-                batch,
-                self.pool,
-                layer,
-                self.block_attention,
-                self._streams,
-                self.block_decode,
-                stand_ins,
-                self.decode_kernel,
-            )
+            PagedLayerCache(batch, self.pool, layer, self.attention)
             for layer in range(self.pool.num_layers)
         ]
+
+    def _attends_over_fetched(self) -> bool:
+        """Whether every layer of this model hands the K/V its cache fetched to attention
+        unchanged, so that a decode forward may fetch stand-ins for the context: one decode's
+        graph is built on stand-ins (never evaluated; the pool is put back as it was) and each
+        layer's attention call is checked. A model that transforms the fetched keys, or whose
+        attention is not mlx-lm's function, gathers the context in every forward instead."""
+        pool = self.pool
+        batch = ForwardBatch([SeqInput([0], [0], 0)], pool.block_size, pool.num_blocks)
+        batch.stand_ins = True
+        probe = _FetchProbe(self.attention)
+        caches = [PagedLayerCache(batch, pool, layer, probe) for layer in range(pool.num_layers)]
+        saved = pool.arrays()
+        try:
+            self.model(batch.tokens, cache=caches)
+            ok = all(c.layer in probe.layers for c in caches if c.fetched() is not None)
+        except Exception:  # shapes that do not line up with the stand-ins, raised eagerly
+            ok = False
+        finally:
+            pool.replace(saved)
+        if not ok:
+            log.warning(
+                "this model's attention does not take the fetched K/V unchanged: its decodes "
+                "gather the context in every forward"
+            )
+        return ok
 
     def _check_tokens(self, seqs: Sequence[SeqInput]) -> None:
         vocab = self.spec.vocab_size
@@ -442,48 +344,23 @@ class ModelRunner:
                 raise BatchError(f"sequence {i}: token ids outside 0..{vocab - 1}")
 
 
-GATHER_MARGIN = 0.9
-
 # Compiled decode shapes the warm-up traces at most (each ~one uncompiled forward's host time).
 MAX_PREPARED_SHAPES = 128
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeChoice:
-    """What :meth:`ModelRunner.choose_decode_attention` measured and chose."""
+class _FetchProbe(AttentionBackend):
+    """Wraps a backend for :meth:`ModelRunner._attends_over_fetched`: notes each layer whose
+    attention call came with the K/V its cache fetched."""
 
-    path: str  # "blocks", "gather" or "kernel"
-    blocks_s: float
-    gather_s: float
-    kernel_s: float = 0.0  # 0: the compiled kernel was not a candidate
+    def __init__(self, inner: AttentionBackend) -> None:
+        super().__init__()
+        self.inner = inner
+        self.layers: set[int] = set()
 
-    def describe(self) -> str:
-        if not self.blocks_s:
-            return f"decode attention: {self.path}"
-        kernel = f", compiled kernel {self.kernel_s * 1e3:.1f} ms" if self.kernel_s else ""
-        return (
-            f"decode attention: {self.path} (one layer at a batch-32 decode: blocks "
-            f"{self.blocks_s * 1e3:.1f} ms, gather + SDPA {self.gather_s * 1e3:.1f} ms{kernel})"
-        )
+    def attend(self, call: AttentionCall) -> mx.array:
+        if call.over_fetched():
+            self.layers.add(call.cache.layer)
+        return self.inner.attend(call)
 
-
-def _cores() -> int:
-    affinity = getattr(os, "sched_getaffinity", None)  # Linux; macOS has only cpu_count
-    return len(affinity(0)) if affinity else os.cpu_count() or 1
-
-
-@functools.cache
-def _streams_of_thread(thread: int, count: int) -> tuple[mx.Stream, ...]:
-    del thread  # part of the cache key only
-    device = mx.default_device()
-    extra = [mx.new_stream(device) for _ in range(count - 1)]
-    return (mx.default_stream(device), *extra)
-
-
-def _streams(count: int) -> tuple[mx.Stream, ...]:
-    """``count`` streams of the default device for this thread (the first is its default one).
-
-    Each MLX stream owns a thread and belongs to the thread that made it, so they are made once
-    per calling thread and count, however many runners a process (or a test session) builds.
-    """
-    return _streams_of_thread(threading.get_ident(), count) if count > 1 else ()
+    def gather(self, pool: KVPool, layer: int, tables: mx.array) -> tuple[mx.array, mx.array]:
+        return self.inner.gather(pool, layer, tables)

@@ -1,9 +1,9 @@
 """Decode attention over the paged KV pool on the CPU, reading blocks where they lie.
 
 MLX has no custom CPU kernels, and its two ways to attend over pool blocks both pay for the
-paging: ``mx.gather_mm`` (``block_attention.block_table_attention``) is one BLAS call per
+paging: ``mx.gather_mm`` (``attention.cpu.block_table_attention``) is one BLAS call per
 (sequence, head, block), thousands a layer, each too small to use a multithreaded BLAS well;
-gathering the blocks into a contiguous copy for SDPA (``block_attention.gathered_attention``)
+gathering the blocks into a contiguous copy for SDPA (``attention.cpu.gathered_attention``)
 moves every key and value twice. At a batch-32 decode of a 110M llama (context 256, 2-core
 EPYC) one layer's attention took ~15 ms either way, against ~5 ms for SDPA on a dense cache.
 
@@ -18,8 +18,8 @@ synchronization; nothing is copied but the queries and the output.
 Served: up to 17 queries a sequence (a decode, or a decode with its speculative drafts, whose
 verify forward is then as cheap in memory traffic as a decode), fp32 pools (the CPU runs
 models in fp32), an optional sliding window. Anything else (prefill chunks) takes the MLX
-paths. ``ModelRunner.choose_decode_attention``
-measures it against them at start; ``KVSERVE_CPU_DECODE_KERNEL=0`` keeps a worker off it.
+paths. The CPU backend (``attention.cpu.CpuBackend.choose_decode``) measures it against them
+at start; ``--no-cpu-decode-kernel`` keeps a worker off it (numba is then never imported).
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ import numpy as np
 from kvserve_model.blas import THREADS_ENV
 
 log = logging.getLogger(__name__)
-
-ENV_SWITCH = "KVSERVE_CPU_DECODE_KERNEL"
 
 MAX_QUERIES = 17  # a decode and up to 16 speculative drafts; longer calls are prefill
 _lock = threading.Lock()  # numba's workqueue threading layer takes one caller at a time
@@ -141,8 +139,8 @@ def _compiled() -> Any:
 
 
 def available() -> bool:
-    """Whether this process can take the kernel: numba imports and the switch is not off."""
-    return os.environ.get(ENV_SWITCH, "1") != "0" and _compiled() is not None
+    """Whether this process can take the kernel: numba imports."""
+    return _compiled() is not None
 
 
 def supports(queries: mx.array, pool_k: mx.array, pool_v: mx.array) -> bool:

@@ -12,7 +12,7 @@ without repeating K), evaluates them, applies the mask and the exponentials in n
 on the buffer MLX evaluated them into (no copy either way; MLX's own path materializes the
 scores too), multiplies by V with MLX again and normalizes the output: the same result as ``mx.fast.scaled_dot_product_attention``
 to float32 rounding, 2-3x faster for a prefill chunk here. It serves the paged path's prefill
-calls on the CPU (``block_attention.paged_sdpa``); decode and the GPU keep their paths.
+calls on the CPU (``attention.cpu.CpuBackend``); decode and the GPU keep their paths.
 """
 
 from __future__ import annotations
