@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache  # noqa: E402
 
+from worker.model.attention import AttentionBackend  # noqa: E402
 from worker.model.forward_batch import SeqInput  # noqa: E402
 from worker.model.runner import ModelRunner  # noqa: E402
 
@@ -121,7 +122,7 @@ def paged_decoders(model: nn.Module, s: Sizes, batch: int, ctx: int) -> dict[str
     # Each of the three decoders below advances the shared position once a round (warm-up too).
     per_seq = -(-(ctx + 3 * (s.steps + 1) + 4) // bs)
     runner = ModelRunner.create(model, block_size=bs, num_blocks=batch * per_seq)
-    gather = ModelRunner(model, runner.pool, runner.spec, block_attention=False)
+    gather = ModelRunner(model, runner.pool, runner.spec, attention=AttentionBackend())
     blocks = ModelRunner(model, runner.pool, runner.spec)
     for layer in range(runner.pool.num_layers):  # fill with noise: realistic magnitudes
         k, v = runner.pool.layer_arrays(layer)

@@ -45,7 +45,7 @@ import numpy as np
 from bench_models import gpu_name  # type: ignore[import-not-found]
 
 from worker.model import mlx_fixes
-from worker.model.attention import gpu_decode, gpu_prefill
+from worker.model.attention import device_backend, gpu_decode, gpu_prefill
 from worker.model.forward_batch import ForwardBatch, SeqInput
 
 # Largest abs error accepted against float64, as a fraction of max(1, max |reference|).
@@ -450,8 +450,8 @@ def main() -> int:
     small = args.cpu_dry_run
     if small:
         _stand_in_for_the_kernel()
-    elif not gpu_decode.active():
-        print("needs MLX's CUDA backend on an NVIDIA GPU (gpu_decode.active() is False)")
+    elif device_backend() != "cuda":
+        print("needs MLX's CUDA backend on an NVIDIA GPU (the attention backend is not cuda)")
         return 2
     print(f"mlx {mx.__version__}, device {mx.default_device()}, {gpu_name()}")
     ok = True

@@ -5,8 +5,8 @@ gpu-serving-benchmark.md``: 2.6-4.6 ms of a 7.8-10 ms step on an H100 host).
 
 Building the graph needs no GPU: on a machine without MLX's CUDA backend the block-table
 kernel is replaced by a stand-in that returns lazy arrays of its output shapes (nothing is
-evaluated, so nothing it would compute is needed), and ``gpu_decode.active()`` is forced
-on, so that the worker's runner takes exactly the GPU's decode path through its Python:
+evaluated, so nothing it would compute is needed), and the runner is given the CUDA backend
+(``worker.model.attention.cuda``), so that it takes exactly the GPU's decode path through its Python:
 ``ForwardBatch``, the pool writes, the attention hook's checks, the kernel's launch plan;
 and the same forward compiled (``worker.model.compiled_decode``: the traced graph replayed).
 On a GPU machine the real kernel is used (built, not run). The graph is built lazily and
@@ -71,7 +71,6 @@ def main() -> None:
     stood_in = not devices.cuda_available()
     if stood_in:
         gpu_decode._kernel = stand_in_kernel  # type: ignore[assignment]
-        gpu_decode.active = lambda: True  # type: ignore[assignment]
 
     from mlx_lm.models.cache import KVCache
 
@@ -83,7 +82,11 @@ def main() -> None:
         path, _ = make_model(Path(tmp) / "model", args.layers, args.hidden, "float16")
         model = load_model(str(path)).model
     blocks_each = -(-(args.context + 1) // 16)
-    runner = ModelRunner.create(model, num_blocks=args.batch * blocks_each + 1, block_size=16)
+    from worker.model.attention.cuda import CudaBackend
+
+    runner = ModelRunner.create(
+        model, num_blocks=args.batch * blocks_each + 1, block_size=16, attention=CudaBackend()
+    )
     # Per-sequence lengths differ by a few tokens, as in serving (an array offset and a mask).
     tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(args.batch)]
     seqs = [SeqInput([65], t, args.context - (i % 8), i) for i, t in enumerate(tables, start=1)]

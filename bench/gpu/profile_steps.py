@@ -113,7 +113,7 @@ def main() -> None:
         print(
             f"device {mx.default_device()}, model {params / 1e6:.0f}M {args.dtype}, "
             f"{args.layers} layers; {runner.describe()}; pool {num_blocks} blocks of {bs}; "
-            f"block attention {runner.block_attention}; load {time.perf_counter() - started:.1f} s"
+            f"{runner.attention.describe()}; load {time.perf_counter() - started:.1f} s"
         )
         rng = np.random.default_rng(0)
         order = np.arange(num_blocks)
@@ -234,9 +234,9 @@ def main() -> None:
             seqs = [SeqInput([65], t, pos) for t in short_tables]
             t0 = time.perf_counter()
             fb = ForwardBatch(seqs, bs, num_blocks, runner.spec.mask_rank)
+            fb.stand_ins = runner.stand_ins
             caches = [
-                PagedLayerCache(fb, runner.pool, layer, runner.block_attention, (),
-                                runner.block_decode)
+                PagedLayerCache(fb, runner.pool, layer, runner.attention)
                 for layer in range(runner.pool.num_layers)
             ]  # fmt: skip
             out = model(fb.tokens, cache=caches)[:, -1, :]
@@ -276,7 +276,7 @@ def main() -> None:
 
         # 5. Host-side costs of a decode step.
         seqs = [SeqInput([65], t, SHORT_PROMPT + args.steps) for t in short_tables]
-        if gpu_decode.active():  # one layer's decode attention: the kernel against SDPA
+        if runner.attention.name == "cuda":  # one layer's decode attention: the kernel against SDPA
             fb = ForwardBatch(seqs, bs, num_blocks, runner.spec.mask_rank)
             tables_in, ends_in, qlens = fb.kernel_inputs()
             pool_k, pool_v = runner.pool.layer_arrays(0)
