@@ -9,7 +9,7 @@ boolean array). Per layer, in microseconds (medians), this script times:
 
 - **gather**: that path under the mask (the pool write excluded: every path pays it); the
   gather is ``KVPool.gather``: on an NVIDIA GPU a copy kernel
-  (``gpu_decode.gather_blocks``), elsewhere MLX's indexing (timed alone in the last
+  (``gpu_gather.gather_blocks``), elsewhere MLX's indexing (timed alone in the last
   columns, with a ``take``-based alternative);
 - **exact**: the gathered context without the array mask, one ``"causal"`` call per group of
   sequences with the same queries and context (``cuda.exact_context_attention``,

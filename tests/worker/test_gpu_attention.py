@@ -31,7 +31,7 @@ from tests.worker.helpers import (
 )
 from worker.model import device as devices
 from worker.model import mlx_fixes
-from worker.model.attention import AttentionBackend, backend, gpu_decode, seam
+from worker.model.attention import AttentionBackend, backend, gpu_decode, gpu_gather, seam
 from worker.model.attention import cuda as cuda_backend
 from worker.model.attention.cpu import CpuBackend
 from worker.model.attention.cuda import CudaBackend
@@ -515,8 +515,8 @@ def test_block_gather_kernel_equals_indexing(dtype, batch, blocks, bs, h, d):
     pool = mx.array(rng.standard_normal((h, num_blocks, bs, d)).astype(np.float32)).astype(dtype)
     tables = rng.integers(0, num_blocks, (batch, blocks)).astype(np.int32)
     tables[0, -1] = num_blocks - 1
-    assert gpu_decode.gather_supported(pool)
-    got = gpu_decode.gather_blocks(pool, mx.array(tables))
+    assert gpu_gather.supported(pool)
+    got = gpu_gather.gather_blocks(pool, mx.array(tables))
     heads = mx.arange(h)[None, :, None]
     want = pool[heads, mx.array(tables)[:, None, :]].reshape(batch, h, blocks * bs, d)
     assert got.shape == want.shape and got.dtype == want.dtype

@@ -12,6 +12,9 @@ padded to the longest query (N) and to whole key blocks (L = blocks * block_size
 rows write to the trash block and copy the mask of their sequence's last real row (so their
 softmax stays finite and no NaN reaches a real row), padded key columns read the trash block and
 are masked. Everything here is built once with numpy and shared by every layer.
+
+One file, one object: the tables, write slots, offsets, masks, context groups and kernel inputs
+of a forward are views of the same padded batch, each built at most once.
 """
 
 from __future__ import annotations
@@ -134,35 +137,15 @@ class ForwardBatch:
         self.starts = np.array([s.start for s in seqs] + [0] * pad, dtype=np.int64)
         self.query_lens = np.array([len(s.token_ids) for s in seqs] + [1] * pad, dtype=np.int64)
         self.ends = self.starts + self.query_lens
-        self.query_len = n = int(self.query_lens.max())
+        self.query_len = int(self.query_lens.max())
         self.key_blocks = max(key_blocks, int(-(-self.ends.max() // bs)))
         self.tables_np = self._tables(seqs, num_blocks)
         if pad:
             trash = np.full((pad, self.key_blocks), num_blocks, dtype=np.int32)
             self.tables_np = np.concatenate([self.tables_np, trash])
 
-        if n == 1:  # a decode step: one token each
-            tokens = np.array([s.token_ids[0] for s in seqs] + [0] * pad, dtype=np.int32)
-            tokens = tokens.reshape(-1, 1)
-        else:
-            tokens = np.zeros((self.size, n), dtype=np.int32)
-            for i, s in enumerate(seqs):
-                tokens[i, : len(s.token_ids)] = s.token_ids
-        self.tokens = mx.array(tokens)
-
-        j = np.arange(n)
-        real = j[None, :] < self.query_lens[:, None]
-        pos = self.starts[:, None] + j[None, :]
-        blocks = np.where(
-            real,
-            np.take_along_axis(self.tables_np, np.minimum(pos // bs, self.key_blocks - 1), 1),
-            num_blocks,
-        )
-        slots = np.where(real, pos % bs, j[None, :] % bs)
-        seqs_only = slice(0, self.real_size)  # padding rows all write the trash block
-        flat = (blocks * bs + slots)[seqs_only][real[seqs_only]]
-        if self.real_size > 1 and len(np.unique(flat)) != len(flat):
-            raise BatchError("two sequences of one batch write the same block slot")
+        self.tokens = mx.array(self._token_ids(seqs, pad))
+        blocks, slots = self._write_positions(num_blocks)
         self.write_blocks = mx.array(blocks[:, None, :].astype(np.int32))
         self.write_slots = mx.array(slots[:, None, :].astype(np.int32))
         self.tables = mx.array(self.tables_np[:, None, :])
@@ -186,6 +169,36 @@ class ForwardBatch:
         """Whether each layer's cache hands back the new K/V in place of its gathered context
         (``PagedLayerCache.update_and_fetch``): set by the runner for a forward whose
         attention reads the pool by block table (``AttentionBackend.stand_ins``)."""
+
+    def _token_ids(self, seqs: Sequence[SeqInput], pad: int) -> np.ndarray:
+        """``[B, N]`` token ids, each row padded with zeros past its queries."""
+        n = self.query_len
+        if n == 1:  # a decode step: one token each
+            return np.array([s.token_ids[0] for s in seqs] + [0] * pad, dtype=np.int32)[:, None]
+        tokens = np.zeros((self.size, n), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s.token_ids)] = s.token_ids
+        return tokens
+
+    def _write_positions(self, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+        """The block and slot ``[B, N]`` each new token's K/V is written to: its position's,
+        or for a padded query row the trash block (``num_blocks``); raises if two sequences
+        would write one slot."""
+        bs, n = self.block_size, self.query_len
+        j = np.arange(n)
+        real = j[None, :] < self.query_lens[:, None]
+        pos = self.starts[:, None] + j[None, :]
+        blocks = np.where(
+            real,
+            np.take_along_axis(self.tables_np, np.minimum(pos // bs, self.key_blocks - 1), 1),
+            num_blocks,
+        )
+        slots = np.where(real, pos % bs, j[None, :] % bs)
+        seqs_only = slice(0, self.real_size)  # padding rows all write the trash block
+        flat = (blocks * bs + slots)[seqs_only][real[seqs_only]]
+        if self.real_size > 1 and len(np.unique(flat)) != len(flat):
+            raise BatchError("two sequences of one batch write the same block slot")
+        return blocks, slots
 
     def _tables(self, seqs: Sequence[SeqInput], num_blocks: int) -> np.ndarray:
         """Each sequence's blocks up to its end, padded with the trash block; one numpy

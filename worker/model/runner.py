@@ -5,6 +5,10 @@ The engine calls :meth:`ModelRunner.forward` once per step with every scheduled 
 runner builds the batch metadata once on the host, hands every layer a cache view over it, and
 evaluates the pool together with the logits so the writes land in place and no graph survives
 the step. All calls come from the one thread that owns the model.
+
+Attention is the backend's (``worker.model.attention``), chosen when the runner is built. One
+file: the runner's three ways to run the same forward (as one batch, split by starting position
+for models that need an int offset, compiled for decodes) share its state and checks.
 """
 
 from __future__ import annotations

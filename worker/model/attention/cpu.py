@@ -12,7 +12,8 @@ which is fastest depends on the BLAS the worker runs on (``kvserve_model.blas``)
 - ``"kernel"``: a numba kernel that walks the block tables in place (``attention.cpu_decode``).
 
 Prefill chunks go to ``attention.cpu_prefill`` (MLX's CPU ``exp`` is ~15x slower than numpy's);
-what neither serves takes the reference path.
+what neither serves takes the reference path. One file: the backend and the two MLX decode
+paths it measures against each other at start.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from worker.model.attention import gpu_decode, gpu_prefill
+from worker.model.attention import gpu_decode, gpu_gather, gpu_prefill
 from worker.model.attention.backend import AttentionBackend, AttentionCall, Declined
 from worker.model.attention.gpu_prefill import ShapeHistory
 from worker.model.forward_batch import ForwardBatch
@@ -87,10 +87,10 @@ class CudaBackend(AttentionBackend):
         """The context through the block gather kernel where it copies this pool (16-byte rows
         on a CUDA GPU), else MLX's gather."""
         keys, values = pool.layer_arrays(layer)
-        if not (gpu_decode.gather_supported(keys) and gpu_decode.gather_supported(values)):
+        if not (gpu_gather.supported(keys) and gpu_gather.supported(values)):
             return pool.gather(layer, tables)
         flat = tables.reshape(tables.shape[0], tables.shape[2])
-        return gpu_decode.gather_blocks(keys, flat), gpu_decode.gather_blocks(values, flat)
+        return gpu_gather.gather_blocks(keys, flat), gpu_gather.gather_blocks(values, flat)
 
     def describe(self) -> str:
         prefill = "kernel or cuDNN" if self.prefill_kernel else "cuDNN"

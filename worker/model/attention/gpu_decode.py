@@ -38,8 +38,10 @@ The kernel source is ``paged_decode.cu`` beside this file: one template rendered
 for Metal (``mx.fast.metal_kernel``, with ``paged_decode.metal``'s header; ``attention.metal``):
 the Metal version shares the algorithm and is **untested on hardware** (it has never run; no
 Apple GPU was available), so nothing selects it unless a worker asks (``--attention metal``).
-This module is the kernel's launcher (shapes, splits, the float64 reference, the block gather
-copy); the choice of when to call it is the backends'.
+This module is the kernel's launcher: which calls it serves, its launch plan (splits, tiles,
+grid), the launch itself (shared with the prefill kernel, whose splits the same reduction
+merges) and the float64 reference it is tested against. One file because these are one
+kernel's contract; the choice of when to call it is the backends' (``cuda.py``, ``metal.py``).
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from worker.model import device as devices
 from worker.model.attention.backend import AttentionCall, Declined
 from worker.model.attention.kernel_source import sections
 
@@ -388,52 +389,4 @@ def reference_attention(
         p = np.exp(scores)
         p /= p.sum(axis=-1, keepdims=True)
         out[i] = (p @ v).reshape(hq, nq, dv)
-    return out
-
-
-# --- gathering whole blocks (prefill over a cached prefix) ------------------------------------
-
-# One thread copies one 16-byte vector of the output [B, H, MB * BS, D]: the sequence, head,
-# table slot and vector follow from its index, the block from the table. MLX's own gather
-# (``pool[heads, tables]``) moved 528 MB at ~130 GB/s on an H100 (4.1 ms: 32 sequences over
-# an 8k prefix, one layer), most of that prefill step's attention time.
-_GATHER_BODY = _SOURCE["gather"]
-GATHER_THREADS = 256
-
-
-@functools.cache
-def _gather_kernel() -> Callable[..., list[mx.array]]:
-    return mx.fast.cuda_kernel(  # type: ignore[return-value]
-        name="kvserve_gather_blocks",
-        input_names=["pool", "tables"],
-        output_names=["out"],
-        source=_GATHER_BODY,
-    )
-
-
-def gather_supported(pool: mx.array) -> bool:
-    """Whether :func:`gather_blocks` copies this pool: a CUDA GPU, 16-byte rows."""
-    return (
-        devices.cuda_available()
-        and mx.default_device() == mx.gpu
-        and pool.ndim == 4
-        and (pool.shape[-1] * pool.dtype.size) % 16 == 0
-    )
-
-
-def gather_blocks(pool: mx.array, tables: mx.array) -> mx.array:
-    """Whole blocks ``tables`` ``[B, n]`` (int32) of one layer's pool ``[H, blocks, bs, D]``,
-    as a contiguous ``[B, H, n * bs, D]``: what ``pool[heads, tables]`` then a reshape gives,
-    as a copy kernel that moves 16 bytes a thread (:func:`gather_supported`)."""
-    h, _, bs, d = pool.shape
-    b, n = tables.shape
-    total = b * h * n * bs * (d * pool.dtype.size // 16)
-    (out,) = _gather_kernel()(
-        inputs=[pool, tables.astype(mx.int32)],
-        template=[("T", pool.dtype)],
-        grid=(-(-total // GATHER_THREADS) * GATHER_THREADS, 1, 1),
-        threadgroup=(GATHER_THREADS, 1, 1),
-        output_shapes=[(b, h, n * bs, d)],
-        output_dtypes=[pool.dtype],
-    )
     return out

@@ -1,6 +1,5 @@
-// Paged decode attention (split-K "flash decoding") over the KV pool's block tables, and the
-// block gather copy. Read by gpu_decode.py (kernel_source.sections): each "@section NAME" line
-// starts a piece of source that ends where the next one starts. "main", "write_single",
+// Paged decode attention (split-K "flash decoding") over the KV pool's block tables. Read by
+// gpu_decode.py (kernel_source.sections): each "@section NAME" line starts a piece of source that ends where the next one starts. "main", "write_single",
 // "write_partial" and "reduce" are templates: "$name" placeholders (thread and block indices,
 // the unroll pragma) are filled for CUDA or for Metal (paged_decode.metal holds Metal's header),
 // and "$write" in "main" takes one of the two write sections. The algorithm is described at the
@@ -257,29 +256,4 @@ $write
         val += o_part[(row * S + s) * D + d] * f;
     }
     out[row * D + d] = static_cast<T>(sum > 0.0f ? val / sum : 0.0f);
-
-// @section gather
-
-    const int B = tables_shape[0];
-    const int MB = tables_shape[1];
-    const int H = pool_shape[0];
-    const int NB = pool_shape[1];
-    const int BS = pool_shape[2];
-    const int VEC = pool_shape[3] * (int)sizeof(T) / 16;
-    const long long per_block = (long long)BS * VEC;
-    const long long total = (long long)B * H * MB * per_block;
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= total) {
-        return;
-    }
-    const long long inner = i % per_block;
-    long long rest = i / per_block;
-    const int j = (int)(rest % MB);
-    rest /= MB;
-    const int h = (int)(rest % H);
-    const int b = (int)(rest / H);
-    const long long block = tables[(long long)b * MB + j];
-    const uint4* src = reinterpret_cast<const uint4*>(pool);
-    uint4* dst = reinterpret_cast<uint4*>(out);
-    dst[i] = src[((long long)h * NB + block) * per_block + inner];
 
