@@ -21,13 +21,11 @@ PACKAGE = "kvserve_proto"
 HAND_WRITTEN = ("packed_tokens.py",)
 # The top package's __init__.py: what tests/test_import_rules.py asks of every package.
 PACKAGE_DOC = '''"""Generated from proto/ by `make proto` (scripts/protogen.py): the gRPC contracts'
-messages and stubs (kvcache.v1, worker.v1). Do not edit, but for the one hand-written module:
-`packed_tokens` (the compact token form some of the messages' fields carry).
+messages and stubs (kvcache.v1, worker.v1). Do not edit; `packed_tokens` is hand-written.
 
-May import: protobuf and grpc only. Imported only at the processes' edges (servers,
-servicers, converters, clients), never by domain code nor by kvserve_model
-(docs/architecture.md, "Import rules"); `packed_tokens`, standard library only, wherever
-tokens are checked at the door.
+May import: protobuf and grpc only. Imported only at the processes' edges (servers, servicers,
+converters, clients; `packed_tokens` also where tokens are checked), never by domain code nor
+by kvserve_model (docs/architecture.md, "Import rules").
 """
 '''
 
