@@ -19,7 +19,7 @@ from kvserve_proto.kvcache.v1 import kvcache_pb2 as kpb
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from tests.worker.helpers import route_as_cuda
 from tests.worker_engine.conftest import AUTH, BS, System, generate, request, started_system
-from worker.engine import loop
+from worker.engine import final_hold
 from worker.engine.executor import ModelExecutor, SampleRow, _Job
 from worker.engine.sampling_params import SamplingParams
 from worker.model.forward_batch import SeqInput
@@ -249,7 +249,7 @@ async def test_a_lagging_stream_gets_its_tokens_coalesced(system: System, refere
     stream = servicer.Generate(request(p, max_tokens=24, logprobs=1), None)  # type: ignore[arg-type]
     first = await anext(stream)  # the request is in; now let the engine run ahead of us
     for _ in range(200):  # finished, and its last event sent (after the release's answer)
-        if engine.stats.requests_finished and not engine._held:
+        if engine.stats.requests_finished and not engine.final.held:
             break
         await asyncio.sleep(0.01)
     rest = [msg async for msg in stream]
@@ -343,7 +343,7 @@ async def test_a_release_that_hangs_delays_the_last_message_boundedly(
 ) -> None:
     """A cache service that does not answer the release holds no client for longer than
     FINAL_HOLD_MAX_S: the last message comes, complete, and the request ends."""
-    monkeypatch.setattr(loop, "FINAL_HOLD_MAX_S", 0.2)
+    monkeypatch.setattr(final_hold, "FINAL_HOLD_MAX_S", 0.2)
     stub = await system.add_worker()
     slowed_releases(system, 3.0)
     p = prompt(61, 40)

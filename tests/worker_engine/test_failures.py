@@ -14,7 +14,7 @@ import pytest
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kpb
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from tests.worker_engine.conftest import AUTH, BS, System, generate, request
-from worker.engine.scheduler import Step
+from worker.engine.step import Step
 from worker.errors import (
     BatchError,
     CacheRejected,

@@ -226,7 +226,7 @@ class Walk:
         for _ in range(200):
             ext = self.sync._extension
             if not self.sync._background and (ext is None or ext.done()):
-                assert not self.sync._releases, "releases queued with nobody sending them"
+                assert not self.sync._releases.pending, "releases queued with nobody sending them"
                 return
             await asyncio.sleep(0)
         raise AssertionError("calls in flight never landed")

@@ -11,9 +11,10 @@ from kvserve_model.resolve import resolve_model
 from kvserve_model.tiny_model import TINY_MODEL_NAME
 from worker.engine.lease import Lease
 from worker.engine.sampling_params import Accepted, Sampled, SamplingParams
-from worker.engine.scheduler import Scheduled, Scheduler, Step
+from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Finish, Sequence, TextStream
 from worker.engine.speculation import NgramDrafter
+from worker.engine.step import Scheduled, Step
 from worker.model.sampling import RowSampler
 
 BS = 16

@@ -25,10 +25,10 @@ from functools import cache
 from typing import Any, Protocol, cast
 
 import mlx.core as mx
-import numpy as np
 
+from worker.engine import lookahead
 from worker.engine.sampling_params import Accepted, RowFailed, Sampled
-from worker.engine.scheduler import Step
+from worker.engine.step import Step
 from worker.engine.step_budget import ForwardTime
 from worker.model.draft import DraftModel
 from worker.model.forward_batch import SeqInput
@@ -95,41 +95,8 @@ class _Job:
     live: frozenset[int] | None = None  # seq keys still running; None: keep every sequence
     speculations: tuple[Speculation, ...] = ()
     # The engine expects the next step to decode the same sequences: the executor may start
-    # that forward now (``ModelExecutor.lookahead``).
+    # that forward now (``worker.engine.lookahead``).
     same_next: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class _Ahead:
-    """A decode forward started before its step was asked for (the lookahead): the sequences
-    it decodes and the tokens it decodes them on, and its logits, computing."""
-
-    inputs: tuple[SeqInput, ...]  # token_ids are placeholders; ``tokens`` holds the real ones
-    tokens: tuple[int, ...]
-    logits: mx.array
-
-    def matches(self, inputs: Sequence[SeqInput], block_size: int) -> bool:
-        """Whether ``inputs`` are exactly the decodes it computed: the same sequences in the
-        same order, each at the same position, on the sampled token, over the same blocks.
-
-        A lease's block table only grows (extensions append; copy-on-write happens before its
-        first forward; a new lease is a new ``seq_key``), so the same key has the same blocks
-        wherever both tables reach: checking the last block read is enough, and keeps this
-        per-step check O(batch), not O(context)."""
-        if len(inputs) != len(self.inputs):
-            return False
-        for got, want, token in zip(inputs, self.inputs, self.tokens, strict=True):
-            last = want.start // block_size  # the block the forward wrote and read last
-            if (
-                got.seq_key != want.seq_key
-                or got.start != want.start
-                or len(got.token_ids) != 1
-                or got.token_ids[0] != token
-                or len(got.block_table) <= last
-                or got.block_table[last] != want.block_table[last]
-            ):
-                return False
-        return True
 
 
 @cache
@@ -152,14 +119,10 @@ class ModelExecutor:
         if build_draft is not None:
             self.draft = self._thread.submit(build_draft, self.runner).result()
         self.lookahead = False
-        """Decode lookahead: after a greedy decode-only step that the engine expects to repeat
-        with the same sequences, start the next step's forward on the just-sampled tokens
-        (lazy) before handing them back, so the device computes it while the event loop
-        streams and schedules; the next step takes its logits if it is that step, and
-        discards them otherwise (see :meth:`_lookahead`). Host time per step is what it
-        hides: on a GPU, where a small model's decode step is bound by building and launching
-        its graph. Off unless the worker's ``--decode-lookahead`` sets it."""
-        self._ahead: _Ahead | None = None
+        """Decode lookahead (``worker.engine.lookahead``): after a greedy decode-only step
+        that the engine expects to repeat, start the next step's forward before answering.
+        Off unless the worker's ``--decode-lookahead`` sets it."""
+        self._ahead: lookahead.Ahead | None = None
         self.lookahead_hits = 0
         self.lookahead_misses = 0
 
@@ -272,9 +235,8 @@ class ModelExecutor:
                 paged = cast(Any, self.runner)  # forward_async: the paged runner's
                 logits = paged.forward_async(inputs) if look else self.runner.forward(inputs)
             if look:  # every row greedy: the tokens the next forward is built on are its samples
-                sampled: list[Sampled | RowFailed] = [
-                    Sampled(t) for t in self._lookahead(inputs, logits)
-                ]
+                ids, self._ahead = lookahead.start(self.runner, inputs, logits)
+                sampled: list[Sampled | RowFailed] = [Sampled(t) for t in ids]
             else:
                 sampled = sample_rows(logits, rows) if rows else []
             for (k, *_), s in zip(rows, sampled, strict=True):
@@ -284,38 +246,14 @@ class ModelExecutor:
         return [out[r.item] for r in job.samples], ForwardTime(seconds[0], seconds[1], padded)
 
     def _may_look_ahead(self, job: _Job, inputs: list[SeqInput], rows: list) -> bool:
-        """A decode-only, greedy step the engine expects to repeat, on the paged runner, where
-        every sequence's lease covers its next token."""
-        bs = self.runner.block_size
+        """A decode-only, greedy step the engine expects to repeat (``lookahead.fits``)."""
         return (
             self.lookahead
             and job.same_next
             and not job.speculations
             and len(inputs) == len(job.inputs)
-            and len(rows) == len(inputs)
-            and self.runner.kind == "paged"
-            and all(r[1].plain_greedy for r in rows)
-            and all(s.start + 2 <= len(s.block_table) * bs for s in inputs)
+            and lookahead.fits(self.runner, inputs, rows)
         )
-
-    def _lookahead(self, inputs: list[SeqInput], logits: mx.array) -> list[int]:
-        """Starts the forward of the step after this one: the same sequences, one position on,
-        each on its greedy token of ``logits`` (lazy: nothing waits for them here). Its K/V
-        writes land in each sequence's own leased slot past its computed tokens; if the next
-        step is another, they are garbage no one reads, overwritten by later writes (MLX orders
-        every write to the pool after the ones before it). Returns the greedy tokens, row by
-        row: this step's samples."""
-        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
-        nxt = tuple(SeqInput([0], s.block_table, s.start + 1, s.seq_key) for s in inputs)
-        try:
-            ahead = cast(Any, self.runner).forward_async(nxt, tokens)
-        except Exception:  # a forward it cannot build now: the next step builds its own
-            log.debug("lookahead forward not started", exc_info=True)
-            ahead = None
-        ids: list[int] = np.asarray(tokens).tolist()
-        if ahead is not None:
-            self._ahead = _Ahead(nxt, tuple(ids), ahead)
-        return ids
 
     def _verify(self, job: _Job, by_item: dict[int, SampleRow]) -> dict[int, Accepted | RowFailed]:
         """The speculative items: the draft model's drafts added, then one forward over every

@@ -25,11 +25,14 @@ cache service, on its own tasks so the service is never on the per-token path:
 Calls that fail are typed (``worker.engine.lease``): no room waits or preempts, a lost lease asks for a
 heartbeat, a fenced pool re-registers, an unreachable service backs admission off
 (``worker.engine.outage``). The interface to the engine is narrow: ``start``/``stop``,
-``wake_admission``, ``extend_ahead``, ``publish``, ``release``.
+``wake_admission``, ``extend_ahead``, ``publish``, ``release``. It talks to the service only
+through ``worker.engine.lease.LeaseService`` (the engine is handed the gRPC client).
 
-Longer than 300 lines on purpose: these five conversations share one state (the publish count
-deferrals wait on, growth blocked by preemption, recovery in progress) and split across files
-they would need it passed around again, as the engine's eight attributes were.
+What splits off cleanly is apart: admission's order (``worker.engine.admission``, pure policy)
+and the coalescing of releases (``worker.engine.release_queue``). The rest is longer than 300
+lines on purpose: these five conversations share one state (the publish count deferrals wait
+on, growth blocked by preemption, recovery in progress) and split across files they would need
+it passed around again, as the engine's eight attributes were.
 """
 
 from __future__ import annotations
@@ -42,10 +45,12 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from worker.engine.admission import DEFER_RETRY_S, admission_batch, overdue
 from worker.engine.lease import (
     CacheUnavailable,
     Deferred,
     Fenced,
+    Lease,
     LeaseAsk,
     LeaseError,
     LeaseLost,
@@ -57,26 +62,16 @@ from worker.engine.lease import (
     Written,
 )
 from worker.engine.outage import Outage
-from worker.engine.scheduler import Scheduler, Step
+from worker.engine.release_queue import ReleaseQueue
+from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, Status
+from worker.engine.step import Step
 from worker.engine.step_budget import StepBudget
 from worker.errors import CacheOutage, CacheRejected, InvalidRequest, NotAdmitted, WorkerError
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 0.1  # admission retry tick (deferrals on dead leases, unreachable service)
-# A deferred request asks again once this worker published something, or after this long:
-# the lease it waits on may end without this worker hearing of it (its release failed and it
-# expired at the service, or it belongs to a lease this worker lost track of).
-DEFER_RETRY_S = 1.0
-# Items per AcquireLeases / ReleaseLeases call (the service takes up to 1,024).
-ACQUIRE_BATCH = 64
-# How long a request the pool has no room for lets later ones pass it (they go first in the
-# batch; the service stops at the first item without room). Past this it goes first, and the
-# ones behind it wait for it: passing is what lets small requests run beside a big one, the
-# limit is what keeps the big one from being passed for ever.
-OVERTAKE_S = 5.0
-RELEASE_BATCH = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,12 +136,9 @@ class LeaseSync:
         self._recovering = False
         self._growth_blocked = False
         self._extension: asyncio.Task | None = None
-        # Releases not sent yet, and the task sending them (one at a time: they batch up).
-        self._releases: list[tuple[int, Written | None]] = []
-        self._after_release: dict[int, Callable[[], None]] = {}  # by lease id
-        self._releasing: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
+        self._releases = ReleaseQueue(client, self._spawn, self._published_something)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -250,9 +242,7 @@ class LeaseSync:
         if self.policy.publish_blocks:
             written = _written(seq)
         seq.lease = None
-        if then is not None:
-            self._after_release[lease.lease_id] = then
-        self._release(lease.lease_id, written)
+        self._releases.add(lease.lease_id, written, then)
 
     # -- lease traffic ------------------------------------------------------------------------
 
@@ -290,43 +280,13 @@ class LeaseSync:
             await self.client.commit(items)
         except LeaseError as err:
             log.debug("commit failed: %s", err)
+        self._published_something()
+
+    def _published_something(self) -> None:
+        """A commit or release came back (or failed): requests deferred on a prefix may go on,
+        and blocks may be free again."""
         self._published += 1
         self._admit.set()
-
-    def _release(self, lease_id: int, written: Written | None) -> None:
-        """Queues a release: the first goes out at once, the ones that come while it is in
-        flight go together in the next ReleaseLeases (so a busy step's ends cost one call)."""
-        self._releases.append((lease_id, written))
-        if self._releasing is None or self._releasing.done():
-            self._releasing = self._spawn(self._flush_releases())
-
-    async def _flush_releases(self) -> None:
-        while self._releases:
-            items = self._releases[:RELEASE_BATCH]
-            del self._releases[:RELEASE_BATCH]
-            results: list[LeaseError | None] | None = None
-            try:
-                results = await self.client.release(items)
-            except LeaseError as err:
-                log.debug("release of %d leases failed: %s", len(items), err)
-            finally:
-                # Answered, refused or failed: waiting longer would not index these tokens.
-                for lease_id, _ in items:
-                    after = self._after_release.pop(lease_id, None)
-                    if after is not None:
-                        after()
-            if results is not None:
-                for (lease_id, written), failed in zip(items, results, strict=True):
-                    if isinstance(failed, Rejected) and written is not None:
-                        # Its lease is still live: give its blocks back without the tokens.
-                        log.warning(
-                            "lease %d's tokens were refused (%s); releasing it", lease_id, failed
-                        )
-                        self._releases.append((lease_id, None))
-                    elif failed is not None:
-                        log.debug("release of lease %d failed: %s", lease_id, failed)
-            self._published += 1
-            self._admit.set()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -352,28 +312,16 @@ class LeaseSync:
                     log.exception("admission pass failed; retrying")
 
     async def _admit_pass(self) -> None:
-        """Leases for waiting requests, oldest first, in one AcquireLeases. The service tries
-        them in order and the first the pool cannot hold yet ends the batch, so it blocks
-        those behind it (no starvation of long prompts); a deferred one does not."""
+        """Leases for waiting requests in one AcquireLeases, in admission's order
+        (``worker.engine.admission``): the service tries them in order and the first the pool
+        cannot hold yet ends the batch, so it blocks those behind it (no starvation of long
+        prompts); a deferred one does not."""
         if self._recovering or (self._growth_blocked and self.scheduler.running):
             return  # blocks go to running sequences that must grow first
         room = self.policy.max_batch_size - len(self.scheduler.running)
         now = time.monotonic()
         self._end_overdue(now)
-        # A deferred request waits until something was published since the service deferred
-        # it, or DEFER_RETRY_S passed.
-        ready = [
-            s
-            for s in self.scheduler.waiting
-            if s.deferred_at != self._published or now >= s.deferred_until
-        ]
-        # One the pool had no room for goes last while it may be passed (OVERTAKE_S), first
-        # after that: the service tries the batch in order and stops at the first without room.
-        passable = [
-            s for s in ready if s.no_room_since is not None and now - s.no_room_since < OVERTAKE_S
-        ]
-        batch = [s for s in ready if s not in passable] + passable
-        batch = batch[: max(0, min(room, ACQUIRE_BATCH))]
+        batch = admission_batch(self.scheduler.waiting, self._published, now, room)
         if not batch:
             return
         asks = [
@@ -395,39 +343,46 @@ class LeaseSync:
         self._outage.recovered()
         self._drop_expired(expired)
         for seq, result in zip(batch, results, strict=True):
-            if isinstance(result, Rejected):
-                self._end(seq, CacheRejected(f"the cache service rejected the lease: {result}"))
-            elif isinstance(result, NeverFits):
-                self._end(seq, InvalidRequest(str(result)))
-            elif isinstance(result, LeaseError):
-                if isinstance(result, NoRoom):  # no room: wait for blocks to come back
-                    if seq.no_room_since is None:
-                        seq.no_room_since = now
-                else:
-                    log.warning("cache service error for %s: %s", seq.request_id, result)
-            elif isinstance(result, Deferred):
-                log.debug(
-                    "%s waits for lease %d (%d tokens pending)",
-                    seq.request_id,
-                    result.waiting_on,
-                    result.pending_tokens,
-                )
-                seq.deferred_at = published
-                seq.deferred_until = time.monotonic() + DEFER_RETRY_S
-            elif seq.status is Status.FINISHED or seq not in self.scheduler.waiting:
-                self._release(result.lease_id, None)  # aborted meanwhile
+            self._admission_answer(seq, result, now, published)
+
+    def _admission_answer(
+        self, seq: Sequence, result: Lease | Deferred | LeaseError, now: float, published: int
+    ) -> None:
+        """The service's answer for ``seq`` in an admission pass begun at ``now``, when the
+        publish count was ``published``: admitted, deferred, no room yet, or refused."""
+        if isinstance(result, Rejected):
+            self._end(seq, CacheRejected(f"the cache service rejected the lease: {result}"))
+        elif isinstance(result, NeverFits):
+            self._end(seq, InvalidRequest(str(result)))
+        elif isinstance(result, LeaseError):
+            if isinstance(result, NoRoom):  # no room: wait for blocks to come back
+                if seq.no_room_since is None:
+                    seq.no_room_since = now
             else:
-                log.debug(
-                    "%s admitted %.1f ms after its arrival: lease %d, %d of %d tokens cached",
-                    seq.request_id,
-                    (time.monotonic() - seq.arrival) * 1e3,
-                    result.lease_id,
-                    result.cached_tokens,
-                    seq.num_tokens,
-                )
-                seq.admit(result)
-                self.scheduler.admitted(seq)
-                self._wake_steps()
+                log.warning("cache service error for %s: %s", seq.request_id, result)
+        elif isinstance(result, Deferred):
+            log.debug(
+                "%s waits for lease %d (%d tokens pending)",
+                seq.request_id,
+                result.waiting_on,
+                result.pending_tokens,
+            )
+            seq.deferred_at = published
+            seq.deferred_until = time.monotonic() + DEFER_RETRY_S
+        elif seq.status is Status.FINISHED or seq not in self.scheduler.waiting:
+            self._releases.add(result.lease_id, None)  # aborted meanwhile
+        else:
+            log.debug(
+                "%s admitted %.1f ms after its arrival: lease %d, %d of %d tokens cached",
+                seq.request_id,
+                (time.monotonic() - seq.arrival) * 1e3,
+                result.lease_id,
+                result.cached_tokens,
+                seq.num_tokens,
+            )
+            seq.admit(result)
+            self.scheduler.admitted(seq)
+            self._wake_steps()
 
     def check_reachable(self) -> None:
         """Raises CacheOutage while the cache service has been unreachable past the limit:
@@ -464,27 +419,21 @@ class LeaseSync:
     def _end_overdue(self, now: float) -> None:
         """Ends every request that has waited ``admission_timeout_s`` for room."""
         limit = self.policy.admission_timeout_s
-        if not limit:
-            return
-        for seq in list(self.scheduler.waiting):
-            if seq.no_room_since is None:
-                continue
-            waited = now - seq.no_room_since
-            if waited >= limit:
-                log.warning(
-                    "%s not admitted after %.0f s waiting for %d KV blocks",
-                    seq.request_id,
-                    waited,
-                    -(-seq.num_tokens // self.block_size),
-                )
-                self._end(
-                    seq,
-                    NotAdmitted(
-                        f"not admitted within {limit:g} s: the worker's KV pool had no room for "
-                        f"its {seq.num_tokens} tokens (held by running requests, pinned "
-                        "prefixes or a namespace quota); retry later"
-                    ),
-                )
+        for seq, waited in overdue(self.scheduler.waiting, now, limit):
+            log.warning(
+                "%s not admitted after %.0f s waiting for %d KV blocks",
+                seq.request_id,
+                waited,
+                -(-seq.num_tokens // self.block_size),
+            )
+            self._end(
+                seq,
+                NotAdmitted(
+                    f"not admitted within {limit:g} s: the worker's KV pool had no room for "
+                    f"its {seq.num_tokens} tokens (held by running requests, pinned "
+                    "prefixes or a namespace quota); retry later"
+                ),
+            )
 
     # -- liveness -----------------------------------------------------------------------------
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -23,17 +22,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.engine.executor import ModelExecutor
+from worker.engine.final_hold import FinalHold
 from worker.engine.intake import Intake, RequestLimits
 from worker.engine.lease import LeaseService, PoolRegistration
 from worker.engine.lease_sync import LeasePolicy, LeaseSync
 from worker.engine.sampling_params import Accepted, RowFailed, Sampled
-from worker.engine.scheduler import Scheduler, Step
+from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, Status
+from worker.engine.step import Step
 from worker.engine.step_budget import ForwardTime, StepBudget
 from worker.errors import Cancelled, ShuttingDown, StepFailed, WorkerError
 
-# The longest a finished request's last event waits for its release to be answered.
-FINAL_HOLD_MAX_S = 1.0
 # How often background work waiting for an idle engine looks again.
 IDLE_POLL_S = 0.05
 
@@ -91,13 +90,12 @@ class Engine:
         self.limits = limits
         self.tokenizer = tokenizer
         self.block_size = registration.block_size
-        self.scheduler = Scheduler(
-            limits.max_batch_size, limits.max_step_tokens, limits.max_context
-        )
         # Read-your-writes for prefix caching: a request's last event goes out once the
         # service has indexed its KV, so a follow-up sent the moment it ends is a cache hit.
-        self.scheduler.hold_finish = limits.publish_blocks and limits.prefix_caching
-        self._held: set[Sequence] = set()  # finished, their last event held
+        self.final = FinalHold(limits.publish_blocks and limits.prefix_caching)
+        self.scheduler = Scheduler(
+            limits.max_batch_size, limits.max_step_tokens, limits.max_context, self.final.keep
+        )
         self.budget = StepBudget(limits.max_step_tokens, min_tokens=self.block_size)
         self.stats = EngineStats()
         self._work = asyncio.Event()
@@ -150,8 +148,7 @@ class Engine:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         await self.leases.stop()  # after the endings above: their releases go out first
-        for seq in list(self._held):
-            self._send_final(seq)
+        self.final.send_all()
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -222,12 +219,8 @@ class Engine:
         self.leases.publish(step)
         for seq in finished:
             self.stats.requests_finished += 1
-            if seq.held_final is None:
-                self.leases.release(seq)
-                continue
-            self._held.add(seq)
-            asyncio.get_running_loop().call_later(FINAL_HOLD_MAX_S, self._send_final, seq)
-            self.leases.release(seq, then=functools.partial(self._send_final, seq))
+            # Its finishing event, if held, goes out once this release is answered.
+            self.leases.release(seq, then=self.final.when_released(seq))
 
     def _log_step(self, step: Step, took: ForwardTime, seconds: float) -> None:
         """One line a step (``--log-level DEBUG``): where a request's time goes between its
@@ -250,14 +243,6 @@ class Engine:
             seconds * 1e3,
             len(self.scheduler.waiting),
         )
-
-    def _send_final(self, seq: Sequence) -> None:
-        """Sends ``seq``'s held last event: once its release is answered, or after
-        FINAL_HOLD_MAX_S (a slow cache service delays no client for longer)."""
-        event, seq.held_final = seq.held_final, None
-        self._held.discard(seq)
-        if event is not None:
-            seq.out.put_nowait(event)
 
     def _end_failed_rows(
         self, step: Step, sampled: list[Sampled | Accepted | RowFailed | None]
@@ -283,11 +268,9 @@ class Engine:
         a failure after postprocess (which advances num_computed) made the release commit the
         failed step's blocks, and later requests reused them."""
         error = StepFailed(f"internal error in a model step: {type(err).__name__}: {err}")
+        self.scheduler.roll_back(step)
         for item in step.items:
-            seq = item.seq
-            if seq.lease is not None and seq.lease.lease_id == item.lease_id:
-                seq.num_computed = min(seq.num_computed, item.start)
-            self._end(seq, error)
+            self._end(item.seq, error)
 
     def _account(self, step: Step, sampled: list, generated: int) -> None:
         """``generated``: tokens the step added to outputs (a verdict's tokens after a stop

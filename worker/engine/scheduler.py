@@ -1,71 +1,27 @@
 """Continuous batching: which sequences run in the next forward, and what their tokens mean.
 
 Pure Python, no MLX and no RPC, so its policy is tested in milliseconds. Only the engine
-calls it, from the event loop.
+calls it, from the event loop. Of a sequence's state it writes the progress (status, output,
+computed tokens, speculation counts; ``Sequence``'s sections say who writes what); when to
+speculate is ``worker.engine.speculation``'s.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from worker.engine.sampling_params import Accepted, Sampled
 from worker.engine.sequence import Finish, Sequence, Status, StreamEvent
+from worker.engine.speculation import (
+    ACCEPTANCE_WEIGHT,
+    MIN_ACCEPTANCE,
+    PROBE_EVERY,
+    DraftModelRates,
+)
+from worker.engine.step import Scheduled, Step
 from worker.engine.step_budget import ForwardTime
 from worker.errors import WorkerError
-
-# Speculative decoding's brake: a sequence whose share of drafts kept (an average over its
-# recent verifications, weight ACCEPTANCE_WEIGHT) falls below MIN_ACCEPTANCE drafts on one
-# decode in PROBE_EVERY (to notice when the text turns predictable again). Measured: a draft
-# model keeping 12% of its drafts ran 8 streams at 0.62x their speed without speculation.
-MIN_ACCEPTANCE = 0.25
-ACCEPTANCE_WEIGHT = 0.3
-PROBE_EVERY = 8
-# A draft model's drafts cost its own forwards, one per draft and sequence, which batching the
-# target does not share: with 8 streams a draft model half the target's size ran them at 0.57x
-# their speed without speculation, with one stream at 1.86x. So whether a step's draft-model
-# requests draft is chosen by measurement, per batch size (powers of two): whichever way made
-# more decode tokens a second lately (weight RATE_WEIGHT), an unmeasured way first, the other
-# way on one such step in PROBE_EVERY (the costs move with contexts and the machine).
-RATE_WEIGHT = 0.3
-
-
-@dataclass(frozen=True, slots=True)
-class Scheduled:
-    """One sequence's share of a forward: tokens[start:start+len(token_ids)]."""
-
-    seq: Sequence
-    start: int
-    token_ids: list[int]
-    block_table: tuple[int, ...]
-    lease_id: int
-    # Speculative decoding: prompt-lookup drafts, the tail of token_ids; or how many drafts
-    # the draft model may add on the model thread (worker.model.draft). Both are verified in
-    # the same forward, and only what the model agrees with is kept.
-    drafts: tuple[int, ...] = ()
-    draft_slots: int = 0
-
-    @property
-    def samples(self) -> bool:
-        """Whether this forward computes through the last token, so it yields the next one."""
-        return self.start + len(self.token_ids) - len(self.drafts) == self.seq.num_tokens
-
-    @property
-    def speculative(self) -> bool:
-        return bool(self.drafts) or self.draft_slots > 0
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    items: list[Scheduled]
-    copies: list[tuple[int, int]]  # copy-on-write pairs to apply before the forward
-    # Expected to be followed by a step that decodes the same sequences, one token on (no
-    # admission pending, none of them at its max_tokens): see ModelExecutor.lookahead.
-    same_next: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(i.token_ids) for i in self.items)
 
 
 class Scheduler:
@@ -77,32 +33,29 @@ class Scheduler:
     padded to its longest query, and a decode padded to a 512-token chunk costs 512 tokens.
     """
 
-    def __init__(self, max_batch_size: int, max_step_tokens: int, max_context: int) -> None:
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_step_tokens: int,
+        max_context: int,
+        final: Callable[[Sequence, StreamEvent], None] | None = None,
+    ) -> None:
+        """``final``: where a request's finishing event goes (the engine's
+        ``worker.engine.final_hold.FinalHold``, which may hold it until the request's KV is
+        indexed); None: to the sequence's own sink, like every other event."""
         self.max_batch_size = max_batch_size
         self.max_step_tokens = max_step_tokens
         self.max_context = max_context
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # Per batch-size bucket: recent decode tokens a second of steps whose draft-model
-        # requests drafted, and of steps where they did not (None: not measured yet).
-        self._draft_rates: dict[int, list[float | None]] = {}
-        self._draft_steps = 0
-        self._step_drafting: tuple[int, bool] | None = None  # this step's (bucket, drafted)
+        self._final = final
+        self._draft_rates = DraftModelRates()
         self._decode_tokens = 0  # tokens the last postprocess gave decodes
-        # Hold each request's finishing event on the sequence (Sequence.held_final) for the
-        # engine to send after the release; False: postprocess sends it at once.
-        self.hold_finish = False
 
     def observe(self, took: ForwardTime) -> None:
         """The step's timings (``ModelExecutor``), after its postprocess: the decode tokens
-        a second of a step that had draft-model requests, for :meth:`_draft_model_drafts`."""
-        if self._step_drafting is None or took.decode_s <= 0:
-            return
-        bucket, drafted = self._step_drafting
-        rates = self._draft_rates[bucket]
-        rate = self._decode_tokens / took.decode_s
-        old = rates[0 if drafted else 1]
-        rates[0 if drafted else 1] = rate if old is None else old + RATE_WEIGHT * (rate - old)
+        a second of a step that had draft-model requests (``DraftModelRates``)."""
+        self._draft_rates.observe(self._decode_tokens, took.decode_s)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -111,51 +64,30 @@ class Scheduler:
         self.waiting.remove(seq)
         self.running.append(seq)
 
-    def _draft_model_drafts(self, decodes: int) -> bool:
-        """Whether this step's draft-model requests draft (see RATE_WEIGHT)."""
-        bucket = decodes.bit_length()  # 1, 2-3, 4-7, 8-15, ...
-        drafting, plain = self._draft_rates.setdefault(bucket, [None, None])
-        if drafting is None:
-            choice = True
-        elif plain is None:
-            choice = False
-        else:
-            self._draft_steps += 1
-            choice = (drafting >= plain) != (self._draft_steps % PROBE_EVERY == 0)
-        self._step_drafting = (bucket, choice)
-        return choice
-
     def schedule(self, prefill_tokens: int | None = None) -> Step | None:
-        """The next step. `prefill_tokens` caps its padded prefill tokens below the step
-        budget (the engine's step-time budget: no step may outlast a fraction of the lease TTL)."""
-        budget = self.max_step_tokens
+        """The next step: decodes first (one token each, with its drafts if it speculates),
+        then prefill chunks, oldest request first. `prefill_tokens` caps its padded prefill
+        tokens below the step budget (the engine's step-time budget: no step may outlast a
+        fraction of the lease TTL)."""
         items: list[Scheduled] = []
-        copies: list[tuple[int, int]] = []
+        budget = self._schedule_decodes(items, self.max_step_tokens)
+        if prefill_tokens is not None:
+            budget = min(budget, prefill_tokens)
+        self._schedule_prefill_chunks(items, budget)
+        if not items:
+            return None
+        # Copy-on-write pairs a lease asks for, applied before the forward's first write.
+        copies = [pair for item in items for pair in item.seq.pending_cow]
+        for item in items:
+            item.seq.pending_cow = ()
+        return Step(items, copies, self._same_next(items))
 
-        def take(seq: Sequence, n: int, drafts: tuple[int, ...] = (), draft_slots: int = 0) -> None:
-            start = seq.num_computed
-            assert seq.lease is not None
-            tokens = seq.token_slice(start, n) + list(drafts)
-            items.append(
-                Scheduled(
-                    seq,
-                    start,
-                    tokens,
-                    tuple(seq.block_table),
-                    seq.lease.lease_id,
-                    drafts,
-                    draft_slots,
-                )
-            )
-            copies.extend(seq.pending_cow)
-            seq.pending_cow = ()
-
-        # Decodes first (one token each, with its drafts if it speculates), then prefill
-        # chunks, oldest request first.
-        self._step_drafting = None
+    def _schedule_decodes(self, items: list[Scheduled], budget: int) -> int:
+        """Every running sequence with one token to compute and a slot to write it, within the
+        batch and ``budget``; returns the budget left."""
         decoding = [s for s in self.running if s.to_compute == 1][: self.max_batch_size]
-        draft_model = any(s.params.speculative == "draft_model" for s in decoding) and (
-            self._draft_model_drafts(len(decoding))
+        draft_model = self._draft_rates.choose(
+            len(decoding), any(s.params.speculative == "draft_model" for s in decoding)
         )
         for seq in self.running:
             if len(items) == self.max_batch_size or budget == 0:
@@ -166,18 +98,20 @@ class Scheduler:
                     drafter = seq.drafter
                     drafter.extend(seq.token_slice(drafter.seen, seq.num_tokens - drafter.seen))
                     drafts = tuple(drafter.propose(room))
-                    take(seq, 1, drafts)
+                    items.append(self._take(seq, 1, drafts))
                     budget -= 1 + len(drafts)
                 elif room > 0 and seq.params.speculative == "draft_model" and draft_model:
-                    take(seq, 1, draft_slots=room)
+                    items.append(self._take(seq, 1, draft_slots=room))
                     budget -= 1 + room
                 else:
-                    take(seq, 1)
+                    items.append(self._take(seq, 1))
                     budget -= 1
-        # Prefill chunks run as one forward padded to the longest chunk, so the budget
-        # counts padded tokens: chunks x longest chunk.
-        if prefill_tokens is not None:
-            budget = min(budget, prefill_tokens)
+        return budget
+
+    def _schedule_prefill_chunks(self, items: list[Scheduled], budget: int) -> None:
+        """Prefill chunks, oldest request first, within the batch and ``budget``. They run as
+        one forward padded to the longest chunk, so the budget counts padded tokens: chunks x
+        longest chunk."""
         chunks, longest = 0, 0
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if len(items) == self.max_batch_size:
@@ -186,11 +120,19 @@ class Scheduler:
                 n = min(seq.to_compute, seq.capacity - seq.num_computed, budget // (chunks + 1))
                 if n < 1 or (chunks + 1) * max(longest, n) > budget:
                     break
-                take(seq, n)
+                items.append(self._take(seq, n))
                 chunks, longest = chunks + 1, max(longest, n)
-        if not items:
-            return None
-        return Step(items, copies, self._same_next(items))
+
+    @staticmethod
+    def _take(
+        seq: Sequence, n: int, drafts: tuple[int, ...] = (), draft_slots: int = 0
+    ) -> Scheduled:
+        """``seq``'s next ``n`` tokens, then ``drafts``, as one item of the step."""
+        assert seq.lease is not None
+        start = seq.num_computed
+        tokens = seq.token_slice(start, n) + list(drafts)
+        block_table = tuple(seq.block_table)
+        return Scheduled(seq, start, tokens, block_table, seq.lease.lease_id, drafts, draft_slots)
 
     def _same_next(self, items: list[Scheduled]) -> bool:
         """Whether the step after a decode step of ``items`` is likely the same sequences:
@@ -274,8 +216,8 @@ class Scheduler:
             if len(item.token_ids) - len(item.drafts) == 1:
                 self._decode_tokens += kept
             event = StreamEvent([t.token for t in out], text, list(out), finish)
-            if finish is not None and self.hold_finish:
-                seq.held_final = event  # the engine sends it once the release is answered
+            if finish is not None and self._final is not None:
+                self._final(seq, event)  # the engine's FinalHold: sent once the KV is indexed
             else:
                 seq.out.put_nowait(event)
         if finished:
@@ -289,6 +231,15 @@ class Scheduler:
         if len(seq.output) >= seq.max_tokens or seq.num_tokens >= self.max_context:
             return Finish.LENGTH
         return None
+
+    def roll_back(self, step: Step) -> None:
+        """``step`` failed after it ran: each of its sequences still on the lease the step ran
+        it on goes back to the tokens computed before the step, so its release publishes only
+        what earlier steps wrote (``Engine._fail_step``)."""
+        for item in step.items:
+            seq = item.seq
+            if seq.lease is not None and seq.lease.lease_id == item.lease_id:
+                seq.num_computed = min(seq.num_computed, item.start)
 
     def youngest(self) -> Sequence | None:
         """The preemption victim: the most recently arrived running sequence."""

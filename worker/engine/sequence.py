@@ -39,6 +39,16 @@ class StreamEvent:
     finish: Finish | None = None
     error: WorkerError | None = None
 
+    def then(self, nxt: StreamEvent) -> StreamEvent:
+        """This event and ``nxt`` as one (``nxt``'s end, if any): what a stream sends when its
+        reader lags behind the engine."""
+        return StreamEvent(
+            [*self.token_ids, *nxt.token_ids],
+            self.text + nxt.text,
+            [*self.logprobs, *nxt.logprobs],
+            nxt.finish,
+        )
+
 
 class EventSink(Protocol):
     """Where the engine puts a sequence's events (on the event loop's thread): its own queue
@@ -130,8 +140,19 @@ def _release_held_space(detok: Any) -> None:
 
 @dataclass(eq=False)
 class Sequence:
-    """A request's state, mutated on the event loop only: by the scheduler (progress through
-    the tokens, output), the lease sync (lease, block table, deferral) and the engine (ending).
+    """A request's state, mutated on the event loop only. Its fields come in three sections,
+    each written by one owner (others only read it):
+
+    - the request, as the intake made it (``worker.engine.intake``; the servicer sets ``out``
+      before it submits): never changed after;
+    - progress through the tokens, by the scheduler (``worker.engine.scheduler``: schedule,
+      postprocess, end, requeue, roll_back);
+    - the lease and the waits for one, by the lease sync (``worker.engine.lease_sync``:
+      admission, extensions, commits, releases, preemption).
+
+    The two lease transitions, :meth:`admit` (the lease sync) and :meth:`drop_lease` (the
+    scheduler's ``requeue``), also reset progress to what the lease holds. The engine writes no
+    field (a finished request's held event is ``worker.engine.final_hold``'s).
 
     Token regions::
 
@@ -143,6 +164,7 @@ class Sequence:
     forward that computes through the last token yields the logits of the next one.
     """
 
+    # -- the request: the intake's (and the servicer's ``out``) ------------------------------------
     request_id: str
     prompt: list[int]
     params: SamplingParams
@@ -154,12 +176,29 @@ class Sequence:
     eos_ids: frozenset[int]
     block_size: int
     out: EventSink = field(default_factory=lambda: asyncio.Queue[StreamEvent]())
-    output: list[int] = field(default_factory=list)
+    # Speculative decoding: drafts per decode (0: off); prompt lookup's index, if it drafts
+    # that way (fed by the scheduler as tokens come).
+    num_draft: int = 0
+    drafter: NgramDrafter | None = None
+
+    # -- progress: the scheduler's -----------------------------------------------------------------
     status: Status = Status.WAITING
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    aborted: bool = False  # ended before it finished; no step of it is used any more
+    # Speculative decoding: drafts verified and kept so far, and the recent share kept
+    # (``worker.engine.speculation.MIN_ACCEPTANCE``).
+    draft_tokens: int = 0
+    accepted_drafts: int = 0
+    acceptance: float = 1.0
+
+    # -- the lease and the waits for one: the lease sync's -----------------------------------------
     lease: Lease | None = None
     block_table: list[int] = field(default_factory=list)
-    num_computed: int = 0
+    admitted_tokens: int = 0  # tokens the current lease was acquired for
     cached_tokens: int | None = None  # of the first admission, for usage
+    # Copy-on-write pairs the lease asks for before its first write (the scheduler puts them
+    # in the sequence's next step and clears them).
     pending_cow: tuple[tuple[int, int], ...] = ()
     committed_tokens: int = 0
     # The lease sync's publish count when the cache service deferred this request (its
@@ -169,20 +208,7 @@ class Sequence:
     # Since when the pool has had no room for it (monotonic; None: it has not been refused),
     # across preemptions; the lease sync passes it, then ends it, after a bound.
     no_room_since: float | None = None
-    aborted: bool = False
     preemptions: int = 0
-    admitted_tokens: int = 0  # tokens the current lease was acquired for
-    # Speculative decoding: drafts per decode (0: off); prompt lookup's index, if it drafts
-    # that way; drafts verified and kept so far.
-    num_draft: int = 0
-    drafter: NgramDrafter | None = None
-    draft_tokens: int = 0
-    accepted_drafts: int = 0
-    acceptance: float = 1.0  # recent share of drafts kept (worker.engine.scheduler)
-    # The finishing event, held back until the release that indexes the request's KV has
-    # been answered (Scheduler.hold_finish): a client that sends its next turn the moment
-    # this one ends finds it cached.
-    held_final: StreamEvent | None = None
 
     @property
     def tokens(self) -> list[int]:
