@@ -53,20 +53,20 @@ EXCEPTIONS = {
 
 # Inside the worker (docs/worker-engine.md): the model path sits below the engine, and both below
 # the edge (the gRPC servicer and lease client) and the assembly (config, device defaults, the
-# server, the warm-up), which turns config into the plain values the layers below take. Each
-# entry: the folder, and the modules (or packages, with everything under them) its files must not
-# import, function-local and ``TYPE_CHECKING`` imports included. No exceptions.
-EDGE = ("worker.server", "worker.servicer", "worker.lease_client")
+# server, the model's setup, the warm-up), which turns config into the plain values the layers
+# below take. Each entry: the folder, and the modules (or packages, with everything under them)
+# its files must not import, function-local and ``TYPE_CHECKING`` imports included. No exceptions.
+EDGE = ("worker.server", "worker.servicer", "worker.generate_many", "worker.lease_client")
+ASSEMBLY = (
+    "worker.config",
+    "worker.device_defaults",
+    "worker.model_setup",
+    "worker.warmup",
+    "worker.warmup_plan",
+)
 INSIDE: dict[str, tuple[str, ...]] = {
-    "worker/model": (
-        "worker.engine",
-        "worker.config",
-        "worker.device_defaults",
-        "worker.warmup",
-        *EDGE,
-        *RPC,
-    ),
-    "worker/engine": (*EDGE, *RPC),
+    "worker/model": ("worker.engine", *ASSEMBLY, *EDGE, *RPC),
+    "worker/engine": (*ASSEMBLY, *EDGE, *RPC),
 }
 
 
@@ -196,8 +196,8 @@ def test_the_dotted_checker_sees_submodules() -> None:
 @pytest.mark.parametrize("folder", INSIDE)
 def test_inside_the_worker_no_layer_imports_one_above_it(folder: str) -> None:
     """``worker/model`` imports nothing of the engine, the assembly or the edge; ``worker/engine``
-    nothing of the edge (it is handed its lease client: ``worker.engine.lease.LeaseService``);
-    neither imports gRPC or the protos."""
+    nothing of the assembly or the edge (it is handed its lease client:
+    ``worker.engine.lease.LeaseService``); neither imports gRPC or the protos."""
     files = sorted(p for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
     assert files
     broken = []
@@ -264,15 +264,14 @@ def test_the_shared_package_and_the_launcher_load_no_mlx_and_no_service() -> Non
 
 def test_the_engine_and_the_model_path_load_no_rpc_and_no_edge() -> None:
     """Whatever path their imports take: the engine's loop and the model's runners load no gRPC,
-    no protos and nothing of the worker's edge (it is the assembly that builds the lease client
-    and hands it in)."""
+    no protos and nothing of the worker's edge or assembly (it is the assembly that builds the
+    lease client and the runner's plain values, and hands them in)."""
     loaded = _loaded_after(
-        "import worker.engine.loop, worker.engine.intake, worker.model.dense_runner\n"
-        "import worker.model.sampling, worker.model.draft\n"
+        "import worker.engine.loop, worker.engine.intake\n"
+        "import worker.model.runner, worker.model.dense_runner, worker.model.draft\n"
         "import sys\n"
-        "edge = sorted(m for m in sys.modules if m in "
-        f"{[*EDGE, 'worker.config', 'worker.device_defaults', 'worker.warmup']!r})\n"
-        "assert not edge, edge"
+        f"above = sorted(m for m in sys.modules if m in {[*ASSEMBLY, *EDGE]!r})\n"
+        "assert not above, above"
     )
     assert "worker" in loaded and "mlx" in loaded
     assert not loaded & {*RPC}, sorted(loaded & {*RPC})

@@ -1,8 +1,16 @@
-"""worker.v1.Worker over gRPC: Generate (server streaming) and GetInfo.
+"""worker.v1.Worker over gRPC: GenerateMany (bidirectional streaming), Generate (server
+streaming) and GetInfo.
 
 Bad input is answered INVALID_ARGUMENT before the request holds any block. A client that
 goes away (cancellation, disconnect) aborts the request and releases its lease. Every other
 way a request ends early is a typed error (worker.errors) that STATUS_OF turns into a code.
+
+``GenerateMany`` is how the gateway reaches a worker: one call carries many requests, and a
+step's tokens for all of them cost one message (its call's state: ``worker.generate_many``).
+``Generate``, one request a call, stays beside it on purpose: it is the contract's simple form
+for gRPC clients that talk to a worker directly (tests, ``bench/bench_generate.py``,
+``bench/bench_speculative.py``, ``tests/e2e``), and the gateway's fallback for a worker or a
+gateway's Worker service that answers GenerateMany UNIMPLEMENTED (``gateway/worker_client.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +22,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
@@ -32,6 +39,7 @@ from worker.errors import (
     StepFailed,
     WorkerError,
 )
+from worker.generate_many import Session
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +96,7 @@ async def coalesce(
         nxt = queue.get_nowait() if not queue.empty() else await queue.get()
         if nxt.error is not None:
             return event, nxt
-        event = _joined(event, nxt)
+        event = event.then(nxt)
     return event, None
 
 
@@ -153,7 +161,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 if event.error is not None:
                     await context.abort(status_of(event.error), str(event.error))
                 done = event.finish is not None
-                yield self._response(seq, event)
+                yield self.response(seq, event)
         finally:
             if not done:
                 log.info("request %s cancelled by the client", request_id)
@@ -168,7 +176,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         closed its side and every request it started has ended; the call's end (the client
         gone) aborts what is still running."""
         await context.send_initial_metadata(())  # the client writes once the call is up
-        session = _Session(self)
+        session = Session(self)
         reader = asyncio.create_task(session.read(request_iterator))
         try:
             while not session.over:
@@ -181,7 +189,20 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             reader.cancel()
             session.abort_all()
 
-    def _response(
+    def admit(self, request: pb.GenerateRequest) -> Sequence | WorkerError:
+        """A GenerateMany request as a sequence (:meth:`_sequence`), or the refusal that is its
+        answer (one of :data:`REFUSALS`): the call carries on."""
+        try:
+            return self._sequence(request)
+        except REFUSALS as err:
+            return err
+
+    @staticmethod
+    def stream_error(err: WorkerError) -> pb.StreamError:
+        """How a GenerateMany call tells one of its requests' end by ``err``."""
+        return pb.StreamError(code=status_of(err).value[0], message=str(err))
+
+    def response(
         self, seq: Sequence, event: StreamEvent, resp: pb.GenerateResponse | None = None
     ) -> pb.GenerateResponse:
         """``event`` as a GenerateResponse, filled into ``resp`` when given (a GenerateMany
@@ -234,141 +255,3 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             accepted_draft_tokens=e.stats.accepted_draft_tokens,
             draft_model=e.limits.draft_model,
         )
-
-
-class _SessionSink:
-    """A request's event sink inside a GenerateMany call: the call's one queue, tagged with
-    the client's stream number."""
-
-    __slots__ = ("_events", "_stream")
-
-    def __init__(
-        self, events: asyncio.Queue[tuple[int, StreamEvent | WorkerError | None]], stream: int
-    ) -> None:
-        self._events = events
-        self._stream = stream
-
-    def put_nowait(self, item: StreamEvent, /) -> None:
-        self._events.put_nowait((self._stream, item))
-
-
-class _Session:
-    """One GenerateMany call's requests: the client's stream numbers to sequences, the events
-    they produced, and the tokens held back for ``--stream-interval``."""
-
-    def __init__(self, servicer: WorkerServicer) -> None:
-        self.servicer = servicer
-        # (stream, event); a WorkerError: the request was refused; None: the client is done.
-        self.events: asyncio.Queue[tuple[int, StreamEvent | WorkerError | None]] = asyncio.Queue()
-        self.live: dict[int, Sequence] = {}
-        self.sent: set[int] = set()  # streams whose first message went out
-        self.held: dict[int, StreamEvent] = {}  # tokens waiting for --stream-interval
-        self.reading = True
-        # A message no client may send (the call ends INVALID_ARGUMENT, its requests aborted).
-        self.violation = ""
-
-    @property
-    def over(self) -> bool:
-        return not self.reading and not self.live
-
-    async def read(self, requests: AsyncIterator[pb.GenerateManyRequest]) -> None:
-        engine = self.servicer.engine
-        try:
-            async for msg in _parsed(requests, self):
-                stream = msg.stream
-                if msg.WhichOneof("action") == "cancel":
-                    seq = self.live.pop(stream, None)
-                    self.held.pop(stream, None)
-                    self.sent.discard(stream)
-                    if seq is not None:
-                        log.info("request %s cancelled by the client", seq.request_id)
-                        engine.abort(seq)
-                    continue
-                if msg.WhichOneof("action") != "start":
-                    self.violation = f"stream {stream}: a message with neither start nor cancel"
-                    return
-                if stream in self.live:
-                    self.violation = f"stream {stream} is already in use by a live request"
-                    return
-                try:
-                    seq = self.servicer._sequence(msg.start)
-                except REFUSALS as err:  # this request's answer; the call goes on
-                    self.events.put_nowait((stream, err))
-                    continue
-                seq.out = _SessionSink(self.events, stream)
-                self.live[stream] = seq
-                engine.submit(seq)  # no await since check_room
-        finally:
-            self.events.put_nowait((0, None))
-
-    def drain(self, first: tuple[int, StreamEvent | WorkerError | None]) -> pb.GenerateManyResponse:
-        """``first`` and every event queued behind it, as one message: each request's events
-        merged into one response (tokens held back for ``--stream-interval`` included), an
-        error after the tokens before it."""
-        items = [first]
-        while not self.events.empty():
-            items.append(self.events.get_nowait())
-        merged: dict[int, tuple[Sequence, StreamEvent]] = {}
-        errors: dict[int, WorkerError] = {}
-        for stream, event in items:
-            if event is None:
-                self.reading = False
-                continue
-            if isinstance(event, WorkerError):
-                errors[stream] = event  # refused at admission: it was never live
-                continue
-            seq = self.live.get(stream)
-            if seq is None:
-                continue  # cancelled by the client: nothing more is sent for it
-            if event.error is not None:
-                errors[stream] = event.error
-                del self.live[stream]
-                if stream not in merged and stream in self.held:
-                    merged[stream] = (seq, self.held.pop(stream))
-                continue
-            before = merged[stream][1] if stream in merged else self.held.pop(stream, None)
-            merged[stream] = (seq, event if before is None else _joined(before, event))
-            if event.finish is not None:
-                del self.live[stream]
-        out = pb.GenerateManyResponse()
-        interval = self.servicer.stream_interval
-        for stream, (seq, event) in merged.items():
-            ends = event.finish is not None or stream in errors
-            if not ends and stream in self.sent and len(event.token_ids) < interval:
-                self.held[stream] = event
-                continue
-            self.sent.add(stream)
-            self.servicer._response(seq, event, out.updates.add(stream=stream).response)
-        for stream, err in errors.items():
-            code = status_of(err).value[0]
-            out.updates.add(stream=stream, error=pb.StreamError(code=code, message=str(err)))
-        for stream in [*errors, *(s for s, (_, e) in merged.items() if e.finish is not None)]:
-            self.sent.discard(stream)
-            self.held.pop(stream, None)
-        return out
-
-    def abort_all(self) -> None:
-        for seq in self.live.values():
-            log.info("request %s cancelled: its GenerateMany call ended", seq.request_id)
-            self.servicer.engine.abort(seq)
-        self.live.clear()
-
-
-async def _parsed(
-    requests: AsyncIterator[pb.GenerateManyRequest], session: _Session
-) -> AsyncIterator[pb.GenerateManyRequest]:
-    """The call's messages until one does not parse (grpc.aio raises the protobuf error while
-    iterating a request stream): that ends the call INVALID_ARGUMENT, as ``kvserve_launch.
-    malformed`` answers a unary request's unparsable bytes, not UNKNOWN."""
-    try:
-        async for msg in requests:
-            yield msg
-    except DecodeError as e:
-        session.violation = f"a message that does not parse as GenerateManyRequest: {e}"
-
-
-def _joined(a: StreamEvent, b: StreamEvent) -> StreamEvent:
-    """``a`` then ``b`` as one event (``b``'s end, if any)."""
-    return StreamEvent(
-        [*a.token_ids, *b.token_ids], a.text + b.text, [*a.logprobs, *b.logprobs], b.finish
-    )

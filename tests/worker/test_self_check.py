@@ -22,7 +22,8 @@ from worker.model.forward_batch import ForwardBatch
 from worker.model.loader import LoadedModel, load_model
 from worker.model.runner import ModelRunner
 from worker.model.self_check import check_paged_parity
-from worker.server import build_executor, running
+from worker.model_setup import build_executor
+from worker.server import running
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def test_gemma2_with_4d_masks_is_caught(family, monkeypatch):
 
 
 def test_the_default_model_passes_at_startup(default_model, caplog):
-    caplog.set_level(logging.INFO, logger="worker.server")
+    caplog.set_level(logging.INFO, logger="worker.model_setup")
     executor, _ = build_executor(WorkerConfig(num_blocks=64), default_model)
     executor.shutdown()
     (line,) = [r.getMessage() for r in caplog.records if "self-check" in r.getMessage()]

@@ -6,7 +6,7 @@ import pytest
 
 from worker.model.attention import gpu_decode, gpu_prefill
 from worker.model.forward_batch import ForwardBatch
-from worker.warmup import decode_sizes, plan
+from worker.warmup_plan import decode_sizes, plan
 
 
 def test_decode_sizes_double_up_to_the_batch_limit() -> None:

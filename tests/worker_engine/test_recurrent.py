@@ -87,7 +87,7 @@ def test_probe_tells_recurrent_state_apart(family: str) -> None:
 
 
 async def test_concurrent_requests_match_mlx_lm(system: System, family: str, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="worker.server")
+    caplog.set_level(logging.INFO, logger="worker.model_setup")
     stub = await system.add_worker(max_step_tokens=64)
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("runner: dense per-sequence (recurrent state") for m in messages)

@@ -9,7 +9,8 @@ import pytest
 from worker.engine.executor import ModelExecutor
 from worker.model.draft import DraftModel
 from worker.model.runner import ModelRunner
-from worker.warmup import WARMUP_SEQ_KEYS, warm_up
+from worker.warmup import warm_up
+from worker.warmup_plan import WARMUP_SEQ_KEYS
 
 LIMITS = {"max_batch_size": 4, "max_step_tokens": 64, "max_context": 256}
 

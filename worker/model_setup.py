@@ -1,0 +1,207 @@
+"""The model side of a worker's start: the model thread with its runner and pool, and the limits
+the engine runs with.
+
+The config becomes plain values here, at the edge: the pool's size and step limits
+(``worker.device_defaults``), the attention options, the warm-up's scratch blocks; the model
+path (``worker.model``) is handed those and never reads the config. The runner is chosen by the
+model: paged where every layer's state is per-token K/V, else the dense per-sequence runner; each
+is self-checked against mlx-lm before the worker registers. Its log lines are the worker's
+startup report (the pool, the runner, the attention path, the self-check).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+from kvserve_launch.startup import ModelUnavailable, setting
+from kvserve_model.context import context_length
+from kvserve_model.errors import ModelLoadError
+from worker.config import ENV_PREFIX, WorkerConfig
+from worker.device_defaults import (
+    WorkerLimits,
+    choose_limits,
+    dense_limits,
+    device_kind,
+    free_memory,
+)
+from worker.engine.executor import ModelExecutor, Runner
+from worker.errors import RecurrentStateError, UnsupportedModelError
+from worker.model import mlx_fixes
+from worker.model.attention import AttentionOptions
+from worker.model.dense_runner import DenseRunner, check_dense_parity, estimate_state
+from worker.model.draft import DraftModel
+from worker.model.kv_pool import bytes_per_block
+from worker.model.loader import LoadedModel, load_model
+from worker.model.runner import ModelRunner
+from worker.model.self_check import check_paged_parity
+from worker.model.spec import ModelSpec, probe
+from worker.warmup_plan import scratch_blocks
+
+log = logging.getLogger(__name__)
+
+
+def attention_options(config: WorkerConfig) -> AttentionOptions:
+    """The attention flags as the model path takes them (plain values); ``--cuda-sorted-gather``
+    is a process-wide choice, made here, before the first runner."""
+    if config.cuda_sorted_gather:
+        mlx_fixes.keep_sorted_gathers()
+    return AttentionOptions(
+        backend=config.attention,
+        streams=config.attention_streams,
+        cpu_decode_kernel=config.cpu_decode_kernel,
+        prefill_kernel=config.prefill_kernel,
+        compile_decodes=config.compile_decodes,
+    )
+
+
+def build_executor(
+    config: WorkerConfig,
+    loaded: LoadedModel,
+    kernels_ready: Callable[[], None] | None = None,
+) -> tuple[ModelExecutor, WorkerLimits]:
+    """The model thread with its runner and pool, and the limits the engine runs with: flags
+    where set, else the device's defaults (``worker.device_defaults``), sized on the model
+    thread once the weights are in memory. Unless ``config.self_check`` is off, the paged path
+    is checked against mlx-lm's dense path first (``worker.model.self_check``); a model that fails
+    raises UnsupportedModelError.
+
+    A model whose layers keep recurrent state (``probe`` raises RecurrentStateError) gets the
+    dense per-sequence runner instead (``worker.model.dense_runner``), checked the same way.
+    ``kernels_ready`` runs first on the model thread (``worker.precompile.finish``: the
+    kernels a child process compiled meanwhile, put where MLX finds them)."""
+    chosen: list[WorkerLimits] = []
+
+    def build() -> Runner:
+        if kernels_ready is not None:
+            kernels_ready()
+        try:
+            spec = probe(loaded.model)
+        except RecurrentStateError as e:
+            log.info("not pageable (%s): serving with one dense mlx-lm cache per sequence", e)
+            runner, limits = _dense_runner(config, loaded)
+        else:
+            runner, limits = _paged_runner(config, loaded, spec)
+        chosen.append(limits)
+        return runner
+
+    executor = ModelExecutor(build, _draft_builder(config, loaded))
+    executor.lookahead = config.decode_lookahead
+    return executor, chosen[0]
+
+
+def _with_scratch(config: WorkerConfig, loaded: LoadedModel, limits: WorkerLimits) -> WorkerLimits:
+    """The warm-up's private blocks on top of the pool (none without a warm-up)."""
+    if not config.warmup:
+        return limits
+    scratch = scratch_blocks(
+        block_size=config.block_size,
+        num_blocks=limits.num_blocks,
+        max_batch_size=limits.max_batch_size,
+        max_step_tokens=limits.max_step_tokens,
+        max_context=context_length(loaded.config),
+        draft_tokens=config.num_draft_tokens,
+    )
+    return replace(limits, scratch_blocks=scratch)
+
+
+def _paged_runner(
+    config: WorkerConfig, loaded: LoadedModel, spec: ModelSpec
+) -> tuple[Runner, WorkerLimits]:
+    """The paged runner over a pool sized for ``spec``'s K/V, self-checked (model thread)."""
+    per_block = bytes_per_block(spec.layers, config.block_size, spec.dtype)
+    device = device_kind()
+    limits = _with_scratch(
+        config, loaded, choose_limits(device, free_memory(device), per_block, config)
+    )
+    log.info("%s", limits.describe(config.block_size, per_block))
+    runner = ModelRunner.create(
+        loaded.model,
+        block_size=config.block_size,
+        num_blocks=limits.num_blocks + limits.scratch_blocks,
+        attention=attention_options(config),
+    )
+    log.info("%s", runner.describe())
+    log.info("%s", runner.choose_decode_attention().describe())
+    if config.self_check:
+        # Before registering: no lease exists yet, so the pool's blocks are free to write.
+        # After the decode path is chosen: the check runs the path the worker will serve.
+        result = check_paged_parity(loaded.model, runner=runner)
+        log.info("%s", result.describe())
+        result.raise_if_failed()
+    return runner, limits
+
+
+def _dense_runner(config: WorkerConfig, loaded: LoadedModel) -> tuple[Runner, WorkerLimits]:
+    """The dense per-sequence runner of a model with recurrent state, self-checked (model
+    thread)."""
+    try:
+        estimate = estimate_state(loaded.model)
+    except Exception as e:  # the model's own forward failed on one token, of any type
+        raise UnsupportedModelError(f"a one-token forward failed: {e}") from e
+    device = device_kind()
+    max_context = context_length(loaded.config)
+    free = free_memory(device)
+    limits = _with_scratch(
+        config, loaded, dense_limits(estimate.bytes_per_token, device, free, config, max_context)
+    )
+    per_block = max(1, config.block_size * estimate.bytes_per_token)
+    log.info("%s", limits.describe(config.block_size, per_block))
+    runner = DenseRunner(
+        loaded.model,
+        estimate,
+        block_size=config.block_size,
+        num_blocks=limits.num_blocks + limits.scratch_blocks,
+    )
+    if config.self_check:
+        result = check_dense_parity(loaded.model, runner)
+        log.info("%s", result.describe())
+        result.raise_if_failed()
+    state = estimate.bytes_per_sequence * limits.max_batch_size
+    log.info(
+        "%s; up to %d sequences' recurrent state: %.1f MiB outside the KV budget",
+        runner.describe(),
+        limits.max_batch_size,
+        state / 2**20,
+    )
+    return runner, limits
+
+
+def _draft_builder(
+    config: WorkerConfig, loaded: LoadedModel
+) -> Callable[[Runner], DraftModel] | None:
+    """``--draft-model``, loaded now and checked against the served model's tokenizer; what
+    builds its draft model for a runner on the model thread (None: no draft model)."""
+    if not config.draft_model:
+        return None
+    draft = load_model(config.draft_model, dequantize=config.dequantize)
+    if draft.tokenizer.vocab_size != loaded.tokenizer.vocab_size:
+        raise UnsupportedModelError(
+            f"draft model {config.draft_model}: its tokenizer has {draft.tokenizer.vocab_size}"
+            f" tokens, the served model's {loaded.tokenizer.vocab_size}; a draft model must "
+            "share the served model's tokenizer"
+        )
+
+    def build_draft(runner: Runner) -> DraftModel:
+        if runner.kind != "paged":
+            raise UnsupportedModelError(
+                "--draft-model needs the paged runner (recurrent layers cannot roll "
+                "rejected drafts back)"
+            )
+        return DraftModel(draft.model, config.draft_model, runner.spec.vocab_size)
+
+    return build_draft
+
+
+@contextlib.contextmanager
+def model_errors_as_startup_errors(model: str) -> Iterator[None]:
+    """The worker's errors about its model, as the one startup failure they all are."""
+    hint = f"set {setting(ENV_PREFIX, 'model')}"
+    try:
+        yield
+    except ModelLoadError as e:
+        raise ModelUnavailable(str(e), hint) from e
+    except UnsupportedModelError as e:
+        raise ModelUnavailable(f"{model} cannot be served from a paged KV cache: {e}", hint) from e
