@@ -404,8 +404,8 @@ def test_kernel_forwards_build_no_gather(monkeypatch):
     gather built per layer: host time on a GPU) and marks every layer served."""
     _Spy(monkeypatch, count_original=False)
     gathers = []
-    real = KVPool.gather
-    monkeypatch.setattr(KVPool, "gather", lambda *a: gathers.append(1) or real(*a))
+    real = PagedLayerCache.gather
+    monkeypatch.setattr(PagedLayerCache, "gather", lambda *a: gathers.append(1) or real(*a))
     model = tiny_model("llama")
     runner = ModelRunner.create(model, block_size=parity.BS, num_blocks=64)
     assert parity._batched_prefill_and_decode(model, runner) <= TOL
