@@ -3,7 +3,7 @@
 The cache service answers, per worker pool, how many leading tokens of the prompt it already
 holds (``Route``); the gateway adds what it knows about load and health. Sending a request to
 the worker with the longest cached prefix saves exactly that much prefill compute and KV
-memory, so it wins, with two exceptions:
+memory, so it wins, with three exceptions:
 
 - *The match is too short to matter.* Every chat request shares the chat template's first
   tokens with every other; following such crumbs would pile all traffic, and all cached

@@ -6,6 +6,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvserve_launch.common_flags import LOG_LEVEL_HELP, ServerClientFlags, tls_help
 from kvserve_launch.settings import Flag, Settings
 from kvserve_launch.tls import check_server
 from kvserve_model.default_model import DEFAULT_MODEL_NAME
@@ -18,7 +19,7 @@ ATTENTION = ("auto", "reference", "cpu", "cuda", "metal")
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerConfig:
+class WorkerConfig(ServerClientFlags):
     cache_service: str = "127.0.0.1:50051"
     # The cache service's service token (sent as a bearer token); empty: its auth is off.
     cache_token: str = ""
@@ -97,17 +98,9 @@ class WorkerConfig:
     compile_decodes: bool = True
     precompile: bool = True
     cuda_sorted_gather: bool = False
-    # TLS (kvserve_launch.tls). The gRPC port: PEM certificate and key, both or neither; the
-    # same pair is the worker's client certificate when it dials the cache service over TLS.
-    tls_cert: str = ""
-    tls_key: str = ""
-    # The cache service: a CA bundle to verify it with (set: TLS), and the name its
-    # certificate must carry when not the host dialed.
-    tls_ca: str = ""
-    tls_server_name: str = ""
-    # A CA bundle: set, callers of the gRPC port must present a certificate it signed.
-    tls_client_ca: str = ""
-    log_level: str = "INFO"
+    # TLS and log_level: ServerClientFlags. The gRPC port serves TLS with tls_cert/tls_key; the
+    # same pair is the worker's client certificate when it dials the cache service over TLS
+    # (verified against tls_ca).
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> WorkerConfig:
@@ -198,11 +191,12 @@ SETTINGS = Settings(
             "cuda: build the self-check's kernels in the worker, not in a child", off_only=True
         ),
         "cuda_sorted_gather": "cuda: keep MLX's sorted expert gathers (an MLX that fixed them)",
-        "tls_cert": "PEM certificate: with --tls-key, the gRPC port serves TLS",
-        "tls_key": "PEM private key of --tls-cert",
-        "tls_ca": "PEM CA bundle: reach the cache service over TLS, verified against it",
-        "tls_server_name": "the name the cache service's certificate must carry",
-        "tls_client_ca": "PEM CA bundle: callers must present a certificate it signed",
-        "log_level": "DEBUG, INFO, WARNING or ERROR",
+        **tls_help(
+            cert="PEM certificate: with --tls-key, the gRPC port serves TLS",
+            ca="PEM CA bundle: reach the cache service over TLS, verified against it",
+            server_name="the name the cache service's certificate must carry",
+            client_ca="PEM CA bundle: callers must present a certificate it signed",
+        ),
+        "log_level": LOG_LEVEL_HELP,
     },
 )
