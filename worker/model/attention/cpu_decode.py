@@ -56,7 +56,9 @@ def _thread_count(pool: int) -> int:
 @functools.cache
 def _compiled() -> Any:
     """The kernel, compiled on first use, as a call that runs it on :func:`_thread_count`
-    threads (None where numba cannot be imported)."""
+    threads (None where numba cannot be imported). One long function on purpose: the kernel
+    is defined inside it so that numba is imported only here, and a numba kernel is one
+    function (each call out of it is a call numba must compile and cannot inline freely)."""
     try:
         import numba
         from numba import njit, prange
