@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from kvcache_service.kv_events_config import KvEventsConfig
 from kvserve_launch.common_flags import LOG_LEVEL_HELP, ServerFlags, tls_help
 from kvserve_launch.settings import Flag, Settings, new_token
 from kvserve_launch.tls import check_server
@@ -38,6 +39,9 @@ class ServiceConfig(ServerFlags):
     events_buffer_mb: int = 64
     events_retain_s: float = 600.0
     events_max_watchers: int = 64
+    # KV events in vLLM's format over ZeroMQ, for external routers (kvcache_service/
+    # vllm_events.py): vLLM's --kv-events-config JSON; empty: off.
+    kv_events_config: str = ""
     # TLS on the port, and log_level: ServerFlags (the service dials nothing).
 
     @classmethod
@@ -61,6 +65,10 @@ def check(c: ServiceConfig) -> str | None:
         return "--max-pool-blocks and --max-pools must be positive"
     if c.events_buffer_mb < 1 or c.events_max_watchers < 1 or c.events_retain_s < 0:
         return "--events-buffer-mb and --events-max-watchers must be positive"
+    try:
+        KvEventsConfig.parse(c.kv_events_config)
+    except ValueError as err:
+        return str(err)
     return None
 
 
@@ -88,6 +96,8 @@ SETTINGS = Settings(
         "events_buffer_mb": "KV events: the replay buffer watchers resume from (MiB)",
         "events_retain_s": "KV events: keep recording this long after the last watcher left",
         "events_max_watchers": "KV events: most WatchEvents streams at once",
+        "kv_events_config": "KV events in vLLM's format over ZeroMQ, as vLLM's JSON "
+        '(e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq"}\'); empty: off',
         **tls_help(
             cert="PEM certificate: with --tls-key, the port serves TLS",
             client_ca="PEM CA bundle: every client must present a certificate it signed",

@@ -15,7 +15,9 @@ from grpc_reflection.v1alpha import reflection
 from kvcache_service.admin_servicer import AdminServicer
 from kvcache_service.authority import AuthorityConfig, CacheAuthority
 from kvcache_service.config import ENV_PREFIX, ServiceConfig
+from kvcache_service.kv_events_config import KvEventsConfig
 from kvcache_service.servicer import KVCacheServicer
+from kvcache_service.vllm_events import VllmEventPublisher, publishing
 from kvserve_launch.malformed import MalformedRequests
 from kvserve_launch.startup import EXCLUSIVE_PORT, add_port
 from kvserve_launch.tls import server_credentials
@@ -36,6 +38,7 @@ class RunningService:
     port: int
     authority: CacheAuthority
     config: ServiceConfig
+    kv_events: VllmEventPublisher | None = None  # --kv-events-config
 
     @property
     def address(self) -> str:
@@ -100,7 +103,8 @@ async def running(config: ServiceConfig) -> AsyncIterator[RunningService]:
         _sweep(authority, config.sweep_interval_s, config.events_retain_s)
     )
     try:
-        yield RunningService(server, port, authority, config)
+        async with publishing(authority, KvEventsConfig.parse(config.kv_events_config)) as pub:
+            yield RunningService(server, port, authority, config, pub)
     finally:
         sweeper.cancel()
         await health_servicer.enter_graceful_shutdown()

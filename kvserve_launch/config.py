@@ -49,6 +49,9 @@ class LaunchConfig(ServerClientFlags):
     restart_backoff_s: float = 1.0
     max_restarts: int = 4
     restart_window_s: float = 300.0
+    # KV events in vLLM's format from the cache service (vLLM's --kv-events-config JSON,
+    # passed on; shard i's tcp ports moved up by i, as vLLM moves them per data-parallel rank).
+    kv_events_config: str = ""
     # log_level and TLS (ServerClientFlags) are every child's: one certificate and key that
     # every child serves with and presents when it dials; the CA bundle every child verifies the
     # others with; the name the certificate carries when not the internal host. Paths only, so
@@ -131,6 +134,8 @@ SETTINGS = Settings(
         "restart_backoff_s": "a child that dies restarts after this, doubling up to 30 s",
         "max_restarts": "restarts of one child within --restart-window-s before giving up",
         "restart_window_s": "the window --max-restarts counts in",
+        "kv_events_config": "KV events in vLLM's format from the cache service: vLLM's JSON "
+        "(docs/kv-events.md); empty: off",
         "log_level": "DEBUG, INFO, WARNING or ERROR, for every process",
         **tls_help(
             cert="PEM certificate every child serves TLS with and presents when it dials",

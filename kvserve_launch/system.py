@@ -91,13 +91,35 @@ def tls_flags(cfg: LaunchConfig, serves: bool = True, dials: bool = True) -> lis
 
 
 def cache_command(cfg: LaunchConfig, python: str = sys.executable, shard: int = 0) -> list[str]:
+    events = ["--kv-events-config", kv_events_for_shard(cfg.kv_events_config, shard)]
     return [
         python, "-m", "kvcache_service",
         "--host", cfg.internal_host,
         "--port", str(cfg.cache_port + shard if cfg.cache_port else 0),
         "--log-level", cfg.log_level,
         *tls_flags(cfg, dials=False),
+        *(events if cfg.kv_events_config else []),
     ]  # fmt: skip
+
+
+def kv_events_for_shard(text: str, shard: int) -> str:
+    """``--kv-events-config`` for cache-service shard ``shard``: its tcp endpoints' ports moved
+    up by ``shard`` and its ``data_parallel_rank`` set to it, as vLLM does per data-parallel
+    rank (each shard publishes its own pools). The cache service checks the rest."""
+    if shard == 0 or not text.strip():
+        return text
+    raw = json.loads(text)
+    for key in ("endpoint", "replay_endpoint"):
+        value = raw.get(key, "tcp://*:5557" if key == "endpoint" else None)
+        if (
+            isinstance(value, str)
+            and value.startswith("tcp://")
+            and value.rsplit(":", 1)[-1].isdigit()
+        ):
+            base, port = value.rsplit(":", 1)
+            raw[key] = f"{base}:{int(port) + shard}"
+    raw["data_parallel_rank"] = int(raw.get("data_parallel_rank", 0)) + shard
+    return json.dumps(raw)
 
 
 def worker_command(

@@ -102,3 +102,23 @@ def test_a_completion_through_two_shards(sharded: System, logs: LogSink):
         assert [p["pool_id"] for p in stats["pools"]] == ["worker-0"]
         check = http.get("/admin/cache/check", headers=AUTH).json()
         assert check["ok"] is False and check["pools_checked"] == 1
+
+
+def test_each_shard_publishes_kv_events_on_its_own_ports():
+    """vLLM's --kv-events-config passes to every shard, its tcp ports moved up by the shard's
+    number and its data-parallel rank set to it, as vLLM does per rank; the cache service
+    reads what it gets (its config check parses it)."""
+    from kvcache_service.config import ServiceConfig
+    from kvcache_service.kv_events_config import KvEventsConfig
+
+    raw = '{"enable_kv_cache_events": true, "publisher": "zmq", "replay_endpoint": "tcp://*:6001"}'
+    cfg = LaunchConfig(cache_shards=2, kv_events_config=raw, admin_token="tok")
+    got = []
+    for i in range(2):
+        argv = cache_command(cfg, shard=i)
+        config = ServiceConfig.from_args(argv[3:])
+        got.append(KvEventsConfig.parse(config.kv_events_config))
+    assert [c.endpoint for c in got] == ["tcp://*:5557", "tcp://*:5558"]
+    assert [c.replay_endpoint for c in got] == ["tcp://*:6001", "tcp://*:6002"]
+    assert [c.data_parallel_rank for c in got] == [0, 1]
+    assert "--kv-events-config" not in cache_command(LaunchConfig(), shard=0)
