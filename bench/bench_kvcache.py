@@ -12,19 +12,28 @@ and over loopback gRPC against `python -m kvcache_service` in its own process.
     python bench/bench_kvcache.py            # full (about 2 minutes here)
     python bench/bench_kvcache.py --quick
     python bench/bench_kvcache.py --watch    # with a KV-event watcher reading everything
+    python bench/bench_kvcache.py --kv-events  # publishing vLLM-format events, against not
+
+With ``--kv-events`` the batched compact form runs twice on fresh services, in one run:
+without and with ``--kv-events-config`` (ZeroMQ, a pyzmq subscriber reading every frame),
+and the table ends with the ratio: what publishing costs the lease path.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -291,9 +300,10 @@ async def bench_grpc(
         return s
 
 
-def start_service() -> tuple[subprocess.Popen, str]:
+def start_service(kv_events: str = "") -> tuple[subprocess.Popen, str]:
+    extra = ["--kv-events-config", kv_events] if kv_events else []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvcache_service", "--port", "0", "--admin-token", "bench"],
+        [sys.executable, "-m", "kvcache_service", "--port", "0", "--admin-token", "bench", *extra],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -316,11 +326,17 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="leases per batched call")
     p.add_argument("--watch", action="store_true", help="a KV-event watcher reads everything")
     p.add_argument("--in-process-only", action="store_true", help="skip the loopback runs")
+    p.add_argument(
+        "--kv-events", action="store_true", help="the batched form without and with publishing"
+    )
     a = p.parse_args()
     if a.quick:
         a.fill, a.n = 10_000, 400
     num_blocks = a.fill + a.fill // 10
     print(f"# {a.n} acquire+release pairs, 2048-token prompts, {a.fill} blocks indexed\n")
+    if a.kv_events:
+        kv_events_cost(num_blocks, a)
+        return
     rows = {"in-process (domain)": bench_in_process(num_blocks, a.fill, a.n, a.watch)}
     if a.in_process_only:
         r = rows["in-process (domain)"]
@@ -365,6 +381,72 @@ def main() -> None:
             f"pairs/s {r['pairs/s'] / base['pairs/s']:.2f}x"
         )
     print("(acquire and release latencies are per call: a batched call carries its batch)")
+
+
+def kv_events_cost(num_blocks: int, a: argparse.Namespace) -> None:
+    """The batched compact form on a fresh service without, then with, vLLM-format KV events
+    published (and read by a subscriber), alternating twice; the ratios of the medians."""
+    import zmq
+
+    port = free_port()
+    config = json.dumps(
+        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    )
+    form, concurrency = Form("compact", a.batch), max(1, a.concurrency // a.batch)
+    runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+    for _ in range(2):
+        for side in ("off", "on"):
+            proc, address = start_service(config if side == "on" else "")
+            sub = zmq.Context.instance().socket(zmq.SUB)
+            frames = [0]
+            stop = threading.Event()
+            if side == "on":
+                sub.setsockopt(zmq.SUBSCRIBE, b"")
+                sub.connect(f"tcp://127.0.0.1:{port}")
+
+                threading.Thread(target=_drain, args=(sub, stop, frames), daemon=True).start()
+            try:
+                row = asyncio.run(
+                    bench_grpc(address, proc.pid, form, num_blocks, a.fill, a.n, concurrency)
+                )
+                runs[side].append(row)
+            finally:
+                stop.set()
+                proc.terminate()
+                proc.wait()
+                sub.close(linger=0)
+            if side == "on":
+                assert frames[0] > 0, "the subscriber saw no event"
+                print(f"  (published: {frames[0]:,} frames read by the subscriber)")
+    cols = ["acquire p50 ms", "release p50 ms", "pairs/s", "server CPU us/pair"]
+    print(f"| kv events ({form.name}, {form.batch} leases a call) | " + " | ".join(cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    med = {
+        side: {c: statistics.median(r[c] for r in rows) for c in cols}
+        for side, rows in runs.items()
+    }
+    for side in ("off", "on"):
+        print(f"| {side} | " + " | ".join(f"{med[side][c]:,.3f}" for c in cols) + " |")
+    print(
+        "\npublishing / not, same run: "
+        + ", ".join(f"{c} {med['on'][c] / med['off'][c]:.2f}x" for c in cols)
+    )
+
+
+def _drain(sub: Any, stop: threading.Event, frames: list[int]) -> None:
+    """Reads every frame the subscriber gets until ``stop``."""
+    while not stop.is_set():
+        if sub.poll(50):
+            sub.recv_multipart()
+            frames[0] += 1
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 if __name__ == "__main__":
