@@ -329,6 +329,7 @@ def main() -> None:
     p.add_argument(
         "--kv-events", action="store_true", help="the batched form without and with publishing"
     )
+    p.add_argument("--rounds", type=int, default=3, help="--kv-events: off/on pairs (medians)")
     a = p.parse_args()
     if a.quick:
         a.fill, a.n = 10_000, 400
@@ -385,7 +386,8 @@ def main() -> None:
 
 def kv_events_cost(num_blocks: int, a: argparse.Namespace) -> None:
     """The batched compact form on a fresh service without, then with, vLLM-format KV events
-    published (and read by a subscriber), alternating twice; the ratios of the medians."""
+    published (and read by a subscriber), alternating ``--rounds`` times; the ratios of the
+    medians."""
     import zmq
 
     port = free_port()
@@ -394,7 +396,7 @@ def kv_events_cost(num_blocks: int, a: argparse.Namespace) -> None:
     )
     form, concurrency = Form("compact", a.batch), max(1, a.concurrency // a.batch)
     runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
-    for _ in range(2):
+    for _ in range(a.rounds):
         for side in ("off", "on"):
             proc, address = start_service(config if side == "on" else "")
             sub = zmq.Context.instance().socket(zmq.SUB)

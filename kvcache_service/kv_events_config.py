@@ -19,7 +19,7 @@ class KvEventsConfig:
     replay_endpoint: str | None = None  # a ROUTER for late joiners (bound)
     buffer_steps: int = 10_000  # payloads kept for replay
     hwm: int = 100_000  # the PUB socket's high-water mark
-    max_queue_size: int = 100_000  # payloads waiting for the sending thread
+    max_queue_size: int = 100_000  # vLLM's key, accepted: kvserve sends from its event loop
     topic: str = "kv@{pool}@{model}"  # {pool}: the pool id (llm-d's pod), {model}: its model
     encoding: str = "map"  # "map" or "array"
     medium: str = "GPU"  # the tier a pool's blocks are in, as vLLM names its device tier

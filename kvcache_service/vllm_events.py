@@ -7,8 +7,8 @@ vLLM ``EventBatch`` (:class:`PoolTranslator`) and sends it on a PUB socket as vL
 does: three frames, the pool's topic (llm-d's form by default, ``kv@<pool id>@<model>``), an
 8-byte big-endian sequence number, the msgpack payload. An optional ROUTER socket replays the
 last ``buffer_steps`` payloads to a late joiner that sends the sequence number to start from,
-ending with sequence -1. Sending and replay run on a thread of their own (pyzmq sockets are
-not shared between threads); the event loop only translates and queues.
+ending with sequence -1. The event loop translates, encodes and sends (a PUB send never
+blocks); the replay socket has a thread of its own.
 
 What a pool's events say:
 
@@ -31,16 +31,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import queue
+import sys
 import threading
 from array import array
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import msgpack
+import numpy as np
+import xxhash
 import zmq
 
 from kvcache_service.event_types import Batch, Cleared, Removed, Stored
@@ -55,28 +56,40 @@ log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 READ_BATCHES = 256  # batches read from the log at once
-HASH_PERSON = b"kvserve-kv-ev1"  # the hash's domain: another scheme gets another name
+HASH_SEED = 0x6B7673657276  # "kvserv": kvserve's block hashes (another scheme, another seed)
 
 
-def block_hash(parent: int | None, token_ids: array[int] | list[int], namespace: str) -> int:
-    """A block's hash: blake2b-64 over its parent's hash (or none), its namespace and its token
-    ids (little-endian uint32), the top bit cleared so that consumers reading signed (Dynamo)
-    and unsigned (llm-d) 64-bit integers read the same value."""
-    h = hashlib.blake2b(digest_size=8, person=HASH_PERSON)
-    h.update(b"\x00" * 9 if parent is None else b"\x01" + parent.to_bytes(8, "little"))
-    ns = namespace.encode()
-    h.update(len(ns).to_bytes(4, "little") + ns)
-    tokens = array("I", token_ids)
-    if tokens.itemsize != 4:
-        raise RuntimeError("array('I') is not 32-bit here")
-    h.update(tokens.tobytes() if array("I", [1]).tobytes()[0] == 1 else _le(tokens))
-    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+def block_hash(parent: int | None, token_ids: Iterable[int], namespace: str) -> int:
+    """A block's hash: xxh3-64 (seeded with :data:`HASH_SEED`) over its parent's hash (or
+    none), its namespace and its token ids as little-endian uint32, the top bit cleared so that
+    consumers reading signed (Dynamo) and unsigned (llm-d) 64-bit integers read the same value.
+    (blake2b took 0.92 us a block here, xxh3 0.19: a 2,048-token prompt has 64.)"""
+    return _hash(parent, _le_bytes(array("I", token_ids).tobytes()), namespace.encode())
 
 
-def _le(tokens: array[int]) -> bytes:
-    copy = array("I", tokens)
-    copy.byteswap()
-    return copy.tobytes()
+def _hash(parent: int | None, tokens_le: bytes, ns: bytes) -> int:
+    head = b"\x00" * 9 if parent is None else b"\x01" + parent.to_bytes(8, "little")
+    data = head + len(ns).to_bytes(4, "little") + ns + tokens_le
+    return xxhash.xxh3_64_intdigest(data, seed=HASH_SEED) & ((1 << 63) - 1)
+
+
+def _le_bytes(native: bytes) -> bytes:
+    """Native-endian uint32 tokens (the service's packing) as little-endian."""
+    if sys.byteorder == "little":
+        return native
+    a = array("I")
+    a.frombytes(native)
+    a.byteswap()
+    return a.tobytes()
+
+
+class Uint32Array(bytes):
+    """Token ids, packed little-endian uint32, that :func:`encode` writes as a msgpack array
+    of uint32 straight from the bytes (0xce and the big-endian value each: valid msgpack
+    every decoder reads, ~10x faster than building Python ints for a 2,048-token prompt)."""
+
+    def tolist(self) -> list[int]:
+        return np.frombuffer(self, dtype="<u4").tolist()
 
 
 class PoolTranslator:
@@ -113,25 +126,28 @@ class PoolTranslator:
         if event.parent is not None and parent is None:
             self.skipped += 1
             return None
-        tokens = array("I")
-        tokens.frombytes(event.tokens)  # the service's in-process (native) packing
+        tokens = _le_bytes(event.tokens)  # the service's in-process (native) packing
+        width = 4 * bs
         ns = str(event.namespace)
+        # _hash, inlined: this loop runs for every block the index takes in.
+        ns_bytes = ns.encode()
+        ns_part = len(ns_bytes).to_bytes(4, "little") + ns_bytes
+        head = b"\x00" * 9 if parent is None else b"\x01" + parent.to_bytes(8, "little")
+        full = min(len(event.blocks), len(tokens) // width)  # a tail waits until it is full
         hashes: list[int] = []
-        prev = parent
-        for i, block in enumerate(event.blocks):
-            chunk = tokens[i * bs : (i + 1) * bs]
-            if len(chunk) < bs:  # a tail: published once it is full
-                break
-            prev = block_hash(prev, chunk, ns)
-            self.hashes[block] = prev
-            hashes.append(prev)
+        digest, seed, mask = xxhash.xxh3_64_intdigest, HASH_SEED, (1 << 63) - 1
+        for i in range(full):
+            h = digest(head + ns_part + tokens[i * width : (i + 1) * width], seed=seed) & mask
+            hashes.append(h)
+            head = b"\x01" + h.to_bytes(8, "little")
         if not hashes:
             return None
+        self.hashes.update(zip(event.blocks[:full], hashes, strict=True))
         stored: dict[str, Any] = {
             "type": "BlockStored",
             "block_hashes": hashes,
             "parent_block_hash": parent,
-            "token_ids": tokens[: len(hashes) * bs].tolist(),
+            "token_ids": Uint32Array(tokens[: len(hashes) * width]),
             "block_size": bs,
             "lora_id": None,
             "medium": self.medium,
@@ -162,16 +178,46 @@ _ORDER = {
 def encode(ts: float, events: list[dict[str, Any]], rank: int, encoding: str) -> bytes:
     """One ``EventBatch`` as msgpack: maps (fields by name, the type under ``"type"``) or
     vLLM's older arrays (the type first, then the fields in order, trailing defaults left
-    out)."""
+    out). Token ids (:class:`Uint32Array`) are written from their bytes."""
+    packer = msgpack.Packer()
+    parts: list[bytes] = []
     if encoding == "map":
-        return msgpack.packb({"ts": ts, "events": events, "data_parallel_rank": rank})
-    arrays = []
+        parts += [
+            packer.pack_map_header(3),
+            packer.pack("ts"),
+            packer.pack(ts),
+            packer.pack("events"),
+        ]
+    else:
+        parts += [packer.pack_array_header(3), packer.pack(ts)]
+    parts.append(packer.pack_array_header(len(events)))
     for e in events:
+        if encoding == "map":
+            parts.append(packer.pack_map_header(len(e)))
+            for name, value in e.items():
+                parts.append(packer.pack(name))
+                parts.append(_value(packer, value))
+            continue
         row = [e["type"], *(e.get(name) for name in _ORDER[e["type"]])]
         while len(row) > 1 + _required(e["type"]) and row[-1] is None:
             row.pop()  # omit_defaults: optional trailing fields that are unset
-        arrays.append(row)
-    return msgpack.packb([ts, arrays, rank])
+        parts.append(packer.pack_array_header(len(row)))
+        parts += [_value(packer, v) for v in row]
+    if encoding == "map":
+        parts += [packer.pack("data_parallel_rank"), packer.pack(rank)]
+    else:
+        parts.append(packer.pack(rank))
+    return b"".join(parts)
+
+
+def _value(packer: msgpack.Packer, value: Any) -> bytes:
+    if not isinstance(value, Uint32Array):
+        return bytes(packer.pack(value))
+    n = len(value) // 4
+    out = np.empty(n, dtype=[("tag", "u1"), ("value", ">u4")])
+    out["tag"] = 0xCE
+    out["value"] = np.frombuffer(value, dtype="<u4")
+    return bytes(packer.pack_array_header(n)) + out.tobytes()
 
 
 def _required(kind: str) -> int:
@@ -179,11 +225,12 @@ def _required(kind: str) -> int:
 
 
 class _Sender:
-    """The PUB (and replay ROUTER) sockets and the thread that owns them."""
+    """The PUB socket, used on the event loop's thread (a send never blocks: past the
+    high-water mark ZeroMQ drops, as vLLM's publisher does, and a slow subscriber catches up
+    through the replay), and the replay ROUTER on a thread of its own (a socket belongs to one
+    thread); the replay buffer between them."""
 
     def __init__(self, config: KvEventsConfig) -> None:
-        self.config = config
-        self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._ctx: Any = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -193,62 +240,56 @@ class _Sender:
             self._pub.bind(endpoint)
         else:
             self._pub.connect(endpoint)
-        self._replay = None
-        if config.replay_endpoint:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.bind(config.replay_endpoint)
         self.sent = 0
         self.dropped = 0
         self._seq = 0
-        self._thread = threading.Thread(target=self._run, name="kv-events-zmq", daemon=True)
-        self._thread.start()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if config.replay_endpoint:
+            replay = self._ctx.socket(zmq.ROUTER)
+            replay.bind(config.replay_endpoint)
+            self._thread = threading.Thread(
+                target=self._replay, args=(replay,), name="kv-events-replay", daemon=True
+            )
+            self._thread.start()
 
     def put(self, topic: bytes, payload: bytes) -> None:
+        seq = self._seq
+        self._seq += 1
+        self._buffer.append((seq, payload))
         try:
-            self._queue.put_nowait((topic, payload))
-        except queue.Full:
+            self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+            self.sent += 1
+        except zmq.Again:
             self.dropped += 1
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=2.0)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        self._pub.close(linger=0)
 
-    def _run(self) -> None:
+    def _replay(self, sock: Any) -> None:
         try:
-            while True:
-                if self._replay is not None and self._replay.poll(0):
-                    self._serve_replay()
-                try:
-                    item = self._queue.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                if item is None:
-                    break
-                topic, payload = item
-                seq = self._seq
-                self._seq += 1
-                self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
-                self._buffer.append((seq, payload))
-                self.sent += 1
+            while not self._stop.is_set():
+                if sock.poll(100):
+                    self._serve_replay(sock)
         except Exception:
-            log.exception("KV events: the ZeroMQ sender stopped")
+            log.exception("KV events: the replay socket stopped")
         finally:
-            self._pub.close(linger=0)
-            if self._replay is not None:
-                self._replay.close(linger=0)
+            sock.close(linger=0)
 
-    def _serve_replay(self) -> None:
-        assert self._replay is not None
-        frames = self._replay.recv_multipart()
+    def _serve_replay(self, sock: Any) -> None:
+        frames = sock.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             log.warning("KV events: a replay request of %d frames ignored", len(frames))
             return
         client, _, start = frames
         first = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
+        for seq, payload in list(self._buffer):  # (a copy: the loop's thread appends)
             if seq >= first:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_SEQ, b""))
+                sock.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        sock.send_multipart((client, b"", END_SEQ, b""))
 
 
 class VllmEventPublisher:

@@ -133,6 +133,17 @@ def test_hashes_chain_by_parent_and_namespace() -> None:
     assert a != block_hash(None, [1, 2, 3, 4], "tenant")  # salted
     assert block_hash(a, [5, 6, 7, 8], "") != block_hash(None, [5, 6, 7, 8], "")
     assert all(0 <= h < 1 << 63 for h in (a, block_hash(a, [9] * 4, "x")))
+    # The translator's (inlined) hashing is this function's.
+    auth, _ = _authority()
+    auth.register_pool(PoolSpec(PoolId("a"), 16, BS))
+    auth.watch_events(lambda: None)
+    _turn(auth, [1, 2, 3, 4, 5, 6, 7, 8, 9], "tenant")
+    t = PoolTranslator(BS, "GPU")
+    stored = [
+        e for b in auth.events.after(0, 99) for e in t.events(b) if e["type"] == "BlockStored"
+    ]
+    first = block_hash(None, [1, 2, 3, 4], "tenant")
+    assert stored[0]["block_hashes"] == [first, block_hash(first, [5, 6, 7, 8], "tenant")]
 
 
 def _turn(auth: CacheAuthority, prompt: list[int], ns: str, pool: str = "a") -> None:
