@@ -1,6 +1,6 @@
 """The whole system started with vLLM's ``--kv-events-config``: a subscriber with pyzmq alone,
-knowing only vLLM's format, sees a request's prompt arrive as ``BlockStored`` events on its
-pool's topic, whose ``token_ids`` are the prompt's full blocks."""
+knowing only vLLM's format, sees a chat's prompt (and a token prompt's) arrive as
+``BlockStored`` events on its pool's topic, whose ``token_ids`` are the prompt's full blocks."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import pytest
 import zmq
 
 from kvserve_launch.system import System
+from kvserve_model.resolve import resolve_model
 from kvserve_model.tiny_model import TINY_MODEL_NAME
+from kvserve_model.tokenizer import load_tokenizer
 from tests.e2e.conftest import LogSink, started_system
 
 
@@ -34,47 +36,70 @@ def system(logs: LogSink) -> Iterator[System]:
     yield from started_system(logs, workers=1, kv_events_config=json.dumps(config))
 
 
-def test_a_prompt_arrives_as_block_stored_events(system: System) -> None:
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
-    sub.connect(f"tcp://127.0.0.1:{PORT}")
-    time.sleep(0.5)  # a SUB sees only what is sent after it joined
-    prompt = [(7 * i + 3) % 200 + 10 for i in range(100)]
-    r = httpx.post(
-        f"http://{system.http_address}/v1/completions",
-        json={"model": TINY_MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0},
-        timeout=60,
-    )
-    assert r.status_code == 200, r.text
+def _stored_chains(sub: zmq.Socket) -> tuple[set[str], list[list[int]], int]:
+    """Every BlockStored event until the stream goes quiet: (topics, the token ids from the
+    root through each stored block, block size)."""
     stored: dict[int, tuple[int | None, list[int]]] = {}  # hash -> (parent, its tokens)
     topics, bs = set(), 0
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        if not sub.poll(200):
+        if not sub.poll(300):
             if stored:
                 break
             continue
         topic, seq, payload = sub.recv_multipart()
         assert len(seq) == 8
         topics.add(topic.decode())
-        batch = msgpack.unpackb(payload)
-        for e in batch["events"]:
+        for e in msgpack.unpackb(payload)["events"]:
             if e["type"] == "BlockStored":
                 bs = e["block_size"]
                 parent = e["parent_block_hash"]
                 for i, h in enumerate(e["block_hashes"]):
                     stored[h] = (parent, e["token_ids"][i * bs : (i + 1) * bs])
                     parent = h
-    sub.close(linger=0)
-    assert len(topics) == 1 and next(iter(topics)).startswith("kv@worker-0@"), topics
-    # The chain from the root through every stored block: the prompt's full blocks first.
     chains = []
     for h in stored:
-        toks, node = [], h
+        toks: list[int] = []
+        node: int | None = h
         while node is not None:
             parent, block = stored[node]
             toks = block + toks
             node = parent
         chains.append(toks)
+    return topics, chains, bs
+
+
+def _subscriber() -> zmq.Socket:
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.connect(f"tcp://127.0.0.1:{PORT}")
+    time.sleep(0.5)  # a SUB sees only what is sent after it joined
+    return sub
+
+
+@pytest.mark.parametrize("kind", ["chat", "tokens"])
+def test_a_prompt_arrives_as_block_stored_events(system: System, kind: str) -> None:
+    sub = _subscriber()
+    url = f"http://{system.http_address}/v1"
+    if kind == "chat":
+        messages = [
+            {"role": "system", "content": "You answer in one word. " * 8},
+            {"role": "user", "content": "Which colour is the sky on a clear day?"},
+        ]
+        tok = load_tokenizer(resolve_model(TINY_MODEL_NAME))
+        text = tok.render_chat(messages, add_generation_prompt=True)
+        prompt = tok.encode(text, add_special_tokens=False)
+        body: dict = {"model": TINY_MODEL_NAME, "messages": messages, "max_tokens": 2}
+        r = httpx.post(f"{url}/chat/completions", json=body, timeout=60)
+    else:
+        prompt = [(7 * i + 3) % 200 + 10 for i in range(100)]
+        body = {"model": TINY_MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        r = httpx.post(f"{url}/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(prompt)
+    topics, chains, bs = _stored_chains(sub)
+    sub.close(linger=0)
+    assert len(topics) == 1 and next(iter(topics)).startswith("kv@worker-0@"), topics
     full = len(prompt) // bs * bs
-    assert any(c[:full] == prompt[:full] for c in chains), (bs, chains)
+    assert full >= bs
+    assert any(c[:full] == prompt[:full] for c in chains), (bs, prompt, chains)

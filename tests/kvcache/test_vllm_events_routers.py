@@ -10,8 +10,9 @@
   as little-endian uint32 (test vector: ``[1, 2, 3, 4]`` -> 14643705804678351452); the
   engine's hashes (read as signed int64) only link a block to its parent and name removals.
 
-Random workloads as in test_vllm_events.py (shared prefixes, two namespaces, evictions in a
-small pool, tails that fill, the pool registering again), both encodings.
+Random workloads (shared prefixes, two namespaces, evictions in a small pool, tails that fill,
+flushes and a namespace's eviction, the pool registering again, the cache service restarting
+with the routers keeping what they held), both encodings.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pytest
 import xxhash
 
 from kvcache_service.authority import CacheAuthority
-from kvcache_service.ids import PoolId
+from kvcache_service.ids import Namespace, PoolId
 from kvcache_service.pool import PoolSpec
 from kvcache_service.vllm_events import PoolTranslator, encode
 from tests.kvcache.test_events import _authority
@@ -190,14 +191,23 @@ def test_both_routers_rebuild_the_index(encoding: str, seed: int) -> None:
     llmd, dynamo, pos = LlmdIndex(), DynamoTree(), auth.events.cursor().seq
     stems = [[rng.randrange(1, 50) for _ in range(rng.randrange(2, 14))] for _ in range(5)]
     for step in range(100):
-        if rng.random() < 0.03:  # a restarted worker, once its pool's TTL lapsed
+        roll = rng.random()
+        if roll < 0.03:  # a restarted worker, once its pool's TTL lapsed
             now[0] += TTL + 1
             auth.register_pool(PoolSpec(PoolId("a"), 24, BS, model="m"))
-            auth.events.seal()
+        elif roll < 0.05:  # the cache service restarted: a new log, the worker registers again
+            auth, now = _authority()
+            auth.watch_events(lambda: None)  # the publisher watches from the service's start
+            auth.register_pool(PoolSpec(PoolId("a"), 24, BS, model="m"))
+            translators, pos = {}, 0  # a new publisher; the routers keep what they hold
+        elif roll < 0.08:  # an operator's flush, or one namespace's eviction
+            admin = auth.pools[PoolId("a")].admin
+            admin.flush() if rng.random() < 0.5 else admin.evict_namespace(Namespace("tenant-b"))
         else:
             auth.heartbeat(PoolId("a"), auth.pools[PoolId("a")].incarnation)
             tail = [rng.randrange(1, 50) for _ in range(rng.randrange(0, 9))]
             _turn(auth, rng.choice(stems) + tail, rng.choice(["", "", "tenant-b"]))
+        auth.events.seal()
         for batch in auth.events.after(pos, 1 << 30):
             t = translators.setdefault(batch.pool.incarnation, PoolTranslator(BS, "GPU"))
             events = t.events(batch)
