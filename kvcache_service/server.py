@@ -7,6 +7,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,12 +18,14 @@ from kvcache_service.authority import AuthorityConfig, CacheAuthority
 from kvcache_service.config import ENV_PREFIX, ServiceConfig
 from kvcache_service.kv_events_config import KvEventsConfig
 from kvcache_service.servicer import KVCacheServicer
-from kvcache_service.vllm_events import VllmEventPublisher, publishing
 from kvserve_launch.malformed import MalformedRequests
 from kvserve_launch.startup import EXCLUSIVE_PORT, add_port
 from kvserve_launch.tls import server_credentials
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from kvcache_service.vllm_events import VllmEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +106,12 @@ async def running(config: ServiceConfig) -> AsyncIterator[RunningService]:
         _sweep(authority, config.sweep_interval_s, config.events_retain_s)
     )
     try:
-        async with publishing(authority, KvEventsConfig.parse(config.kv_events_config)) as pub:
+        async with contextlib.AsyncExitStack() as stack:
+            events, pub = KvEventsConfig.parse(config.kv_events_config), None
+            if events.enabled:  # ZeroMQ, msgpack and numpy load only where they publish
+                from kvcache_service.vllm_events import publishing
+
+                pub = await stack.enter_async_context(publishing(authority, events))
             yield RunningService(server, port, authority, config, pub)
     finally:
         sweeper.cancel()
