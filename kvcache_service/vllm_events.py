@@ -48,6 +48,7 @@ from kvcache_service.event_types import Batch, Cleared, Removed, Stored
 from kvcache_service.events import FellBehind
 from kvcache_service.ids import BlockId, PoolId
 from kvcache_service.kv_events_config import KvEventsConfig
+from kvserve_launch.startup import StartupError
 
 if TYPE_CHECKING:
     from kvcache_service.authority import CacheAuthority
@@ -372,7 +373,14 @@ async def publishing(
     if not config.enabled:
         yield None
         return
-    publisher = VllmEventPublisher(authority, config)
+    try:
+        publisher = VllmEventPublisher(authority, config)
+    except zmq.ZMQError as err:  # a port in use, an endpoint ZeroMQ does not take
+        where = " or ".join(e for e in (config.endpoint, config.replay_endpoint) if e)
+        raise StartupError(
+            f"KV events: cannot open {where}: {err}",
+            hint="choose other endpoints in --kv-events-config",
+        ) from None
     task = asyncio.create_task(publisher.run())
     log.info("KV events (vLLM format) on %s, topic %s", config.endpoint, config.topic)
     try:

@@ -31,6 +31,7 @@ from kvcache_service.pool import PoolSpec
 from kvcache_service.server import running
 from kvcache_service.tokens import pack
 from kvcache_service.vllm_events import PoolTranslator, block_hash, encode
+from kvserve_launch.startup import StartupError
 from tests.kvcache.test_events import _authority
 from tests.kvcache.test_pool_model import TTL, real_index_view
 
@@ -265,3 +266,14 @@ async def test_a_subscriber_sees_a_prompt_s_full_blocks_and_a_late_one_replays()
         assert [r[2] for r in replies[:2]] == [f[2] for f in frames]  # the same payloads
         late.close(linger=0)
     sub.close(linger=0)
+
+
+async def test_an_endpoint_in_use_is_a_startup_error() -> None:
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        raw = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+        with pytest.raises(StartupError, match="KV events: cannot open"):
+            async with running(ServiceConfig(port=0, kv_events_config=json.dumps(raw))):
+                pass
