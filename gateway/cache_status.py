@@ -6,8 +6,10 @@ outage only waits: a new chat got no answer in 50 s while /health said ok. So ev
 gateway makes to the service (Route per request, discovery every poll) reports here, and once
 the service has been unreachable for ``grace_s`` (a restart takes about a second) new requests
 are answered at once with 503 and Retry-After, /health says so (503), and
-``kvserve_gateway_cache_service_up`` is 0. A sharded service is down only when every shard is:
-a shard that fails alone drops its pools out of routing, the others serve.
+``kvserve_gateway_cache_service_up`` is 0. A request during an outage first asks the service
+once more (at most every ``PROBE_INTERVAL_S``), so the first request after it is back is
+served, not refused on the last poll's word. A sharded service is down only when every shard
+is: a shard that fails alone drops its pools out of routing, the others serve.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+# During an outage, how often a request may ask the service whether it is back (the others
+# are refused at once): a refused connection answers in about a millisecond.
+PROBE_INTERVAL_S = 0.5
+
 
 @dataclass
 class CacheStatus:
@@ -23,9 +29,19 @@ class CacheStatus:
     clock: Callable[[], float] = time.monotonic
     down_since: float | None = None
     last_error: str = ""
+    probed_at: float | None = None
 
     def ok(self) -> None:
         self.down_since = None
+
+    def probe_due(self) -> bool:
+        """Whether a request during an outage should ask the service again (then it is the
+        one asking until the interval passes)."""
+        now = self.clock()
+        if self.probed_at is not None and now - self.probed_at < PROBE_INTERVAL_S:
+            return False
+        self.probed_at = now
+        return True
 
     def failed(self, error: object) -> None:
         if self.down_since is None:

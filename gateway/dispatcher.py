@@ -73,10 +73,20 @@ class Dispatcher:
         """Ask the cache service (or, with --route-from-events, its KV events' copy) who
         holds the prompt's prefix; rank the workers. Refused at once (CacheServiceDown) while
         the cache service is down: no worker could admit it."""
-        if self.cache_status.down:
-            raise CacheServiceDown(self.cache_status.describe())
         routes: list[PoolRoute] | None = None
-        if self.events is not None:
+        if self.cache_status.down:  # ask once more: the poller may not have seen it come back
+            if not self.cache_status.probe_due():
+                raise CacheServiceDown(self.cache_status.describe())
+            try:
+                routes = await self.cache.route(
+                    request.namespace, request.prompt_token_ids, self.model
+                )
+            except (WorkerUnavailable, UpstreamError) as e:
+                self.cache_status.failed(e)
+                raise CacheServiceDown(self.cache_status.describe()) from None
+            self.cache_status.ok()
+            self.metrics.route_source.labels("route").inc()
+        if routes is None and self.events is not None:
             known = self.directory.routes.values()
             routes = self.events.routes(request.namespace, request.prompt_token_ids, known)
             if routes is not None:
