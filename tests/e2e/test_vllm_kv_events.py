@@ -69,17 +69,30 @@ def _stored_chains(sub: zmq.Socket) -> tuple[set[str], list[list[int]], int]:
     return topics, chains, bs
 
 
-def _subscriber() -> zmq.Socket:
+def _subscriber(system: System) -> zmq.Socket:
+    """A subscriber whose subscription has reached the publisher (a SUB sees only what is sent
+    after that, and nothing says when it is): requests with a full block of their own go until
+    one's events arrive; then everything is drained."""
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
     sub.connect(f"tcp://127.0.0.1:{PORT}")
-    time.sleep(0.5)  # a SUB sees only what is sent after it joined
+    url = f"http://{system.http_address}/v1/completions"
+    for i in range(30):
+        probe = [(i * 41 + j * 13) % 200 + 10 for j in range(40)]  # its own, in the vocabulary
+        body = {"model": TINY_MODEL_NAME, "prompt": probe, "max_tokens": 1}
+        assert httpx.post(url, json=body, timeout=60).status_code == 200
+        if sub.poll(1000):
+            break
+    else:
+        raise AssertionError("the subscription never reached the publisher")
+    while sub.poll(300):
+        sub.recv_multipart()
     return sub
 
 
 @pytest.mark.parametrize("kind", ["chat", "tokens"])
 def test_a_prompt_arrives_as_block_stored_events(system: System, kind: str) -> None:
-    sub = _subscriber()
+    sub = _subscriber(system)
     url = f"http://{system.http_address}/v1"
     if kind == "chat":
         messages = [

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from gateway import cache_status
 from gateway.cache_status import CacheStatus
-from tests.gateway.conftest import Stack
+from gateway.tokenizer import Tokenizer
+from kvcache_service.server import RunningService
+from tests.gateway.conftest import started_stack
 from tests.gateway.fake_worker import MODEL
 
 
@@ -23,15 +25,20 @@ def test_a_probe_is_due_at_most_once_an_interval() -> None:
     assert not status.down and status.down_for() == 0.0
 
 
-async def test_a_request_finds_the_service_back_before_the_poller_does(stack: Stack) -> None:
-    """The poller's last word was a failure (the service restarted; its next poll is still to
-    come): the request asks the service itself, finds it answering, and is served."""
-    status = stack.gateway.gateway.dispatcher.cache_status
-    status.failed("connection refused")
-    status.down_since = status.clock() - 60  # believed down for a minute
-    assert status.down
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "back?"}], "max_tokens": 2}
-    r = await stack.http.post("/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text
-    assert not status.down and status.down_since is None
-    assert (await stack.http.get("/health")).status_code == 200
+async def test_a_request_finds_the_service_back_before_the_poller_does(
+    cache: RunningService, tokenizer: Tokenizer
+) -> None:
+    """The poller's last word was a failure (the service restarted; its next poll is a minute
+    away here, so only the request can find out): the request asks the service itself, finds
+    it answering, and is served."""
+    async with started_stack(cache, tokenizer, poll_interval_s=60.0) as stack:
+        await stack.poll()  # the workers known, as before the outage
+        status = stack.gateway.gateway.dispatcher.cache_status
+        status.failed("connection refused")
+        status.down_since = status.clock() - 60  # believed down for a minute
+        assert status.down
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "back?"}], "max_tokens": 2}
+        r = await stack.http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert not status.down and status.down_since is None
+        assert (await stack.http.get("/health")).status_code == 200

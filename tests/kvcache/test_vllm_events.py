@@ -221,6 +221,21 @@ async def _frames(sock: zmq.Socket, count: int, timeout_s: float = 10.0) -> list
     return out
 
 
+async def _joined(sub: zmq.Socket, auth: CacheAuthority) -> None:
+    """Until the subscriber's subscription has reached the publisher (a SUB sees only what is
+    sent after that, and nothing says when it is): probe pools register, one at a time, until
+    one's AllBlocksCleared arrives; then every probe frame is drained."""
+    for i in range(100):
+        auth.register_pool(PoolSpec(PoolId(f"probe-{i}"), 4, BS))
+        auth.events.seal()
+        if await _frames(sub, 1, timeout_s=0.1):
+            break
+    else:
+        raise AssertionError("the subscription never reached the publisher")
+    while await _frames(sub, 1, timeout_s=0.2):
+        pass
+
+
 async def test_a_subscriber_sees_a_prompt_s_full_blocks_and_a_late_one_replays() -> None:
     pub, replay = _free_port(), _free_port()
     raw = {
@@ -236,8 +251,8 @@ async def test_a_subscriber_sees_a_prompt_s_full_blocks_and_a_late_one_replays()
     async with running(config) as service:
         assert service.kv_events is not None
         sub.connect(f"tcp://127.0.0.1:{pub}")
-        await asyncio.sleep(0.3)  # a SUB sees only what is sent after it joined
         auth = service.authority
+        await _joined(sub, auth)
         auth.register_pool(PoolSpec(PoolId("w0"), 64, BS, model="smollm"))
         prompt = list(range(100, 111))  # two full blocks and a tail of three
         _turn(auth, prompt, "", pool="w0")
@@ -260,7 +275,7 @@ async def test_a_subscriber_sees_a_prompt_s_full_blocks_and_a_late_one_replays()
 
         late = ctx.socket(zmq.DEALER)
         late.connect(f"tcp://127.0.0.1:{replay}")
-        late.send_multipart([b"", (0).to_bytes(8, "big")])
+        late.send_multipart([b"", seqs[0].to_bytes(8, "big")])
         replies = await _frames(late, 3)
         assert [int.from_bytes(r[1], "big", signed=True) for r in replies] == [*seqs, -1]
         assert [r[2] for r in replies[:2]] == [f[2] for f in frames]  # the same payloads

@@ -214,6 +214,8 @@ def reference_kernel(
     scale: float,
     window: int | None = None,
     q_lens: mx.array | None = None,
+    *,
+    backend: str = "cuda",  # the kernel's own argument; the stand-in serves either
 ) -> mx.array:
     """The GPU block-table kernel's float64 reference (``gpu_decode.reference_attention``)
     with the kernel's signature: stands in for it off an NVIDIA GPU."""
@@ -239,6 +241,8 @@ def traceable_kernel(
     scale: float,
     window: int | None = None,
     q_lens: mx.array | None = None,
+    *,
+    backend: str = "cuda",  # the kernel's own argument; the stand-in serves either
 ) -> mx.array:
     """The GPU block-table kernel's computation in lazy MLX ops (fp32), with its signature:
     stands in for it off an NVIDIA GPU where the forward is compiled (``mx.compile`` traces

@@ -47,9 +47,9 @@ def kernel_calls(monkeypatch):
     """The GPU's attention routing, the kernel's computation standing in; its calls."""
     calls: list[tuple[int, ...]] = []
 
-    def kernel(queries, *args):
+    def kernel(queries, *args, **kw):
         calls.append(tuple(queries.shape))
-        return traceable_kernel(queries, *args)
+        return traceable_kernel(queries, *args, **kw)
 
     route_as_cuda(monkeypatch, kernel)
     return calls

@@ -299,7 +299,9 @@ class _Spy:
         self.original = 0
         original = backend.ORIGINAL_SDPA
 
-        def kernel(queries, pool_k, pool_v, tables, context_lens, scale, window=None, q_lens=None):
+        def kernel(
+            queries, pool_k, pool_v, tables, context_lens, scale, window=None, q_lens=None, **kw
+        ):
             self.kernel.append((tuple(queries.shape), window))
             return reference_kernel(
                 queries, pool_k, pool_v, tables, context_lens, scale, window, q_lens

@@ -93,7 +93,7 @@ class _Routes:
         self.exact: list[int] = []
         self.history = gpu_prefill.ShapeHistory()
 
-        def kernel(queries, pool_k, pool_v, tables, ends, scale, window=None, q_lens=None):
+        def kernel(queries, pool_k, pool_v, tables, ends, scale, window=None, q_lens=None, **kw):
             self.kernel.append((queries.shape[2], window))
             return reference_kernel(queries, pool_k, pool_v, tables, ends, scale, window, q_lens)
 

@@ -104,10 +104,9 @@ def serve(call: AttentionCall, backend: str = "cuda") -> mx.array | Declined:
     if not known or not supports(call.queries, pool_k, pool_v):
         return Declined("a mask, dtype or head dim the decode kernel does not take")
     tables, ends, query_lens = call.batch.kernel_inputs()
-    args = (call.queries, pool_k, pool_v, tables, ends, call.scale, window, query_lens)
-    if backend == "cuda":  # (the default: tests stand in for the CUDA kernel's signature)
-        return paged_decode_attention(*args)
-    return paged_decode_attention(*args, backend=backend)
+    return paged_decode_attention(
+        call.queries, pool_k, pool_v, tables, ends, call.scale, window, query_lens, backend=backend
+    )
 
 
 def rows_per_tile(rep: int, nq: int) -> int:
