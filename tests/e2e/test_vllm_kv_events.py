@@ -36,16 +36,14 @@ def system(logs: LogSink) -> Iterator[System]:
     yield from started_system(logs, workers=1, kv_events_config=json.dumps(config))
 
 
-def _stored_chains(sub: zmq.Socket) -> tuple[set[str], list[list[int]], int]:
-    """Every BlockStored event until the stream goes quiet: (topics, the token ids from the
-    root through each stored block, block size)."""
+def _stored_chains(sub: zmq.Socket, prompt: list[int]) -> tuple[set[str], list[list[int]], int]:
+    """BlockStored events until some chain of them starts with ``prompt``'s full blocks (or 20
+    s pass): (topics, the token ids from the root through each stored block, block size)."""
     stored: dict[int, tuple[int | None, list[int]]] = {}  # hash -> (parent, its tokens)
-    topics, bs = set(), 0
+    topics, bs, chains = set(), 0, []
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        if not sub.poll(300):
-            if stored:
-                break
+        if not sub.poll(200):
             continue
         topic, seq, payload = sub.recv_multipart()
         assert len(seq) == 8
@@ -57,16 +55,22 @@ def _stored_chains(sub: zmq.Socket) -> tuple[set[str], list[list[int]], int]:
                 for i, h in enumerate(e["block_hashes"]):
                     stored[h] = (parent, e["token_ids"][i * bs : (i + 1) * bs])
                     parent = h
-    chains = []
-    for h in stored:
-        toks: list[int] = []
-        node: int | None = h
-        while node is not None:
-            parent, block = stored[node]
-            toks = block + toks
-            node = parent
-        chains.append(toks)
+        chains = [_chain(stored, h) for h in stored]
+        full = len(prompt) // bs * bs if bs else 0
+        if full and any(c[:full] == prompt[:full] for c in chains):
+            break
     return topics, chains, bs
+
+
+def _chain(stored: dict[int, tuple[int | None, list[int]]], h: int) -> list[int]:
+    """The token ids from the root through block ``h``, following parents."""
+    toks: list[int] = []
+    node: int | None = h
+    while node is not None:
+        parent, block = stored[node]
+        toks = block + toks
+        node = parent
+    return toks
 
 
 def _subscriber(system: System) -> zmq.Socket:
@@ -110,9 +114,10 @@ def test_a_prompt_arrives_as_block_stored_events(system: System, kind: str) -> N
         r = httpx.post(f"{url}/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len(prompt)
-    topics, chains, bs = _stored_chains(sub)
+    topics, chains, bs = _stored_chains(sub, prompt)
     sub.close(linger=0)
     assert len(topics) == 1 and next(iter(topics)).startswith("kv@worker-0@"), topics
+    assert bs, "no BlockStored arrived"
     full = len(prompt) // bs * bs
     assert full >= bs
     assert any(c[:full] == prompt[:full] for c in chains), (bs, prompt, chains)
