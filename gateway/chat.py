@@ -25,6 +25,7 @@ from gateway.protocol import (
     TopLogprobOut,
 )
 from gateway.rendering import Renderer, finish
+from gateway.structured import request_constraint
 
 
 def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -63,10 +64,6 @@ class ChatServing:
             )
         if req.echo:
             raise InvalidRequest("echo is not supported for chat completions", param="echo")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise InvalidRequest(
-                "only the text response_format is supported", param="response_format"
-            )
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
         if req.continue_final_message and req.messages[-1].role != "assistant":
@@ -94,8 +91,9 @@ class ChatServing:
         )
         top = req.top_logprobs or 0
         request_id = self.s.new_id("chatcmpl")
+        structured = request_constraint(req)
         sequences = self.s.sequences(
-            request_id, req, [prompt], [budget], max(1, top) if req.logprobs else 0
+            request_id, req, [prompt], [budget], max(1, top) if req.logprobs else 0, structured
         )
         view = ChatView(request_id, model, self.s.created(), req.n, top if req.logprobs else None)
         return await view.serve(self.s.open(sequences, arrival), req)

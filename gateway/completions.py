@@ -17,6 +17,7 @@ from gateway.protocol import (
     CompletionResponse,
 )
 from gateway.rendering import Renderer, finish
+from gateway.structured import request_constraint
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
@@ -87,7 +88,12 @@ class CompletionServing:
         logprobs = req.logprobs
         request_id = self.s.new_id("cmpl")
         sequences = self.s.sequences(
-            request_id, req, prompts, budgets, 0 if logprobs is None else max(1, logprobs)
+            request_id,
+            req,
+            prompts,
+            budgets,
+            0 if logprobs is None else max(1, logprobs),
+            request_constraint(req),
         )
         echoes = None
         if req.echo:

@@ -15,6 +15,7 @@ from gateway.generation import (
     Usage,
 )
 from kvserve_model.sampling_params import SPECULATIVE_VALUES, SamplingParams
+from kvserve_model.structured_output import StructuredOutput
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 
 _FINISH_TO_PB = {
@@ -42,10 +43,23 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         skip_special_tokens=s.skip_special_tokens,
         speculative=pb.Speculative.ValueType(SPECULATIVE_VALUES[s.speculative]),
         num_draft_tokens=s.num_draft_tokens,
+        logit_bias=dict(s.logit_bias),
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
     )
     if s.seed is not None:
         msg.seed = s.seed
+    if s.structured_output is not None:
+        msg.structured_output.CopyFrom(structured_to_pb(s.structured_output))
     return msg
+
+
+def structured_to_pb(so: StructuredOutput) -> pb.StructuredOutput:
+    if so.kind == "choice":
+        return pb.StructuredOutput(choice=pb.Choices(values=so.choices))
+    if so.kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    return pb.StructuredOutput(**{so.kind: so.spec})
 
 
 def request_to_pb(r: GenerationRequest) -> pb.GenerateRequest:

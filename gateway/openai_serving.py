@@ -24,6 +24,7 @@ from gateway.limits import RequestLimits
 from gateway.protocol import SamplingRequest
 from gateway.tokenizer import Tokenizer
 from kvserve_model.sampling_params import SamplingParams
+from kvserve_model.structured_output import StructuredOutput
 
 INT64_MOD = 2**64
 
@@ -58,13 +59,6 @@ class OpenAIServing:
 
     def check_common(self, req: SamplingRequest, choices: int) -> None:
         """Refuse, by name, what is accepted by the schema but not implemented."""
-        if req.presence_penalty or req.frequency_penalty:
-            raise InvalidRequest(
-                "presence_penalty and frequency_penalty are not supported; use repetition_penalty",
-                param="presence_penalty" if req.presence_penalty else "frequency_penalty",
-            )
-        if req.logit_bias:
-            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
         if req.stream_options is not None and not req.stream:
             raise InvalidRequest(
                 "stream_options is only allowed when stream is true", param="stream_options"
@@ -81,7 +75,12 @@ class OpenAIServing:
             self.limits.check_namespace(req.cache_salt)
 
     def sampling(
-        self, req: SamplingRequest, max_tokens: int, logprobs: int, sample: int
+        self,
+        req: SamplingRequest,
+        max_tokens: int,
+        logprobs: int,
+        sample: int,
+        structured: StructuredOutput | None = None,
     ) -> SamplingParams:
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         if any(not s for s in stop):
@@ -105,6 +104,10 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens,
             speculative=req.speculative or "",
             num_draft_tokens=req.num_draft_tokens or 0,
+            logit_bias=logit_bias(req.logit_bias),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            structured_output=structured,
         )
         check_sampling(params, self.tokenizer.vocab_size)
         return params
@@ -116,13 +119,15 @@ class OpenAIServing:
         prompts: Sequence[Sequence[int]],
         max_tokens: Sequence[int],
         logprobs: int,
+        structured: StructuredOutput | None = None,
     ) -> list[GenerationRequest]:
-        """One sequence per choice; choice ``p * n + j`` is sample ``j`` of prompt ``p``."""
+        """One sequence per choice; choice ``p * n + j`` is sample ``j`` of prompt ``p``.
+        ``structured``: the output's constraint (``gateway.structured``), already checked."""
         return [
             GenerationRequest(
                 request_id=f"{request_id}-{p * req.n + j}",
                 prompt_token_ids=tuple(prompt),
-                sampling=self.sampling(req, max_tokens[p], logprobs, j),
+                sampling=self.sampling(req, max_tokens[p], logprobs, j, structured),
                 namespace=req.cache_salt or "",
             )
             for p, prompt in enumerate(prompts)
@@ -137,3 +142,18 @@ class OpenAIServing:
     @staticmethod
     def created() -> int:
         return int(time.time())
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) as sorted (id, bias) pairs; the
+    ids' range and the biases' are ``check_sampling``'s."""
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest(
+                f"logit_bias: key {key!r} is not a token id", param="logit_bias"
+            ) from None
+        out.append((token, float(value)))
+    return tuple(sorted(out))

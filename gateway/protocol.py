@@ -110,6 +110,14 @@ class SamplingRequest(_Request):
     # against kvserve_model.sampling_limits, like every sampling field).
     speculative: Literal["ngram", "draft_model"] | None = None
     num_draft_tokens: int | None = None
+    # Structured output (gateway/structured.py): OpenAI's response_format, and vLLM's guided_*
+    # fields and their newer structured_outputs object; at most one of them.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -136,7 +144,6 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     # Legacy and vLLM fields that are refused by name (gateway/chat.py), not ignored.
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None

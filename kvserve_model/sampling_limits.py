@@ -30,6 +30,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_DRAFT_TOKENS = 16
+# OpenAI's bounds.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_PENALTY = 2.0
 
 
 class SamplingLimitError(ValueError):
@@ -81,3 +85,15 @@ def check_sampling(p: SamplingParams, vocab_size: int) -> None:
     _in("num_draft_tokens", p.num_draft_tokens, 0, MAX_DRAFT_TOKENS)
     if p.num_draft_tokens and not p.speculates:
         raise SamplingLimitError("num_draft_tokens", "needs speculative (ngram or draft_model)")
+    _in("presence_penalty", p.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+    _in("frequency_penalty", p.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+    if len(p.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise SamplingLimitError(
+            "logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(p.logit_bias)}"
+        )
+    for token, bias in p.logit_bias:
+        if not 0 <= token < vocab_size:
+            raise SamplingLimitError(
+                "logit_bias", f"token id {token} is outside the vocabulary [0, {vocab_size})"
+            )
+        _in("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve_model.structured_output import StructuredOutput
+
 # worker.v1.Speculative's values by name; "" is SPECULATIVE_OFF.
 SPECULATIVE_NAMES = {0: "", 1: "ngram", 2: "draft_model"}
 SPECULATIVE_VALUES = {v: k for k, v in SPECULATIVE_NAMES.items()}
@@ -43,6 +45,15 @@ class SamplingParams:
     # it, sampled output keeps its distribution.
     speculative: str = ""
     num_draft_tokens: int = 0
+    # (token id, bias) pairs, sorted by id, added to the logits before any filter (OpenAI's
+    # logit_bias, -100..100).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's semantics, over the generated tokens: presence subtracts the penalty once from
+    # every token that appeared, frequency once per appearance.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # What the output must match; None: unconstrained.
+    structured_output: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -51,6 +62,12 @@ class SamplingParams:
     @property
     def speculates(self) -> bool:
         return self.speculative != ""
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether logits change before sampling (bias or penalties): the sampler adds them to
+        the batch's logits in one scatter."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
 
     @classmethod
     def from_wire(cls, msg: Any) -> SamplingParams:
@@ -79,4 +96,12 @@ class SamplingParams:
             # An enum value this side does not know stays visible, for check_sampling.
             speculative=SPECULATIVE_NAMES.get(msg.speculative, f"#{msg.speculative}"),
             num_draft_tokens=msg.num_draft_tokens,
+            logit_bias=tuple(sorted(msg.logit_bias.items())),
+            presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty,
+            structured_output=(
+                StructuredOutput.from_wire(msg.structured_output)
+                if msg.HasField("structured_output")
+                else None
+            ),
         )

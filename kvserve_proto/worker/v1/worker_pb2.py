@@ -24,43 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kvserve_proto/worker/v1/worker.proto\x12\tworker.v1\"\x8f\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\r\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12 \n\x13skip_special_tokens\x18\r \x01(\x08H\x01\x88\x01\x01\x12+\n\x0bspeculative\x18\x0e \x01(\x0e\x32\x16.worker.v1.Speculative\x12\x18\n\x10num_draft_tokens\x18\x0f \x01(\rB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"\xb7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x13.worker.v1.TokenIdsH\x00\x12\x15\n\x0bprompt_text\x18\x03 \x01(\tH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.worker.v1.SamplingParams\x12\x11\n\tnamespace\x18\x05 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.worker.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\xd6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.worker.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.worker.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.worker.v1.Usage\x12\x11\n\tworker_id\x18\x07 \x01(\t\"n\n\x13GenerateManyRequest\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12+\n\x05start\x18\x02 \x01(\x0b\x32\x1a.worker.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x08\n\x06\x61\x63tion\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x80\x01\n\x0cStreamUpdate\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12/\n\x08response\x18\x02 \x01(\x0b\x32\x1b.worker.v1.GenerateResponseH\x00\x12\'\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x16.worker.v1.StreamErrorH\x00\x42\x06\n\x04kind\"@\n\x14GenerateManyResponse\x12(\n\x07updates\x18\x01 \x03(\x0b\x32\x17.worker.v1.StreamUpdate\"\x10\n\x0eGetInfoRequest\"\xad\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x08 \x01(\r\x12\x0f\n\x07running\x18\t \x01(\r\x12\x0f\n\x07waiting\x18\n \x01(\r\x12\x18\n\x10prefilled_tokens\x18\x0b \x01(\x04\x12\x18\n\x10generated_tokens\x18\x0c \x01(\x04\x12\x13\n\x0bpreemptions\x18\r \x01(\x04\x12\x19\n\x11requests_finished\x18\x0e \x01(\x04\x12\x0e\n\x06runner\x18\x0f \x01(\t\x12\x1c\n\x14max_pending_requests\x18\x10 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x11 \x01(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x12 \x01(\x04\x12\x13\n\x0b\x64raft_model\x18\x13 \x01(\t*V\n\x0bSpeculative\x12\x13\n\x0fSPECULATIVE_OFF\x10\x00\x12\x15\n\x11SPECULATIVE_NGRAM\x10\x01\x12\x1b\n\x17SPECULATIVE_DRAFT_MODEL\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe1\x01\n\x06Worker\x12\x45\n\x08Generate\x12\x1a.worker.v1.GenerateRequest\x1a\x1b.worker.v1.GenerateResponse0\x01\x12S\n\x0cGenerateMany\x12\x1e.worker.v1.GenerateManyRequest\x1a\x1f.worker.v1.GenerateManyResponse(\x01\x30\x01\x12;\n\x07GetInfo\x12\x19.worker.v1.GetInfoRequest\x1a\x15.worker.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kvserve_proto/worker/v1/worker.proto\x12\tworker.v1\"\xec\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\r\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12 \n\x13skip_special_tokens\x18\r \x01(\x08H\x01\x88\x01\x01\x12+\n\x0bspeculative\x18\x0e \x01(\x0e\x32\x16.worker.v1.Speculative\x12\x18\n\x10num_draft_tokens\x18\x0f \x01(\r\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.worker.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x11 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x12 \x01(\x02\x12\x36\n\x11structured_output\x18\x13 \x01(\x0b\x32\x1b.worker.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"\x92\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.worker.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xb7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x13.worker.v1.TokenIdsH\x00\x12\x15\n\x0bprompt_text\x18\x03 \x01(\tH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.worker.v1.SamplingParams\x12\x11\n\tnamespace\x18\x05 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.worker.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\xd6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.worker.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.worker.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.worker.v1.Usage\x12\x11\n\tworker_id\x18\x07 \x01(\t\"n\n\x13GenerateManyRequest\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12+\n\x05start\x18\x02 \x01(\x0b\x32\x1a.worker.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x08\n\x06\x61\x63tion\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x80\x01\n\x0cStreamUpdate\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12/\n\x08response\x18\x02 \x01(\x0b\x32\x1b.worker.v1.GenerateResponseH\x00\x12\'\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x16.worker.v1.StreamErrorH\x00\x42\x06\n\x04kind\"@\n\x14GenerateManyResponse\x12(\n\x07updates\x18\x01 \x03(\x0b\x32\x17.worker.v1.StreamUpdate\"\x10\n\x0eGetInfoRequest\"\xad\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x08 \x01(\r\x12\x0f\n\x07running\x18\t \x01(\r\x12\x0f\n\x07waiting\x18\n \x01(\r\x12\x18\n\x10prefilled_tokens\x18\x0b \x01(\x04\x12\x18\n\x10generated_tokens\x18\x0c \x01(\x04\x12\x13\n\x0bpreemptions\x18\r \x01(\x04\x12\x19\n\x11requests_finished\x18\x0e \x01(\x04\x12\x0e\n\x06runner\x18\x0f \x01(\t\x12\x1c\n\x14max_pending_requests\x18\x10 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x11 \x01(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x12 \x01(\x04\x12\x13\n\x0b\x64raft_model\x18\x13 \x01(\t*V\n\x0bSpeculative\x12\x13\n\x0fSPECULATIVE_OFF\x10\x00\x12\x15\n\x11SPECULATIVE_NGRAM\x10\x01\x12\x1b\n\x17SPECULATIVE_DRAFT_MODEL\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe1\x01\n\x06Worker\x12\x45\n\x08Generate\x12\x1a.worker.v1.GenerateRequest\x1a\x1b.worker.v1.GenerateResponse0\x01\x12S\n\x0cGenerateMany\x12\x1e.worker.v1.GenerateManyRequest\x1a\x1f.worker.v1.GenerateManyResponse(\x01\x30\x01\x12;\n\x07GetInfo\x12\x19.worker.v1.GetInfoRequest\x1a\x15.worker.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserve_proto.worker.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECULATIVE']._serialized_start=1934
-  _globals['_SPECULATIVE']._serialized_end=2020
-  _globals['_FINISHREASON']._serialized_start=2022
-  _globals['_FINISHREASON']._serialized_end=2142
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_SPECULATIVE']._serialized_start=2331
+  _globals['_SPECULATIVE']._serialized_end=2417
+  _globals['_FINISHREASON']._serialized_start=2419
+  _globals['_FINISHREASON']._serialized_end=2539
   _globals['_SAMPLINGPARAMS']._serialized_start=52
-  _globals['_SAMPLINGPARAMS']._serialized_end=451
-  _globals['_GENERATEREQUEST']._serialized_start=454
-  _globals['_GENERATEREQUEST']._serialized_end=637
-  _globals['_TOKENIDS']._serialized_start=639
-  _globals['_TOKENIDS']._serialized_end=662
-  _globals['_TOPLOGPROB']._serialized_start=664
-  _globals['_TOPLOGPROB']._serialized_end=726
-  _globals['_TOKENLOGPROB']._serialized_start=728
-  _globals['_TOKENLOGPROB']._serialized_end=828
-  _globals['_USAGE']._serialized_start=830
-  _globals['_USAGE']._serialized_end=910
-  _globals['_GENERATERESPONSE']._serialized_start=913
-  _globals['_GENERATERESPONSE']._serialized_end=1127
-  _globals['_GENERATEMANYREQUEST']._serialized_start=1129
-  _globals['_GENERATEMANYREQUEST']._serialized_end=1239
-  _globals['_STREAMERROR']._serialized_start=1241
-  _globals['_STREAMERROR']._serialized_end=1285
-  _globals['_STREAMUPDATE']._serialized_start=1288
-  _globals['_STREAMUPDATE']._serialized_end=1416
-  _globals['_GENERATEMANYRESPONSE']._serialized_start=1418
-  _globals['_GENERATEMANYRESPONSE']._serialized_end=1482
-  _globals['_GETINFOREQUEST']._serialized_start=1484
-  _globals['_GETINFOREQUEST']._serialized_end=1500
-  _globals['_WORKERINFO']._serialized_start=1503
-  _globals['_WORKERINFO']._serialized_end=1932
-  _globals['_WORKER']._serialized_start=2145
-  _globals['_WORKER']._serialized_end=2370
+  _globals['_SAMPLINGPARAMS']._serialized_end=672
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=591
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=639
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=675
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=821
+  _globals['_CHOICES']._serialized_start=823
+  _globals['_CHOICES']._serialized_end=848
+  _globals['_GENERATEREQUEST']._serialized_start=851
+  _globals['_GENERATEREQUEST']._serialized_end=1034
+  _globals['_TOKENIDS']._serialized_start=1036
+  _globals['_TOKENIDS']._serialized_end=1059
+  _globals['_TOPLOGPROB']._serialized_start=1061
+  _globals['_TOPLOGPROB']._serialized_end=1123
+  _globals['_TOKENLOGPROB']._serialized_start=1125
+  _globals['_TOKENLOGPROB']._serialized_end=1225
+  _globals['_USAGE']._serialized_start=1227
+  _globals['_USAGE']._serialized_end=1307
+  _globals['_GENERATERESPONSE']._serialized_start=1310
+  _globals['_GENERATERESPONSE']._serialized_end=1524
+  _globals['_GENERATEMANYREQUEST']._serialized_start=1526
+  _globals['_GENERATEMANYREQUEST']._serialized_end=1636
+  _globals['_STREAMERROR']._serialized_start=1638
+  _globals['_STREAMERROR']._serialized_end=1682
+  _globals['_STREAMUPDATE']._serialized_start=1685
+  _globals['_STREAMUPDATE']._serialized_end=1813
+  _globals['_GENERATEMANYRESPONSE']._serialized_start=1815
+  _globals['_GENERATEMANYRESPONSE']._serialized_end=1879
+  _globals['_GETINFOREQUEST']._serialized_start=1881
+  _globals['_GETINFOREQUEST']._serialized_end=1897
+  _globals['_WORKERINFO']._serialized_start=1900
+  _globals['_WORKERINFO']._serialized_end=2329
+  _globals['_WORKER']._serialized_start=2542
+  _globals['_WORKER']._serialized_end=2767
 # @@protoc_insertion_point(module_scope)

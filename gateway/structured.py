@@ -1,0 +1,117 @@
+"""A request's structured output, read from the fields clients send it in.
+
+OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema`` with its ``schema`` and
+``strict``), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and
+their newer ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``,
+``json_object``). At most one of them: two would be two constraints on one output. The result is
+checked to compile here (``StructuredOutput.check``), so a schema the engine cannot take is a
+400 naming the problem before any worker sees the request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.errors import InvalidRequest
+from gateway.protocol import SamplingRequest
+from kvserve_model.structured_output import StructuredOutput, StructuredOutputError
+
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def request_constraint(req: SamplingRequest) -> StructuredOutput | None:
+    """The request's constraint (checked), or None; InvalidRequest naming the field."""
+    found: list[tuple[str, StructuredOutput]] = []
+    if req.response_format is not None:
+        so = _response_format(req.response_format)
+        if so is not None:
+            found.append(("response_format", so))
+    for name in GUIDED:
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, _guided(name, value)))
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs", _structured_outputs(req.structured_outputs)))
+    if len(found) > 1:
+        raise InvalidRequest(
+            f"{found[0][0]} and {found[1][0]} both constrain the output; send one",
+            param=found[1][0],
+        )
+    if not found:
+        return None
+    param, so = found[0]
+    return checked(so, param)
+
+
+def checked(so: StructuredOutput, param: str) -> StructuredOutput:
+    """``so`` once it compiles; InvalidRequest on ``param`` otherwise."""
+    try:
+        so.check()
+    except StructuredOutputError as e:
+        raise InvalidRequest(f"{param}: {e}", param=param) from None
+    return so
+
+
+def _schema(value: Any, param: str) -> StructuredOutput:
+    try:
+        return StructuredOutput.json_schema(value)
+    except StructuredOutputError as e:
+        raise InvalidRequest(f"{param}: {e}", param=param) from None
+
+
+def _response_format(rf: dict[str, Any]) -> StructuredOutput | None:
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict):
+            raise InvalidRequest(
+                "response_format json_schema needs a json_schema object "
+                '({"name": ..., "schema": {...}})',
+                param="response_format.json_schema",
+            )
+        schema = spec.get("schema", {"type": "object"})  # OpenAI's default: any object
+        return _schema(schema, "response_format.json_schema.schema")
+    raise InvalidRequest(
+        f"response_format type {kind!r} is not one of text, json_object, json_schema",
+        param="response_format.type",
+    )
+
+
+def _guided(name: str, value: Any) -> StructuredOutput:
+    if name == "guided_json":
+        return _schema(value, name)
+    if name == "guided_choice":
+        if not value or not all(isinstance(c, str) for c in value):
+            raise InvalidRequest(f"{name} needs a non-empty list of strings", param=name)
+        return StructuredOutput("choice", choices=tuple(value))
+    if not value:
+        raise InvalidRequest(f"{name} must not be empty", param=name)
+    return StructuredOutput("regex" if name == "guided_regex" else "grammar", value)
+
+
+def _structured_outputs(so: dict[str, Any]) -> StructuredOutput:
+    given = [k for k in STRUCTURED_KEYS if so.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise InvalidRequest(
+            f"structured_outputs needs exactly one of {', '.join(STRUCTURED_KEYS)}",
+            param="structured_outputs",
+        )
+    key = given[0]
+    value = so[key]
+    param = f"structured_outputs.{key}"
+    if key == "json":
+        return _schema(value, param)
+    if key == "json_object":
+        return StructuredOutput("json_object")
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise InvalidRequest(f"{param} needs a non-empty list of strings", param=param)
+        return StructuredOutput("choice", choices=tuple(value))
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"{param} must be a non-empty string", param=param)
+    return StructuredOutput("regex" if key == "regex" else "grammar", value)

@@ -1,0 +1,134 @@
+"""What a request's output must match (structured output), and its grammar.
+
+One value for the gateway and the worker, as ``SamplingParams`` is: the gateway builds it from
+an OpenAI request (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``, a tool
+call's parameter schema) and checks that it compiles, so a bad schema is a 400 naming the
+problem before any dispatch; the worker compiles it with its tokenizer
+(``worker.model.grammar``) and masks the sampler with it. The wire form is
+``worker.v1.StructuredOutput`` (engine-neutral); the grammar engine is llguidance (chosen by
+measurement: docs/structured-output.md), whose grammars this module writes.
+
+Pure Python beside llguidance's wheel (no MLX, no tokenizer): the gateway imports it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 256 * 1024
+MAX_CHOICES = 1024
+
+# JSON is written compactly (", " and ": ", no other whitespace): what models write when they
+# write JSON in one line, and a bound on the output where flexible whitespace would let a model
+# (a random one certainly) pad forever.
+JSON_OPTIONS = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+
+class StructuredOutputError(ValueError):
+    """A constraint that cannot be compiled; the message names the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """``kind`` is one of :data:`KINDS`; ``spec`` the schema's JSON text, the regex or the
+    grammar; ``choices`` the strings of a ``choice``."""
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    @classmethod
+    def json_schema(cls, schema: Any) -> StructuredOutput:
+        """A JSON Schema (a dict, or its JSON text)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise StructuredOutputError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict | bool):
+            raise StructuredOutputError("a JSON schema must be an object")
+        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> StructuredOutput | None:
+        """A ``worker.v1.StructuredOutput`` (typed ``Any``: no generated code here); None when
+        unset."""
+        which = msg.WhichOneof("kind")
+        if which is None:
+            return None
+        if which == "choice":
+            return cls("choice", choices=tuple(msg.choice.values))
+        if which == "json_object":
+            return cls("json_object")
+        return cls(which, getattr(msg, which))
+
+    def grammar(self) -> str:
+        """The llguidance grammar (its JSON text). Raises StructuredOutputError for what cannot
+        be one; whether it compiles is :func:`check`'s (or the matcher's)."""
+        import llguidance
+
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise StructuredOutputError(
+                f"the {self.kind} is {len(self.spec)} characters; at most {MAX_SPEC_CHARS}"
+            )
+        m = llguidance.LLMatcher
+        if self.kind == "json_schema":
+            try:
+                return m.grammar_from_json_schema(self.spec, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+            except ValueError as e:
+                raise StructuredOutputError(f"the JSON schema is not valid: {e}") from None
+        if self.kind == "json_object":
+            return m.grammar_from_json_schema('{"type":"object"}', defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+        if self.kind == "regex":
+            return m.grammar_from_regex(self.spec)
+        if self.kind == "choice":
+            if not self.choices:
+                raise StructuredOutputError("a choice needs at least one string")
+            if len(self.choices) > MAX_CHOICES:
+                raise StructuredOutputError(f"at most {MAX_CHOICES} choices")
+            # Lark's string literals take JSON's escapes: any string is one literal.
+            alternatives = " | ".join(json.dumps(c) for c in self.choices)
+            return m.grammar_from_lark(f"start: {alternatives}\n")
+        if self.kind == "grammar":
+            return m.grammar_from_lark(_lark(self.spec))
+        raise StructuredOutputError(f"unknown structured output kind {self.kind!r}")
+
+    def check(self) -> str:
+        """The grammar, checked to compile (without a tokenizer: what any model can take).
+        Raises StructuredOutputError naming the problem."""
+        import llguidance
+
+        grammar = self.grammar()
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+        if error:
+            raise StructuredOutputError(f"the {_NAMES[self.kind]} does not compile: {error}")
+        return grammar
+
+
+_NAMES = {
+    "json_schema": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
+
+
+def _lark(text: str) -> str:
+    """A grammar as Lark: GBNF (llama.cpp's, what vLLM's ``guided_grammar`` takes besides
+    Lark) converted by llguidance's own converter; Lark as given."""
+    if "::=" not in text:
+        return text
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        return str(gbnf_to_lark(text))
+    except Exception as e:  # the converter raises its own parse errors
+        raise StructuredOutputError(f"the GBNF grammar does not parse: {e}") from None
