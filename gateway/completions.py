@@ -87,20 +87,22 @@ class CompletionServing:
         ]
         logprobs = req.logprobs
         request_id = self.s.new_id("cmpl")
+        structured = request_constraint(req)
         sequences = self.s.sequences(
             request_id,
             req,
             prompts,
             budgets,
             0 if logprobs is None else max(1, logprobs),
-            request_constraint(req),
+            structured,
         )
         echoes = None
         if req.echo:
             texts = await self.prompt_texts(req.prompt, prompts)
             echoes = [texts[k // req.n] for k in range(len(sequences))]
         view = CompletionView(request_id, model, self.s.created(), req.n, logprobs, echoes)
-        return await view.serve(self.s.open(sequences, arrival), req)
+        served = await view.serve(self.s.open(sequences, arrival), req)
+        return self.s.noted(served, req, structured)
 
 
 class CompletionView(Renderer):

@@ -59,7 +59,9 @@ def structured_to_pb(so: StructuredOutput) -> pb.StructuredOutput:
         return pb.StructuredOutput(choice=pb.Choices(values=so.choices))
     if so.kind == "json_object":
         return pb.StructuredOutput(json_object=True)
-    return pb.StructuredOutput(**{so.kind: so.spec})
+    msg = pb.StructuredOutput()
+    setattr(msg, so.kind, so.spec)  # json_schema, regex or grammar: a string field each
+    return msg
 
 
 def request_to_pb(r: GenerationRequest) -> pb.GenerateRequest:

@@ -134,6 +134,15 @@ class OpenAIServing:
             for j in range(req.n)
         ]
 
+    @staticmethod
+    def noted(served: Served, req: SamplingRequest, structured: StructuredOutput | None) -> Served:
+        """``served`` with what the request asked for and did not get said in a header: a
+        constrained request does not speculate (its drafts would need the grammar's
+        verdict too), so ``x-kvserve-speculative: off (structured output)``."""
+        if structured is not None and req.speculative:
+            served.headers["x-kvserve-speculative"] = "off (structured output)"
+        return served
+
     def open(
         self, sequences: Sequence[GenerationRequest], arrival: float
     ) -> list[AsyncGenerator[Chunk, None]]:

@@ -22,17 +22,24 @@ STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 def request_constraint(req: SamplingRequest) -> StructuredOutput | None:
     """The request's constraint (checked), or None; InvalidRequest naming the field."""
-    found: list[tuple[str, StructuredOutput]] = []
+    # (the field, the constraint, the parameter a compile error names)
+    found: list[tuple[str, StructuredOutput, str]] = []
     if req.response_format is not None:
         so = _response_format(req.response_format)
         if so is not None:
-            found.append(("response_format", so))
+            kind = req.response_format.get("type")
+            param = (
+                "response_format.json_schema.schema" if kind == "json_schema" else "response_format"
+            )
+            found.append(("response_format", so, param))
     for name in GUIDED:
         value = getattr(req, name)
         if value is not None:
-            found.append((name, _guided(name, value)))
+            found.append((name, _guided(name, value), name))
     if req.structured_outputs is not None:
-        found.append(("structured_outputs", _structured_outputs(req.structured_outputs)))
+        so = _structured_outputs(req.structured_outputs)
+        key = next(k for k in STRUCTURED_KEYS if req.structured_outputs.get(k) not in (None, False))
+        found.append(("structured_outputs", so, f"structured_outputs.{key}"))
     if len(found) > 1:
         raise InvalidRequest(
             f"{found[0][0]} and {found[1][0]} both constrain the output; send one",
@@ -40,7 +47,7 @@ def request_constraint(req: SamplingRequest) -> StructuredOutput | None:
         )
     if not found:
         return None
-    param, so = found[0]
+    _, so, param = found[0]
     return checked(so, param)
 
 

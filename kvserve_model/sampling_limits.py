@@ -85,6 +85,12 @@ def check_sampling(p: SamplingParams, vocab_size: int) -> None:
     _in("num_draft_tokens", p.num_draft_tokens, 0, MAX_DRAFT_TOKENS)
     if p.num_draft_tokens and not p.speculates:
         raise SamplingLimitError("num_draft_tokens", "needs speculative (ngram or draft_model)")
+    if p.structured_output is not None and p.ignore_eos:
+        raise SamplingLimitError(
+            "ignore_eos",
+            "cannot be set with structured output: the output ends (eos) when "
+            "the constraint is complete",
+        )
     _in("presence_penalty", p.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
     _in("frequency_penalty", p.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
     if len(p.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:

@@ -108,8 +108,13 @@ class StructuredOutput:
         grammar = self.grammar()
         error = llguidance.LLMatcher.validate_grammar(grammar)
         if error:
-            raise StructuredOutputError(f"the {_NAMES[self.kind]} does not compile: {error}")
+            raise StructuredOutputError(f"the {self.name} does not compile: {error}")
         return grammar
+
+    @property
+    def name(self) -> str:
+        """What it is, in words, for messages."""
+        return _NAMES.get(self.kind, self.kind)
 
 
 _NAMES = {

@@ -104,9 +104,28 @@ def _repeated(field: FieldDescriptor, one: st.SearchStrategy[Any]) -> st.SearchS
     return st.one_of(many, st.tuples(one, st.integers(1_000, 50_000)).map(lambda p: [p[0]] * p[1]))
 
 
+def _is_map(field: FieldDescriptor) -> bool:
+    return field.type == F.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
+
+
+def _map(field: FieldDescriptor) -> st.SearchStrategy[dict]:
+    """A map field's entries: its key and value types' scalars (a long map bounds like a long
+    list)."""
+    key, value = (
+        field.message_type.fields_by_name["key"],
+        field.message_type.fields_by_name["value"],
+    )
+    small = st.dictionaries(scalar(key), scalar(value), max_size=12)
+    return st.one_of(
+        small, st.dictionaries(scalar(key), scalar(value), min_size=500, max_size=2_000)
+    )
+
+
 def _field(
     field: FieldDescriptor, hints: Mapping[str, st.SearchStrategy[Any]], depth: int
 ) -> st.SearchStrategy[Any]:
+    if _is_map(field):
+        return hints[field.name] if field.name in hints else _map(field)
     if field.type == F.TYPE_MESSAGE:
         one: st.SearchStrategy[Any] = _message(field.message_type, hints, depth + 1)
     else:
@@ -142,7 +161,9 @@ def _message(
         msg = cls()
         for name, v in values.items():
             f = desc.fields_by_name[name]
-            if f.is_repeated:
+            if _is_map(f):
+                getattr(msg, name).update(v)
+            elif f.is_repeated:
                 getattr(msg, name).extend(v)
             elif f.type == F.TYPE_MESSAGE:
                 getattr(msg, name).CopyFrom(v)

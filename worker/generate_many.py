@@ -81,7 +81,7 @@ class Session:
                 if stream in self.live:
                     self.violation = f"stream {stream} is already in use by a live request"
                     return
-                started = self.servicer.admit(msg.start)
+                started = await self.servicer.admit(msg.start)
                 if isinstance(started, WorkerError):  # refused: this request's answer
                     self.events.put_nowait((stream, started))
                     continue

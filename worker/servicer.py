@@ -124,7 +124,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return self.engine.intake.tokenize(request.prompt_text)
         raise InvalidRequest("the request has no prompt (prompt_token_ids or prompt_text)")
 
-    def _sequence(self, request: pb.GenerateRequest) -> Sequence:
+    async def _grammar(self, request: pb.GenerateRequest) -> Any:
+        """The request's structured output, compiled off the event loop (cached); None when
+        it has none. Raises InvalidRequest."""
+        if not request.sampling.HasField("structured_output"):
+            return None
+        return await self.engine.intake.grammar(SamplingParams.from_wire(request.sampling))
+
+    def _sequence(self, request: pb.GenerateRequest, grammar: Any = None) -> Sequence:
         """The request checked against the worker's limits; raises Overloaded, CacheOutage or
         InvalidRequest (all :data:`REFUSALS`) before it holds anything. The caller submits it with no ``await`` in between, or
         another request could take the room ``check_room`` saw."""
@@ -136,13 +143,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self._prompt(request),
             SamplingParams.from_wire(request.sampling),
             request.namespace,
+            grammar,
         )
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            seq = self._sequence(request)
+            seq = self._sequence(request, await self._grammar(request))
         except REFUSALS as err:
             await context.abort(status_of(err), str(err))
             return
@@ -189,11 +197,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             reader.cancel()
             session.abort_all()
 
-    def admit(self, request: pb.GenerateRequest) -> Sequence | WorkerError:
+    async def admit(self, request: pb.GenerateRequest) -> Sequence | WorkerError:
         """A GenerateMany request as a sequence (:meth:`_sequence`), or the refusal that is its
-        answer (one of :data:`REFUSALS`): the call carries on."""
+        answer (one of :data:`REFUSALS`): the call carries on. Awaits only a structured
+        output's compilation (cached ones are not awaited), before the room check: the caller
+        submits the sequence with no ``await`` after this returns."""
         try:
-            return self._sequence(request)
+            grammar = await self._grammar(request)
+            return self._sequence(request, grammar)
         except REFUSALS as err:
             return err
 

@@ -17,6 +17,7 @@ from worker.engine.sampling_params import SamplingParams, validate
 from worker.engine.sequence import Sequence, TextStream
 from worker.engine.speculation import NgramDrafter
 from worker.errors import InvalidRequest, Overloaded
+from worker.model.grammar import Grammars
 from worker.model.sampling import RowSampler
 
 MAX_PROMPT_CHARS = 4_000_000
@@ -60,6 +61,7 @@ class Intake:
         self._max_namespace_chars = max_namespace_chars
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.special_ids = special_token_ids(tokenizer) | self.eos_ids
+        self._grammars: Grammars | None = None
 
     def check_room(self, held: int) -> None:
         """Raises Overloaded when the worker already holds ``max_pending_requests`` requests.
@@ -78,10 +80,32 @@ class Intake:
             raise InvalidRequest(f"prompt_text is longer than {MAX_PROMPT_CHARS} characters")
         return list(self.tokenizer.encode(text))
 
+    @property
+    def grammars(self) -> Grammars:
+        """The worker's compiled structured outputs (built at the first constrained request)."""
+        if self._grammars is None:
+            hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+            self._grammars = Grammars(hf, self.limits.vocab_size, sorted(self.eos_ids))
+        return self._grammars
+
+    async def grammar(self, params: SamplingParams) -> Any:
+        """The request's structured output as a fresh matcher (compiled off the event loop,
+        cached), or None when it has none. Raises InvalidRequest naming what does not
+        compile."""
+        if params.structured_output is None:
+            return None
+        return await self.grammars.matcher_async(params.structured_output)
+
     def sequence(
-        self, request_id: str, prompt: list[int], params: SamplingParams, namespace: str
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        namespace: str,
+        grammar: Any = None,
     ) -> Sequence:
-        """The request checked against the model, the pool and the cache service's rules."""
+        """The request checked against the model, the pool and the cache service's rules.
+        ``grammar``: its structured output's matcher (:meth:`grammar`), when it has one."""
         lim = self.limits
         if not prompt:
             raise InvalidRequest("the prompt is empty")
@@ -105,6 +129,8 @@ class Intake:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
                 f"the model's context of {lim.max_context} tokens"
             )
+        if params.structured_output is not None and grammar is None:
+            raise InvalidRequest("structured_output: the constraint was not compiled")
         num_draft = self._speculation(params)
         need = -(-(len(prompt) + max_tokens) // lim.block_size)
         if need > lim.num_blocks:
@@ -118,7 +144,7 @@ class Intake:
             namespace=namespace,
             max_tokens=max_tokens,
             arrival=time.monotonic(),
-            sampler=RowSampler(params),
+            sampler=RowSampler(params, grammar),
             text=TextStream(
                 self.tokenizer.detokenizer,
                 params.stop,
@@ -133,7 +159,9 @@ class Intake:
 
     def _speculation(self, params: SamplingParams) -> int:
         """Drafts per step for this request (0: it does not speculate), or why it cannot."""
-        if not params.speculates:
+        if not params.speculates or params.structured_output is not None:
+            # A constrained request does not speculate: its drafts would have to be verified
+            # against the grammar too. The gateway says so in the response.
             return 0
         lim = self.limits
         if not lim.speculation:

@@ -199,6 +199,8 @@ class Scheduler:
             finish, text, kept = None, "", 0
             for t in new:
                 seq.output.append(t.token)
+                if seq.sampler is not None and seq.sampler.adjusts:  # penalties, grammar
+                    seq.sampler.accept(t.token)
                 kept += 1
                 finish = self._finish_reason(seq, t.token)
                 piece, hit_stop = seq.text.add(t.token)

@@ -11,6 +11,12 @@ vocabulary) left the global state holding a traced placeholder, and every later 
 of the process failed (``Attempting to eval an array without a primitive``) until a request
 with a seed reset it.
 
+Logit bias, presence and frequency penalties, and structured output's token masks are applied
+to the whole batch's logits before any row samples (:func:`adjust_logits`): one scatter for the
+biases and penalties of every row, one for the masks, whose bits llguidance fills while the
+forward evaluates. No row costs a host round trip of its own for them; rows without them keep
+exactly their tokens.
+
 A row whose sampling raises anyway ends alone (:class:`RowFailed`); the other rows of the
 batch get their tokens.
 """
@@ -22,12 +28,14 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
 from kvserve_model.sampling_params import SamplingParams
+from worker.model.grammar import apply_masks, fill_masks
 from worker.model.sampled import Accepted, RowFailed, Sampled
 
 log = logging.getLogger(__name__)
@@ -38,20 +46,65 @@ class RowSampler:
     """One sequence's sampler, built once at admission; called on the model thread."""
 
     params: SamplingParams
+    # The request's structured output, compiled (``worker.model.grammar``): an llguidance
+    # matcher, advanced by :meth:`accept`; None: unconstrained.
+    grammar: Any = None
     # The request's own PRNG seed: its seed, or one drawn at admission. Kept for its life, so
     # an unseeded request is reproducible across its own preemptions too.
     seed: int = field(init=False)
     processors: list = field(init=False)
+    # What bias and penalties add to each token's logit now: the bias, less the penalties of
+    # the tokens generated so far (kept up to date by accept: O(1) a token).
+    _delta: dict[int, float] = field(init=False)
+    _counts: dict[int, int] = field(init=False)
 
     def __post_init__(self) -> None:
         p = self.params
         self.seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little")
         penalty = p.repetition_penalty if p.repetition_penalty not in (0.0, 1.0) else None
         self.processors = make_logits_processors(repetition_penalty=penalty)
+        self._delta = dict(p.logit_bias)
+        self._counts = {}
 
     @property
     def plain_greedy(self) -> bool:
+        """Its token is the argmax of the raw logits: nothing adjusts them, no history."""
+        return self.batch_greedy and not self.adjusts
+
+    @property
+    def batch_greedy(self) -> bool:
+        """Its token is the argmax of the batch's (adjusted) logits: one batched argmax."""
         return self.params.greedy and not self.processors and not self.params.logprobs
+
+    @property
+    def adjusts(self) -> bool:
+        """Bias, penalties or a grammar change its logits before sampling."""
+        return self.params.adjusts_logits or self.grammar is not None
+
+    def accept(self, token: int) -> None:
+        """``token`` joined the output: the penalties and the grammar advance. Called by the
+        engine when it appends the token (not when it is drawn: a draw can be discarded)."""
+        p = self.params
+        if p.presence_penalty or p.frequency_penalty:
+            n = self._counts[token] = self._counts.get(token, 0) + 1
+            bias = dict(p.logit_bias).get(token, 0.0) if p.logit_bias else 0.0
+            self._delta[token] = bias - p.presence_penalty - p.frequency_penalty * n
+        if self.grammar is not None:
+            self.grammar.consume_token(token)
+
+    def deltas(self, extra: Sequence[int] = ()) -> dict[int, float]:
+        """What bias and penalties add per token, with ``extra`` tokens (drafts being
+        verified) counted as generated."""
+        if not extra:
+            return self._delta
+        p = self.params
+        out = dict(self._delta)
+        counts = dict(self._counts)
+        bias = dict(p.logit_bias)
+        for t in extra:
+            n = counts[t] = counts.get(t, 0) + 1
+            out[t] = bias.get(t, 0.0) - p.presence_penalty - p.frequency_penalty * n
+        return out
 
     def key(self, position: int) -> mx.array:
         """The key of the token at ``position``. The second half of a split: what the former
@@ -97,15 +150,63 @@ def _top_p(x: mx.array, top_p: float) -> mx.array:
 Row = tuple[int, RowSampler, Sequence[int], int]
 
 
+def adjust_logits(logits: mx.array, rows: Sequence[Row]) -> tuple[mx.array, dict[int, RowFailed]]:
+    """``logits`` with every row's bias and penalties added (one scatter) and its grammar's
+    mask applied (one more); rows without either are unchanged. Returns the failures too: a
+    row whose grammar is in an error state (it fails alone)."""
+    failed: dict[int, RowFailed] = {}
+    adjusting = [r for r in rows if r[1].params.adjusts_logits]
+    constrained = [r for r in rows if r[1].grammar is not None]
+    if constrained:
+        mx.async_eval(logits)  # the forward runs while llguidance fills the masks
+        ok = []
+        for r in constrained:
+            if r[1].grammar.is_error():
+                failed[r[0]] = RowFailed(
+                    RuntimeError(f"structured output: {r[1].grammar.get_error()}")
+                )
+            else:
+                ok.append(r)
+        constrained = ok
+        masks = fill_masks([r[1].grammar for r in constrained], logits.shape[-1]) if ok else None
+    if adjusting:
+        row_idx: list[int] = []
+        tok_idx: list[int] = []
+        values: list[float] = []
+        for row, rs, *_ in adjusting:
+            delta = rs.deltas()
+            row_idx += [row] * len(delta)
+            tok_idx += delta.keys()
+            values += delta.values()
+        if values:
+            add = mx.array(values, dtype=mx.float32).astype(logits.dtype)
+            logits = logits.at[mx.array(row_idx), mx.array(tok_idx)].add(add)
+    if constrained:
+        assert masks is not None
+        logits = apply_masks(logits, [r[0] for r in constrained], masks)
+    return logits, failed
+
+
 def sample_rows(logits: mx.array, rows: Sequence[Row]) -> list[Sampled | RowFailed]:
     """Samples one token for each (row index, sampler, tokens so far, position) of `logits`.
 
-    Plain greedy rows are one batched argmax (per row if that raises); the rest go row by row
-    (processors need the row's history, every row its own key). A row that raises is a
-    RowFailed and the others are unaffected: no row reads or writes state another row uses.
+    Bias, penalties and grammar masks first, for the batch (:func:`adjust_logits`). Greedy
+    rows without history or logprobs are then one batched argmax (per row if that raises);
+    the rest go row by row (processors need the row's history, every row its own key). A row
+    that raises is a RowFailed and the others are unaffected: no row reads or writes state
+    another row uses.
     """
     out: dict[int, Sampled | RowFailed] = {}
-    greedy = [r for r in rows if r[1].plain_greedy]
+    if any(r[1].adjusts for r in rows):
+        try:
+            logits, failed = adjust_logits(logits, rows)
+            out.update(failed)
+        except Exception as e:  # whatever llguidance or MLX raises: these rows end alone
+            log.exception("adjusting logits failed")
+            for r in rows:
+                if r[1].adjusts:
+                    out[r[0]] = RowFailed(e)
+    greedy = [r for r in rows if r[1].batch_greedy and r[0] not in out]
     if greedy:
         try:
             idx = mx.array([r[0] for r in greedy])
@@ -217,7 +318,10 @@ def verify_row(
     history = list(history) if rs.processors else []
     tokens: list[Sampled] = []
     for j in range(len(drafts) + 1):
-        logprobs = _logprobs(logits[j : j + 1], rs, history)
+        x = logits[j : j + 1]
+        if rs.params.adjusts_logits:  # the drafts kept so far count as generated
+            x = _add_deltas(x, rs.deltas(drafts[:j]))
+        logprobs = _logprobs(x, rs, history)
         if j == len(drafts):
             token = _token(rs.sample(logprobs, position + j))
         else:
@@ -228,6 +332,13 @@ def verify_row(
         if rs.processors:
             history.append(token)
     return Accepted(tuple(tokens), len(drafts))
+
+
+def _add_deltas(x: mx.array, delta: dict[int, float]) -> mx.array:
+    if not delta:
+        return x
+    add = mx.array(list(delta.values()), dtype=mx.float32).astype(x.dtype)
+    return x.at[0, mx.array(list(delta.keys()))].add(add)
 
 
 def _judge(logprobs: mx.array, rs: RowSampler, position: int, draft: int) -> int:

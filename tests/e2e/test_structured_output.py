@@ -1,0 +1,169 @@
+"""Structured output, logit bias and penalties through the gateway, with the official
+``openai`` client, on the real processes and the tiny random model (whose output is valid only
+when the constraint holds)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Literal
+
+import httpx
+import jsonschema
+import pytest
+from openai import BadRequestError, OpenAI
+from pydantic import BaseModel, Field
+
+from kvserve_launch.process import KeptLines as LogSink
+from kvserve_launch.system import System
+from kvserve_model.tiny_model import TINY_MODEL_NAME
+from tests.e2e.conftest import started_system
+
+MODEL = TINY_MODEL_NAME
+ASK = [{"role": "user", "content": "Describe a city as JSON."}]
+# The tiny model's byte tokens for '"' and '}', pushed up.
+CLOSING = {str(ord('"')): 6.0, str(ord("}")): 6.0}
+
+
+@pytest.fixture(scope="module")
+def system(logs: LogSink) -> Iterator[System]:
+    yield from started_system(logs, workers=1)
+
+
+@pytest.fixture(scope="module")
+def client(system: System) -> OpenAI:
+    return OpenAI(base_url=f"http://{system.http_address}/v1", api_key="unused", timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(system: System) -> httpx.Client:
+    return httpx.Client(base_url=f"http://{system.http_address}", timeout=120)
+
+
+class City(BaseModel):
+    name: str = Field(max_length=16)
+    country: Literal["FR", "DE", "JP"]
+    population: int = Field(ge=0, le=10_000)
+    coastal: bool
+
+
+def test_parse_returns_the_pydantic_model(client: OpenAI) -> None:
+    for temperature in (0.0, 1.0):
+        r = client.beta.chat.completions.parse(
+            model=MODEL, messages=ASK, response_format=City, max_tokens=200,
+            temperature=temperature, seed=3,
+        )  # fmt: skip
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, City)
+
+
+def test_json_object_and_schema_streamed(client: OpenAI) -> None:
+    schema = City.model_json_schema()
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=200, stream=True, temperature=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "city", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), schema)
+    # Any object: a random model would write one forever; a bias towards closing strings
+    # and objects ends it (the constraint alone decides what is valid).
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=300, temperature=1.0, seed=5, n=3,
+        response_format={"type": "json_object"}, logit_bias=CLOSING,
+    )  # fmt: skip
+    for choice in r.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(json.loads(choice.message.content or ""), dict)
+
+
+def test_vllm_guided_fields_on_completions(client: OpenAI) -> None:
+    cases = [
+        ({"guided_regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
+        ({"guided_choice": ["positive", "negative"]}, lambda t: t in ("positive", "negative")),
+        ({"guided_grammar": 'root ::= "a" "b"* "c"'}, lambda t: re.fullmatch("ab*c", t)),
+        ({"structured_outputs": {"choice": ["x", "y"]}}, lambda t: t in ("x", "y")),
+        ({"guided_json": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+         lambda t: isinstance(json.loads(t), list)),
+    ]  # fmt: skip
+    for body, valid in cases:
+        r = client.completions.create(
+            model=MODEL, prompt="The answer:", max_tokens=64, temperature=1.0, seed=1,
+            n=2, extra_body=body,
+        )  # fmt: skip
+        for choice in r.choices:
+            assert valid(choice.text), (body, choice.text)
+
+
+def test_bad_constraints_are_a_400_naming_the_field(client: OpenAI, http: httpx.Client) -> None:
+    bad = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+          "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}},
+         "response_format.json_schema.schema"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_grammar": "start: nothing_defined"}, "guided_grammar"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 250}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+    ]  # fmt: skip
+    for body, param in bad:
+        resp = http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": ASK, "max_tokens": 8, **body},
+        )
+        assert resp.status_code == 400, (body, resp.text)
+        assert resp.json()["error"]["param"] == param, (body, resp.text)
+    with pytest.raises(BadRequestError):
+        client.chat.completions.create(
+            model=MODEL, messages=ASK, extra_body={"guided_regex": "[a-"}
+        )
+    r = client.chat.completions.create(  # and the system serves on
+        model=MODEL, messages=ASK, max_tokens=40, extra_body={"guided_choice": ["ok"]}
+    )
+    assert r.choices[0].message.content == "ok"
+
+
+def test_speculation_is_switched_off_and_said(http: httpx.Client) -> None:
+    resp = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 16, "speculative": "ngram",
+              "guided_regex": "[ab]{4}"},
+    )  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-kvserve-speculative"] == "off (structured output)"
+    assert re.fullmatch("[ab]{4}", resp.json()["choices"][0]["text"])
+
+
+def test_logit_bias_and_penalties(client: OpenAI, http: httpx.Client) -> None:
+    resp = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0,
+              "ignore_eos": True, "logit_bias": {"65": 100}, "return_token_ids": True},
+    )  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == "A" * 8  # the tiny model's token 65 is "A"
+    # Penalties change a greedy output that repeats itself.
+    plain = (
+        client.completions.create(
+            model=MODEL,
+            prompt="aaaa",
+            max_tokens=24,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
+    penalized = client.completions.create(
+        model=MODEL, prompt="aaaa", max_tokens=24, temperature=0, frequency_penalty=2.0,
+        presence_penalty=2.0, extra_body={"ignore_eos": True},
+    ).choices[0].text  # fmt: skip
+    assert len(set(penalized)) >= len(set(plain))
+    assert max(penalized.count(c) for c in set(penalized)) <= max(
+        plain.count(c) for c in set(plain)
+    )

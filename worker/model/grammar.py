@@ -1,0 +1,164 @@
+"""Constrained decoding: a request's structured output compiled with this worker's tokenizer,
+and the token masks the sampler applies (``worker.model.sampling``).
+
+The engine is llguidance (chosen by measurement: docs/structured-output.md). A constraint
+(``kvserve_model.structured_output.StructuredOutput``) becomes a matcher: it says which tokens
+keep the output a prefix of the constraint's language (a bitmask over the vocabulary, one bit
+a token) and consumes the token that was picked. Compiling is the expensive part (building the
+tokenizer's trie once, ~1 s; a grammar's lexer, ms to 100s of ms for large schemas), so:
+
+- :class:`Grammars` compiles off the event loop (``matcher_async``) and keeps a bounded LRU of
+  compiled matchers by constraint; each request gets a deep copy of the cached one (its own
+  state, microseconds).
+- The masks of a step's constrained rows are filled together (llguidance's executor, in
+  parallel and without the GIL) while the forward evaluates, and applied to the batch's logits
+  in one MLX op (:func:`apply_masks`).
+
+The matcher advances when the engine appends a token to the output
+(``RowSampler.accept``), not when the sampler draws it: a token drawn for a sequence that lost
+its lease during the step is discarded and drawn again later, and must not be consumed twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kvserve_model.structured_output import StructuredOutput, StructuredOutputError
+from worker.errors import InvalidRequest
+
+CACHE_SIZE = 256
+
+
+class Grammars:
+    """The worker's constraints, compiled with its tokenizer, cached (LRU, ``capacity``)."""
+
+    def __init__(
+        self, hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], capacity: int = CACHE_SIZE
+    ) -> None:
+        self._hf = hf_tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_ids)
+        self.capacity = capacity
+        self._tokenizer: Any = None
+        self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pending: dict[StructuredOutput, asyncio.Future[Any]] = {}
+        self.compiles = 0  # grammars compiled (cache misses), for tests and stats
+
+    def tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer (built at first use: about a second)."""
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+
+                try:
+                    self._tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf, n_vocab=self.vocab_size, eos_token=self._eos or None
+                    )
+                except Exception as e:  # a slow (Python) tokenizer, or one llguidance cannot read
+                    raise InvalidRequest(
+                        f"structured output is not available for this model's tokenizer: {e}"
+                    ) from None
+            return self._tokenizer
+
+    def matcher(self, so: StructuredOutput) -> Any:
+        """A fresh matcher for ``so`` (its own state). Blocking: call :meth:`matcher_async` on
+        the event loop. Raises InvalidRequest naming the problem when it does not compile."""
+        with self._lock:
+            cached = self._compiled.get(so)
+            if cached is not None:
+                self._compiled.move_to_end(so)
+                return cached.deep_copy()
+        return self._compile(so).deep_copy()
+
+    def _compile(self, so: StructuredOutput) -> Any:
+        import llguidance
+
+        try:
+            grammar = so.grammar()
+        except StructuredOutputError as e:
+            raise InvalidRequest(f"structured_output: {e}") from None
+        compiled = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+        if compiled.is_error():
+            raise InvalidRequest(
+                f"structured_output: the {so.name} does not compile: {compiled.get_error()}"
+            )
+        with self._lock:
+            self.compiles += 1
+            self._compiled[so] = compiled
+            while len(self._compiled) > self.capacity:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    async def matcher_async(self, so: StructuredOutput) -> Any:
+        """:meth:`matcher` with the compiling off the event loop; requests that arrive while
+        their constraint compiles wait for that one compilation. A cached constraint is not
+        awaited (a copy is microseconds)."""
+        with self._lock:
+            cached = self._compiled.get(so) if self._tokenizer is not None else None
+            if cached is not None:
+                self._compiled.move_to_end(so)
+                return cached.deep_copy()
+        task = self._pending.get(so)
+        if task is None:
+            task = asyncio.ensure_future(asyncio.to_thread(self._compile, so))
+            self._pending[so] = task
+            task.add_done_callback(lambda _: self._pending.pop(so, None))
+        compiled = await asyncio.shield(task)  # a cancelled waiter leaves it to the others
+        return compiled.deep_copy()
+
+
+_executor: Any = None
+_executor_lock = threading.Lock()
+
+
+def _llg_executor() -> Any:
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            import llguidance
+
+            _executor = llguidance.LLExecutor()
+        return _executor
+
+
+def fill_masks(matchers: Sequence[Any], vocab_size: int) -> np.ndarray:
+    """Each matcher's allowed tokens as a bitmask row (int32 words, bit ``t % 32`` of word
+    ``t // 32`` set when token ``t`` is allowed), filled in parallel without the GIL. Raises
+    RuntimeError for a matcher in an error state (a token it refused was consumed)."""
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+
+    for m in matchers:
+        if m.is_error():
+            raise RuntimeError(f"structured output: {m.get_error()}")
+    masks = allocate_token_bitmask(len(matchers), vocab_size)
+    fill_next_token_bitmask_par(_llg_executor(), [(m, i) for i, m in enumerate(matchers)], masks)
+    return masks
+
+
+_BITS: dict[int, tuple[mx.array, mx.array]] = {}
+
+
+def _bit_index(vocab: int) -> tuple[mx.array, mx.array]:
+    """For each token: its word in a mask row, and its bit in that word."""
+    if vocab not in _BITS:
+        t = np.arange(vocab, dtype=np.int32)
+        _BITS[vocab] = (mx.array(t >> 5), mx.array(t & 31))
+    return _BITS[vocab]
+
+
+def apply_masks(logits: mx.array, rows: Sequence[int], masks: np.ndarray) -> mx.array:
+    """``logits`` with every token a row's mask disallows set to -inf (rows[k] takes
+    masks[k]); the other rows unchanged. One gather, shift and scatter for the batch."""
+    vocab = logits.shape[-1]
+    words, bits = _bit_index(vocab)
+    allowed = mx.right_shift(mx.take(mx.array(masks), words, axis=1), bits) & 1
+    penalty = mx.where(allowed.astype(mx.bool_), 0.0, -mx.inf).astype(logits.dtype)
+    return logits.at[mx.array(list(rows))].add(penalty)
