@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel
 
 from gateway.errors import InvalidRequest
-from gateway.generation import Chunk, Completion, TokenLogprob
+from gateway.generation import Chunk, Completion, FinishReason, TokenLogprob
 from gateway.openai_serving import OpenAIServing, Served
 from gateway.protocol import (
     ChatChoice,
@@ -21,15 +22,30 @@ from gateway.protocol import (
     ChatMessage,
     ChatMessageOut,
     ChatTokenLogprob,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
     TopLogprobOut,
 )
 from gateway.rendering import Renderer, finish
 from gateway.structured import request_constraint
+from gateway.tools import (
+    CallDelta,
+    ToolChunk,
+    ToolPlan,
+    read_tool_calls,
+    template_tool_calls,
+    tool_plan,
+    whole_calls,
+)
 
 
 def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them: content as one string (text parts joined)."""
+    """Messages as chat templates expect them: content as one string (text parts joined), an
+    assistant's tool calls with their arguments as objects (``gateway.tools``); the other
+    fields (a tool result's ``tool_call_id``, ``name``) as sent."""
     out = []
     for k, m in enumerate(messages):
         msg = m.model_dump(exclude_none=True)
@@ -44,6 +60,8 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             msg["content"] = "\n".join(texts)
         elif m.content is None:
             msg["content"] = ""
+        if msg.get("tool_calls") is not None:
+            msg["tool_calls"] = template_tool_calls(msg["tool_calls"], f"messages.{k}.tool_calls")
         out.append(msg)
     return out
 
@@ -53,8 +71,6 @@ class ChatServing:
         self.s = serving
 
     def check(self, req: ChatCompletionRequest) -> None:
-        if req.tools and req.tool_choice != "none":
-            raise InvalidRequest("tool calling is not supported", param="tools")
         # Declared so that they are refused by name, not ignored: a client that sends them
         # expects their effect (the schema ignores unknown fields).
         if req.functions or req.function_call is not None:
@@ -75,14 +91,27 @@ class ChatServing:
         model = self.s.check_model(req.model)
         self.check(req)
         self.s.check_common(req, req.n)
+        tools = tool_plan(req, self.s.tokenizer.tool_parser)
+        structured = request_constraint(req)
+        if tools is not None and tools.constraint is not None:
+            if structured is not None:
+                raise InvalidRequest(
+                    f"tool_choice {tools.choice} constrains the output to tool calls; it cannot "
+                    "be combined with response_format or guided_* (two constraints)",
+                    param="tool_choice",
+                )
+            structured = tools.constraint
         messages = template_messages(req.messages)
         chars = sum(len(m["content"]) for m in messages)
+        if tools is not None:  # the template writes the tools' schemas into the prompt
+            chars += len(json.dumps(tools.tools))
         self.s.limits.check_prompt_chars(chars, param="messages")
         prompt = await self.s.tokenizer.apply_chat_template_async(
             messages,
             chars,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
+            tools=list(tools.tools) if tools is not None else None,
             template_kwargs=req.chat_template_kwargs,
         )
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -91,25 +120,42 @@ class ChatServing:
         )
         top = req.top_logprobs or 0
         request_id = self.s.new_id("chatcmpl")
-        structured = request_constraint(req)
         sequences = self.s.sequences(
             request_id, req, [prompt], [budget], max(1, top) if req.logprobs else 0, structured
         )
-        view = ChatView(request_id, model, self.s.created(), req.n, top if req.logprobs else None)
-        return await view.serve(self.s.open(sequences, arrival), req)
+        view = ChatView(
+            request_id, model, self.s.created(), req.n, top if req.logprobs else None, tools
+        )
+        streams = self.s.open(sequences, arrival)
+        if req.stream and tools is not None:
+            readers = [tools.reader() for _ in streams]
+            streams = [
+                s if r is None else read_tool_calls(s, r)
+                for s, r in zip(streams, readers, strict=True)
+            ]
+        return await view.serve(streams, req)
 
 
 class ChatView(Renderer):
-    """Chat objects: a message per choice, deltas in a stream (the first says the role)."""
+    """Chat objects: a message per choice, deltas in a stream (the first says the role). With
+    tools, a choice's text is read into content and tool calls (``gateway.tools``): whole here
+    (non-streaming), or by ``read_tool_calls`` before its chunks get here (``ToolChunk``)."""
 
     response_type = ChatCompletionResponse
     event_type = ChatCompletionChunk
 
     def __init__(
-        self, request_id: str, model: str, created: int, n: int, top_logprobs: int | None
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        n: int,
+        top_logprobs: int | None,
+        tools: ToolPlan | None = None,
     ) -> None:
         super().__init__(request_id, model, created, n)
         self.top_logprobs = top_logprobs
+        self.tools = tools
 
     def _logprobs(self, lps: Sequence[TokenLogprob]) -> ChatLogprobs | None:
         if self.top_logprobs is None:
@@ -132,11 +178,26 @@ class ChatView(Renderer):
         )
 
     def choice(self, index: int, done: Completion) -> ChatChoice:
+        reader = self.tools.reader() if self.tools is not None else None
+        if reader is None:
+            message = ChatMessageOut(content=done.text)
+            called = False
+        else:
+            read = reader.read(done.text)
+            calls = [
+                ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                for c in whole_calls(read.calls)
+            ]
+            # OpenAI's message with calls has null content, unless the model wrote some.
+            message = ChatMessageOut(
+                content=read.content or (None if calls else ""), tool_calls=calls or None
+            )
+            called = reader.called
         return ChatChoice(
             index=index,
-            message=ChatMessageOut(content=done.text),
+            message=message,
             logprobs=self._logprobs(done.logprobs),
-            finish_reason=finish(done.finish_reason),
+            finish_reason=_finish(done.finish_reason, called),
         )
 
     def opening(self) -> list[BaseModel]:
@@ -144,14 +205,45 @@ class ChatView(Renderer):
         return [ChatChunkChoice(index=i, delta=role) for i in range(self.n)]
 
     def delta(self, index: int, chunk: Chunk) -> ChatChunkChoice:
+        if isinstance(chunk, ToolChunk):
+            delta = DeltaMessage(
+                content=chunk.content or None,
+                tool_calls=[_delta_call(c) for c in chunk.calls] or None,
+            )
+            reason = _finish(chunk.finish_reason, chunk.called)
+        else:
+            delta = DeltaMessage(content=chunk.text) if chunk.text else DeltaMessage()
+            reason = finish(chunk.finish_reason)
         return ChatChunkChoice(
             index=index,
-            delta=DeltaMessage(content=chunk.text) if chunk.text else DeltaMessage(),
+            delta=delta,
             logprobs=self._logprobs(chunk.logprobs) if chunk.logprobs else None,
-            finish_reason=finish(chunk.finish_reason),
+            finish_reason=reason,
         )
 
     def trim(self, event: dict[str, Any]) -> dict[str, Any]:
         for choice in event["choices"]:  # a delta carries only what changed: {} at the end
-            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            delta = {k: v for k, v in choice["delta"].items() if v is not None}
+            for call in delta.get("tool_calls", ()):  # a call's later pieces: arguments only
+                for key in [k for k, v in call.items() if v is None]:
+                    del call[key]
+                call["function"] = {k: v for k, v in call["function"].items() if v is not None}
+            choice["delta"] = delta
         return event
+
+
+def _delta_call(c: CallDelta) -> DeltaToolCall:
+    return DeltaToolCall(
+        index=c.index,
+        id=c.id,
+        type="function" if c.id is not None else None,
+        function=DeltaFunctionCall(name=c.name, arguments=c.arguments),
+    )
+
+
+def _finish(reason: FinishReason | None, called: bool) -> str | None:
+    """A choice that made tool calls and stopped finished with ``tool_calls``; one cut short
+    stays ``length``."""
+    if called and reason is FinishReason.STOP:
+        return "tool_calls"
+    return finish(reason)

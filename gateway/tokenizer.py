@@ -18,6 +18,7 @@ from gateway.errors import ContextLengthExceeded, InvalidRequest
 from kvserve_model.context import context_length, load_config
 from kvserve_model.resolve import resolve_model
 from kvserve_model.tokenizer import ModelTokenizer, load_tokenizer
+from kvserve_model.tool_parsers import ToolParser, tool_parser_for
 
 # Inputs at least this long are tokenized (or templated) on a worker thread, never on the
 # event loop: a 4 MB prompt takes seconds to encode, and /health and every other client would
@@ -29,11 +30,13 @@ OFF_LOOP_CHARS = 4096
 @dataclass(frozen=True, slots=True)
 class Tokenizer:
     """The model's tokenizer (``kvserve_model.tokenizer.ModelTokenizer``) with the gateway's
-    context budget."""
+    context budget, and the model's tool-call format (mlx-lm's, ``kvserve_model.tool_parsers``;
+    None: the model has none)."""
 
     hf: ModelTokenizer
     max_context: int
     vocab_size: int
+    tool_parser: ToolParser | None = None
 
     @classmethod
     def load(cls, model: str, max_model_len: int = 0) -> Tokenizer:
@@ -45,7 +48,7 @@ class Tokenizer:
         hf = load_tokenizer(path)
         text_config = config.get("text_config", config)
         vocab = int(text_config.get("vocab_size") or len(hf))
-        return cls(hf, max_model_len or context_length(config), vocab)
+        return cls(hf, max_model_len or context_length(config), vocab, tool_parser_for(hf.hf))
 
     def encode(self, text: str) -> list[int]:
         """Plain text as the workers tokenize a text prompt (the tokenizer's own special
