@@ -91,7 +91,9 @@ class ChatServing:
         model = self.s.check_model(req.model)
         self.check(req)
         self.s.check_common(req, req.n)
-        tools = tool_plan(req, self.s.tokenizer.tool_parser)
+        tools = tool_plan(req, self.s.tokenizer.tool_parser, self.s.tokenizer.special_tokens)
+        if tools is not None and tools.special:  # the markers are special tokens: keep them
+            req = req.model_copy(update={"skip_special_tokens": False})
         structured = request_constraint(req)
         if tools is not None and tools.constraint is not None:
             if structured is not None:
@@ -130,7 +132,7 @@ class ChatServing:
         if req.stream and tools is not None:
             readers = [tools.reader() for _ in streams]
             streams = [
-                s if r is None else read_tool_calls(s, r)
+                s if r is None else read_tool_calls(s, r, tools)
                 for s, r in zip(streams, readers, strict=True)
             ]
         return await view.serve(streams, req)
@@ -178,12 +180,13 @@ class ChatView(Renderer):
         )
 
     def choice(self, index: int, done: Completion) -> ChatChoice:
-        reader = self.tools.reader() if self.tools is not None else None
-        if reader is None:
+        tools = self.tools
+        reader = tools.reader() if tools is not None else None
+        if tools is None or reader is None:
             message = ChatMessageOut(content=done.text)
             called = False
         else:
-            read = reader.read(done.text)
+            read = reader.read(tools.final_text(done.text, done.token_ids))
             calls = [
                 ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
                 for c in whole_calls(read.calls)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import ContextLengthExceeded, InvalidRequest
@@ -30,13 +30,15 @@ OFF_LOOP_CHARS = 4096
 @dataclass(frozen=True, slots=True)
 class Tokenizer:
     """The model's tokenizer (``kvserve_model.tokenizer.ModelTokenizer``) with the gateway's
-    context budget, and the model's tool-call format (mlx-lm's, ``kvserve_model.tool_parsers``;
-    None: the model has none)."""
+    context budget, the model's tool-call format (mlx-lm's, ``kvserve_model.tool_parsers``;
+    None: the model has none) and its special tokens' texts by id (what a worker leaves out of
+    the text with ``skip_special_tokens``: the named ones and the added ones flagged special)."""
 
     hf: ModelTokenizer
     max_context: int
     vocab_size: int
     tool_parser: ToolParser | None = None
+    special_tokens: Mapping[int, str] = field(default_factory=dict)
 
     @classmethod
     def load(cls, model: str, max_model_len: int = 0) -> Tokenizer:
@@ -48,7 +50,15 @@ class Tokenizer:
         hf = load_tokenizer(path)
         text_config = config.get("text_config", config)
         vocab = int(text_config.get("vocab_size") or len(hf))
-        return cls(hf, max_model_len or context_length(config), vocab, tool_parser_for(hf.hf))
+        special = {
+            int(i): str(t.content)
+            for i, t in (getattr(hf.hf, "added_tokens_decoder", None) or {}).items()
+            if t.special
+        }
+        for i in getattr(hf.hf, "all_special_ids", None) or ():
+            special.setdefault(int(i), hf.decode([i]))
+        context = max_model_len or context_length(config)
+        return cls(hf, context, vocab, tool_parser_for(hf.hf), special)
 
     def encode(self, text: str) -> list[int]:
         """Plain text as the workers tokenize a text prompt (the tokenizer's own special

@@ -29,9 +29,9 @@ import logging
 import re
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import InvalidRequest
@@ -45,7 +45,9 @@ log = logging.getLogger(__name__)
 # OpenAI's rules for a function's name, and its limit on tools a request.
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 128
-ANY_OBJECT: dict[str, Any] = {"type": "object", "properties": {}}
+# A function without ``parameters`` has an empty parameter list (OpenAI's definition): its
+# arguments are ``{}``. (vLLM lets them be any object, which a model may pad without end.)
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 CHOICES = ("none", "auto", "required")
 
 
@@ -297,7 +299,12 @@ def _is_json(text: str) -> bool:
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
     """A request's tools, checked: ``choice`` is none, auto, required or named (``function``
-    names it); ``constraint`` the output's structured output (required and named)."""
+    names it); ``constraint`` the output's structured output (required and named).
+
+    ``special``: set where the model's call markers are special tokens, which a worker leaves
+    out of the text under ``skip_special_tokens`` (the default): the request is then sent with
+    special tokens kept (vLLM's tool parsers do the same), and the final one (the end of
+    sequence) is cut from the text here by its id (``final_text``)."""
 
     tools: tuple[dict[str, Any], ...]
     choice: str
@@ -305,6 +312,12 @@ class ToolPlan:
     parallel: bool = True
     parser: ToolParser | None = None
     constraint: StructuredOutput | None = None
+    special: Mapping[int, str] = field(default_factory=dict)
+
+    def final_text(self, text: str, token_ids: Sequence[int]) -> str:
+        """``text`` without the special token that ends it, where special tokens are kept."""
+        last = self.special.get(token_ids[-1]) if self.special and token_ids else None
+        return text[: -len(last)] if last and text.endswith(last) else text
 
     def reader(self) -> Reader | None:
         """A new reader for one choice's output (None: the output is content)."""
@@ -317,9 +330,14 @@ class ToolPlan:
         return None
 
 
-def tool_plan(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolPlan | None:
+def tool_plan(
+    req: ChatCompletionRequest,
+    parser: ToolParser | None,
+    special: Mapping[int, str] | None = None,
+) -> ToolPlan | None:
     """The request's tools, checked (InvalidRequest naming the field); None without tools.
-    ``parser``: the model's tool-call format (``kvserve_model.tool_parsers``), or None."""
+    ``parser``: the model's tool-call format (``kvserve_model.tool_parsers``), or None;
+    ``special``: the model's special tokens' texts by id (``Tokenizer.special_tokens``)."""
     tools = req.tools or []
     params = _check_tools(tools)
     choice, function = _check_choice(req.tool_choice, params)
@@ -336,10 +354,14 @@ def tool_plan(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolPlan
     if choice == "named":
         assert function is not None
         where = f"tools[{list(params).index(function)}].function.parameters"
-        constraint = _compiled(params[function] or {"type": "object"}, where)
+        constraint = _compiled(params[function] or NO_PARAMETERS, where)
     elif choice == "required":
         constraint = _compiled(required_schema(params, parallel), "tools")
-    return ToolPlan(tuple(tools), choice, function, parallel, parser, constraint)
+    kept: Mapping[int, str] = {}
+    if choice == "auto" and parser is not None and special and req.skip_special_tokens:
+        texts = set(special.values())
+        kept = special if parser.start in texts or parser.end in texts else {}
+    return ToolPlan(tuple(tools), choice, function, parallel, parser, constraint, kept)
 
 
 def required_schema(params: dict[str, dict[str, Any] | None], parallel: bool) -> dict[str, Any]:
@@ -349,7 +371,7 @@ def required_schema(params: dict[str, dict[str, Any] | None], parallel: bool) ->
     defs: dict[str, Any] = {}
     variants = []
     for name, schema in params.items():
-        schema = dict(schema or ANY_OBJECT)
+        schema = dict(schema or NO_PARAMETERS)
         for key, value in schema.pop("$defs", {}).items():
             if key in defs and defs[key] != value:
                 raise InvalidRequest(
@@ -487,7 +509,7 @@ class ToolChunk(Chunk):
 
 
 async def read_tool_calls(
-    stream: AsyncGenerator[Chunk, None], reader: Reader
+    stream: AsyncGenerator[Chunk, None], reader: Reader, plan: ToolPlan
 ) -> AsyncGenerator[Chunk, None]:
     """``stream``'s chunks read by ``reader``. A chunk that reads as nothing yet (a marker in
     the making, a call being written) is held and merged into the next that reads as
@@ -495,9 +517,11 @@ async def read_tool_calls(
     held: list[Chunk] = []
     async with aclosing(stream):
         async for chunk in stream:
-            read = reader.feed(chunk.text)
             if chunk.finish_reason is not None:
+                read = reader.feed(plan.final_text(chunk.text, chunk.token_ids))
                 read += reader.finish()
+            else:
+                read = reader.feed(chunk.text)
             held.append(chunk)
             if read.content or read.calls or chunk.finish_reason is not None:
                 yield _merged(held, read, reader.called)

@@ -30,11 +30,13 @@ from gateway.protocol import ChatCompletionRequest, ChatMessage
 from gateway.structured import checked
 from gateway.tokenizer import Tokenizer
 from gateway.tools import (
+    NO_PARAMETERS,
     CallArray,
     MarkedCalls,
     NamedCall,
     Read,
     ToolChunk,
+    ToolPlan,
     read_tool_calls,
     required_schema,
     tool_plan,
@@ -108,6 +110,7 @@ WEATHER = {
 TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
 PARIS = {"city": "Paris", "unit": "celsius"}
+PLAIN = ToolPlan((WEATHER,), "auto")
 
 
 def write_tool_model(directory: Path) -> Path:
@@ -410,7 +413,7 @@ def test_the_plans():
         None,
     )
     assert named is not None and named.function == "get_time" and named.constraint is not None
-    assert json.loads(named.constraint.spec) == {"type": "object"}
+    assert json.loads(named.constraint.spec) == NO_PARAMETERS  # no parameters: arguments {}
     one = tool_plan(chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False), None)
     assert one is not None and one.constraint is not None
     assert json.loads(one.constraint.spec)["maxItems"] == 1
@@ -436,7 +439,7 @@ async def worker_stream(
 
 async def test_held_chunks_are_merged_into_the_next_that_reads_as_something():
     text = "Hi\n" + CALL
-    out = [c async for c in read_tool_calls(worker_stream(text), marked())]
+    out = [c async for c in read_tool_calls(worker_stream(text), marked(), PLAIN)]
     assert all(isinstance(c, ToolChunk) for c in out)
     assert "".join(c.text for c in out) == text
     assert [t for c in out for t in c.token_ids] == [ord(ch) for ch in text]
@@ -459,7 +462,7 @@ async def served(view_: ChatView, plan: Any, text: str, stream: bool, reason=Fin
     req = chat(stream=stream)
     streams: list[AsyncGenerator[Chunk, None]] = [worker_stream(text, reason)]
     if stream:
-        streams = [read_tool_calls(streams[0], plan.reader())]
+        streams = [read_tool_calls(streams[0], plan.reader(), plan)]
     out = await view_.serve(streams, req)
     if not stream:
         assert out.body is not None
@@ -720,3 +723,102 @@ async def test_tool_choice_none_is_served_as_text(stack: Stack):
     assert resp.status_code == 200, resp.text
     message = resp.json()["choices"][0]["message"]
     assert message == {"role": "assistant", "content": OUTPUT}
+
+
+# -- markers that are special tokens -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def special_marker_tokenizer(tool_model: Path) -> Tokenizer:
+    """The tool model with ``<tool_call>`` and ``</tool_call>`` as special tokens (its reserved
+    ids 261 and 262 renamed), as Mistral's ``[TOOL_CALLS]`` or LFM2's markers are."""
+    model = tool_model.parent / "special-markers"
+    shutil.copytree(tool_model, model)
+    renames = {"<|reserved_0|>": "<tool_call>", "<|reserved_1|>": "</tool_call>"}
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        text = (model / name).read_text()
+        for old, new in renames.items():
+            text = text.replace(old, new)
+        (model / name).write_text(text)
+    return Tokenizer.load(str(model))
+
+
+def test_special_markers_are_kept_and_the_final_special_token_cut(
+    special_marker_tokenizer: Tokenizer, tool_tokenizer: Tokenizer
+):
+    t = special_marker_tokenizer
+    assert t.special_tokens[261] == "<tool_call>" and t.special_tokens[259] == "<|im_end|>"
+    assert t.tool_parser is not None and t.tool_parser.name == "json_tools"
+    plan = tool_plan(chat(tools=[WEATHER]), t.tool_parser, t.special_tokens)
+    assert plan is not None and plan.special  # special tokens are asked for
+    assert plan.final_text("x<|im_end|>", [120, 259]) == "x"
+    assert plan.final_text("x<|im_end|>", [259, 120]) == "x<|im_end|>"
+    # Not where the markers are plain text, nor where the client keeps special tokens itself.
+    plain = tool_plan(
+        chat(tools=[WEATHER]), tool_tokenizer.tool_parser, tool_tokenizer.special_tokens
+    )
+    assert plain is not None and not plain.special
+    kept = tool_plan(
+        chat(tools=[WEATHER], skip_special_tokens=False), t.tool_parser, t.special_tokens
+    )
+    assert kept is not None and not kept.special
+    assert kept.final_text("x<|im_end|>", [120, 259]) == "x<|im_end|>"
+
+
+async def test_a_call_between_special_markers_streamed_and_whole(
+    special_marker_tokenizer: Tokenizer,
+):
+    t = special_marker_tokenizer
+    args = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+    pieces_ = [("Ok", (79, 107)), ("<tool_call>", (261,))]
+    pieces_ += [(ch, (ord(ch),)) for ch in args]
+    pieces_ += [("</tool_call>", (262,)), ("<|im_end|>", (259,))]
+
+    async def stream() -> AsyncGenerator[Chunk, None]:
+        for k, (text, ids) in enumerate(pieces_):
+            last = k == len(pieces_) - 1
+            yield Chunk(ids, text, finish_reason=FinishReason.STOP if last else None)
+
+    for streamed in (True, False):
+        plan = tool_plan(chat(tools=[WEATHER]), t.tool_parser, t.special_tokens)
+        assert plan is not None
+        view_ = ChatView("chatcmpl-1", "m", 0, 1, None, plan)
+        reader = plan.reader()
+        assert reader is not None
+        streams = [read_tool_calls(stream(), reader, plan) if streamed else stream()]
+        out = await view_.serve(streams, chat(stream=streamed))
+        if streamed:
+            assert out.events is not None
+            events = [json.loads(e[6:]) for e in [e async for e in out.events][:-1]]
+            deltas = [e["choices"][0]["delta"] for e in events]
+            content = "".join(d.get("content", "") for d in deltas)
+            calls = [c for d in deltas for c in d.get("tool_calls", ())]
+            reason = events[-1]["choices"][0]["finish_reason"]
+        else:
+            assert out.body is not None
+            body = out.body.model_dump(mode="json")
+            content = body["choices"][0]["message"]["content"]
+            calls = body["choices"][0]["message"]["tool_calls"]
+            reason = body["choices"][0]["finish_reason"]
+        assert content == "Ok" and reason == "tool_calls"
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == [PARIS]
+
+
+@pytest.mark.parametrize(
+    ("tokenizer_fixture", "skip"),
+    [("special_marker_tokenizer", False), ("tool_tokenizer", True)],
+)
+async def test_the_worker_is_asked_for_special_tokens_only_where_markers_are_special(
+    cache, request: pytest.FixtureRequest, tokenizer_fixture: str, skip: bool
+):
+    from tests.gateway.conftest import started_stack
+
+    async with started_stack(cache, request.getfixturevalue(tokenizer_fixture)) as s:
+        resp = await s.http.post(
+            "/v1/chat/completions", json={**CHAT, "max_tokens": 200, "tools": [WEATHER]}
+        )
+        assert resp.status_code == 200, resp.text
+        # The fake's sentence has no call: content, as sent.
+        assert resp.json()["choices"][0]["message"] == {"role": "assistant", "content": OUTPUT}
+        sent = [w.record.requests[-1] for w in s.workers if w.record.requests][-1]
+        assert sent.sampling.skip_special_tokens is skip
