@@ -367,7 +367,9 @@ def tool_plan(
 def required_schema(params: dict[str, dict[str, Any] | None], parallel: bool) -> dict[str, Any]:
     """vLLM's schema for ``tool_choice`` required: an array of 1 or more (exactly 1 without
     parallel calls) objects, each a tool's name and its parameters. A tool's ``$defs`` move to
-    the root, where its ``#/$defs/...`` references point once it is nested."""
+    the root, where its ``#/$defs/...`` references point once it is nested. Unlike vLLM's, an
+    item has no other keys: SmolLM2 wrote a "description" after the parameters, at length, into
+    vLLM's."""
     defs: dict[str, Any] = {}
     variants = []
     for name, schema in params.items():
@@ -384,6 +386,7 @@ def required_schema(params: dict[str, dict[str, Any] | None], parallel: bool) ->
             {
                 "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
                 "required": ["name", "parameters"],
+                "additionalProperties": False,
             }
         )
     out: dict[str, Any] = {

@@ -365,6 +365,7 @@ def test_required_schema_compiles_and_says_what_calls_are():
         [{"name": "get_weather", "parameters": {"city": "Paris"}}],
         [{"name": "nope", "parameters": {}}],
         [{"name": "lookup", "parameters": {"item": "c"}}],
+        [{"name": "get_time", "parameters": {}, "description": "no other keys"}],
     ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
