@@ -87,13 +87,14 @@ class Read:
 
 def whole_calls(deltas: Sequence[CallDelta]) -> list[ToolCall]:
     """Calls from their pieces, in index order."""
-    calls: dict[int, list[str]] = {}
+    ids: dict[int, str] = {}
+    names: dict[int, str] = {}
+    arguments: dict[int, list[str]] = {}
     for d in deltas:
-        call = calls.setdefault(d.index, ["", "", ""])
-        call[0] = d.id or call[0]
-        call[1] = d.name or call[1]
-        call[2] += d.arguments
-    return [ToolCall(*calls[i]) for i in sorted(calls)]
+        ids[d.index] = d.id or ids.get(d.index, "")
+        names[d.index] = d.name or names.get(d.index, "")
+        arguments.setdefault(d.index, []).append(d.arguments)
+    return [ToolCall(ids[i], names[i], "".join(arguments[i])) for i in sorted(arguments)]
 
 
 class Reader(ABC):

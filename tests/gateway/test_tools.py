@@ -823,3 +823,27 @@ async def test_the_worker_is_asked_for_special_tokens_only_where_markers_are_spe
         assert resp.json()["choices"][0]["message"] == {"role": "assistant", "content": OUTPUT}
         sent = [w.record.requests[-1] for w in s.workers if w.record.requests][-1]
         assert sent.sampling.skip_special_tokens is skip
+
+
+async def test_each_choice_has_its_own_reader():
+    """n = 2, streamed: one choice calls, the other writes text; calls are numbered per choice."""
+    plan = tool_plan(chat(tools=[WEATHER], n=2), load_tool_parser("json_tools"))
+    assert plan is not None
+    streams = []
+    for text in (CALL, "Plain text."):
+        reader = plan.reader()
+        assert reader is not None
+        streams.append(read_tool_calls(worker_stream(text), reader, plan))
+    out = await ChatView("chatcmpl-1", "m", 0, 2, None, plan).serve(streams, chat(stream=True, n=2))
+    assert out.events is not None
+    events = [json.loads(e[6:]) for e in [e async for e in out.events][:-1]]
+    by_choice: dict[int, list[dict]] = {0: [], 1: []}
+    for e in events:
+        for c in e["choices"]:
+            by_choice[c["index"]].append(c)
+    calls = [t for c in by_choice[0] for t in c["delta"].get("tool_calls", ())]
+    assert [(t["index"], t["function"]["name"]) for t in calls] == [(0, "get_weather")]
+    assert by_choice[0][-1]["finish_reason"] == "tool_calls"
+    assert "".join(c["delta"].get("content", "") for c in by_choice[1]) == "Plain text."
+    assert by_choice[1][-1]["finish_reason"] == "stop"
+    assert not any(c["delta"].get("tool_calls") for c in by_choice[1])
