@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import re
+from collections.abc import AsyncIterator
 
 import grpc
 import jsonschema
@@ -16,8 +17,17 @@ from mlx_lm.generate import generate_step
 
 from kvserve_model.tiny_model import TINY_MODEL_NAME
 from kvserve_proto.worker.v1 import worker_pb2 as pb
-from tests.worker_engine.conftest import System, generate, request
-from worker.model.loader import load_model
+from tests.worker_engine.conftest import System, generate, request, started_system
+from worker.model.loader import LoadedModel, load_model
+
+
+@pytest.fixture(params=["plain", "lookahead"])
+async def system(request: pytest.FixtureRequest, model: LoadedModel) -> AsyncIterator[System]:
+    """Every test twice: as is, and with the decode lookahead, whose next forward is built on
+    the argmax of the adjusted, masked logits."""
+    async with started_system(model) as s:
+        s.lookahead = request.param == "lookahead"
+        yield s
 
 PERSON = {
     "type": "object",
@@ -61,6 +71,13 @@ async def test_json_schema_outputs_validate_batched_with_unconstrained_rows(
     for out in outs[3:]:
         assert out["last"].finish_reason == pb.FINISH_REASON_STOP, out["text"]
         jsonschema.validate(json.loads(out["text"]), PERSON)
+    greedy = await asyncio.gather(  # greedy only: a step the lookahead may take
+        *(generate(stub, constrained(prompt(i), schema(PERSON))) for i in (0, 2, 4))
+    )
+    for out, want in zip(greedy, outs[3::2], strict=True):  # the same tokens as batched
+        assert out["tokens"] == want["tokens"]
+    if system.lookahead:
+        assert system.workers[0].engine.executor.lookahead_hits > 0
     await system.wait_idle()
 
 

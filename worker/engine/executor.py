@@ -32,7 +32,7 @@ from worker.engine.step import Step
 from worker.engine.step_budget import ForwardTime
 from worker.model.draft import DraftModel
 from worker.model.forward_batch import SeqInput
-from worker.model.sampling import RowSampler, sample_rows, verify_rows
+from worker.model.sampling import RowSampler, adjust_logits, sample_rows, verify_rows
 from worker.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -233,9 +233,20 @@ class ModelExecutor:
                 if g == 0 and ahead is not None:
                     self.lookahead_misses += 1
                 paged = cast(Any, self.runner)  # forward_async: the paged runner's
-                logits = paged.forward_async(inputs) if look else self.runner.forward(inputs)
-            if look:  # every row greedy: the tokens the next forward is built on are its samples
-                ids, self._ahead = lookahead.start(self.runner, inputs, logits)
+                # A row with a grammar: its mask is filled while the forward computes.
+                overlap = look or (
+                    hasattr(paged, "forward_async") and any(r[1].grammar is not None for r in rows)
+                )
+                logits = paged.forward_async(inputs) if overlap else self.runner.forward(inputs)
+            failed: dict[int, RowFailed] = {}
+            if look and any(r[1].adjusts for r in rows):
+                # Bias, penalties and masks come from what is known now (every token before
+                # this step's is consumed): the next forward is built on the adjusted argmax.
+                adjusted, failed = adjust_logits(logits, rows)
+            else:
+                adjusted = logits
+            if look and not failed:  # every row greedy: the next forward runs on its samples
+                ids, self._ahead = lookahead.start(self.runner, inputs, adjusted)
                 sampled: list[Sampled | RowFailed] = [Sampled(t) for t in ids]
             else:
                 sampled = sample_rows(logits, rows) if rows else []

@@ -66,13 +66,14 @@ class Ahead:
 
 def fits(runner: Runner, inputs: Sequence[SeqInput], rows: Sequence[Row]) -> bool:
     """Whether a decode forward of ``inputs`` may start the next one: the paged runner, every
-    row sampled greedily (its token is known without a draw), and every sequence's lease
-    covering its next token."""
+    row sampled greedily (its token is known without a draw: the argmax of its logits, after
+    the bias, penalties and grammar mask that the state known now decides), and every
+    sequence's lease covering its next token."""
     bs = runner.block_size
     return (
         len(rows) == len(inputs)
         and runner.kind == "paged"
-        and all(r[1].plain_greedy for r in rows)
+        and all(r[1].batch_greedy for r in rows)
         and all(s.start + 2 <= len(s.block_table) * bs for s in inputs)
     )
 

@@ -154,11 +154,24 @@ def _bit_index(vocab: int) -> tuple[mx.array, mx.array]:
     return _BITS[vocab]
 
 
-def apply_masks(logits: mx.array, rows: Sequence[int], masks: np.ndarray) -> mx.array:
+def apply_masks(
+    logits: mx.array, rows: Sequence[int], masks: np.ndarray, on_device: bool | None = None
+) -> mx.array:
     """``logits`` with every token a row's mask disallows set to -inf (rows[k] takes
-    masks[k]); the other rows unchanged. One gather, shift and scatter for the batch."""
-    vocab = logits.shape[-1]
-    words, bits = _bit_index(vocab)
-    allowed = mx.right_shift(mx.take(mx.array(masks), words, axis=1), bits) & 1
-    penalty = mx.where(allowed.astype(mx.bool_), 0.0, -mx.inf).astype(logits.dtype)
-    return logits.at[mx.array(list(rows))].add(penalty)
+    masks[k]); the other rows unchanged: one ``where`` for the batch. The bits are unpacked
+    where that is cheap: by numpy on the CPU (unpacking them with MLX ops there cost 10x
+    more), on the device on a GPU (the packed words are 32x fewer bytes to copy over);
+    ``on_device`` chooses (None: by the default device)."""
+    batch, vocab = logits.shape
+    if list(rows) != list(range(batch)):
+        full = np.full((batch, masks.shape[1]), -1, dtype=np.int32)  # every bit set: no mask
+        full[list(rows)] = masks
+        masks = full
+    if on_device if on_device is not None else mx.default_device() == mx.gpu:
+        words, bits = _bit_index(vocab)
+        packed = mx.take(mx.array(masks), words, axis=1)
+        allowed = (mx.right_shift(packed, bits) & 1).astype(mx.bool_)
+    else:
+        unpacked = np.unpackbits(masks.view(np.uint8), axis=1, count=vocab, bitorder="little")
+        allowed = mx.array(unpacked.view(np.bool_))
+    return mx.where(allowed, logits, mx.array(-mx.inf, logits.dtype))
