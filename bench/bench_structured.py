@@ -165,11 +165,14 @@ async def validity(stub, model: str, completions: int, concurrency: int, max_tok
     return invalid
 
 
-def long_schema() -> dict:
-    """An array of the suite's objects: a document longer than any ``--tokens``."""
+def long_schema(only: str = "") -> dict:
+    """An array of the suite's objects (``only``: of that schema's): a document longer than
+    any ``--tokens``."""
     defs: dict = {}
     items = []
-    for s in SCHEMAS:  # their $defs move to the root, where their "#/$defs/..." point
+    for s in SCHEMAS:
+        if only and s.name != only:
+            continue  # their $defs move to the root, where their "#/$defs/..." point
         schema = dict(s.schema)
         defs |= schema.pop("$defs", {})
         items.append(schema)
@@ -177,9 +180,11 @@ def long_schema() -> dict:
             "items": {"anyOf": items}}  # fmt: skip
 
 
-async def cost(stub, model: str, batch: int, tokens: int, turns: int) -> dict[str, float]:
+async def cost(
+    stub, model: str, batch: int, tokens: int, turns: int, only: str = ""
+) -> dict[str, float]:
     prompts = prompt_ids(model, [f"{QUESTION}{i}" for i in range(batch)])
-    so = pb.StructuredOutput(json_schema=json.dumps(long_schema()))
+    so = pb.StructuredOutput(json_schema=json.dumps(long_schema(only)))
     modes = {
         "unconstrained": {"ignore_eos": True},
         "constrained": {"structured_output": so},
@@ -224,11 +229,13 @@ def model_label(model: str) -> str:
 async def run(address: str, a: argparse.Namespace, model: str) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.WorkerStub(channel)
-        print("| model | completions | invalid | invalid greedy / sampled | tokens each | wall s |")
-        print("|---|---|---|---|---|---|")
-        await validity(stub, model, a.completions, a.concurrency, a.max_tokens)
-        rates = await cost(stub, model, a.batch, a.tokens, a.turns)
-    print(f"\n| batch {a.batch}, {a.tokens} tokens each | tokens/s | ratio |")
+        if a.completions:
+            print("| model | completions | invalid | invalid greedy / sampled | tokens each "
+                  "| wall s |\n|---|---|---|---|---|---|")  # fmt: skip
+            await validity(stub, model, a.completions, a.concurrency, a.max_tokens)
+        rates = await cost(stub, model, a.batch, a.tokens, a.turns, a.cost_schema)
+    what = f"array of {a.cost_schema}" if a.cost_schema else "array of anyOf(suite)"
+    print(f"\n| batch {a.batch}, {a.tokens} tokens each, {what} | tokens/s | ratio |")
     print("|---|---|---|")
     base = rates["unconstrained"]
     for m, r in rates.items():
@@ -245,8 +252,17 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--kv-memory-mb", type=int, default=1024)
-    p.add_argument("--random", action="store_true",
-                   help="random fp16 weights with the model's tokenizer and shape")
+    p.add_argument(
+        "--cost-schema",
+        default="",
+        help="the cost run's documents: an array of this suite schema's objects "
+        "(default: of any suite schema's, anyOf)",
+    )
+    p.add_argument(
+        "--random",
+        action="store_true",
+        help="random fp16 weights with the model's tokenizer and shape",
+    )
     p.add_argument("--layers", type=int, default=0, help="with --random: layers")
     p.add_argument("--hidden", type=int, default=0, help="with --random: hidden size")
     p.add_argument("--quick", action="store_true")

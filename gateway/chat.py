@@ -135,7 +135,7 @@ class ChatServing:
                 s if r is None else read_tool_calls(s, r, tools)
                 for s, r in zip(streams, readers, strict=True)
             ]
-        return await view.serve(streams, req)
+        return self.s.noted(await view.serve(streams, req), req, structured)
 
 
 class ChatView(Renderer):

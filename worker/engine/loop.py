@@ -32,6 +32,7 @@ from worker.engine.sequence import Sequence, Status
 from worker.engine.step import Step
 from worker.engine.step_budget import ForwardTime, StepBudget
 from worker.errors import Cancelled, ShuttingDown, StepFailed, WorkerError
+from worker.model.grammar import prefetch
 
 # How often background work waiting for an idle engine looks again.
 IDLE_POLL_S = 0.05
@@ -212,6 +213,7 @@ class Engine:
         sampled = self._end_failed_rows(step, results)
         before = sum(len(item.seq.output) for item in step.items)  # a sequence once a step
         finished = self.scheduler.postprocess(step, sampled)
+        self._prefetch_masks()
         self.scheduler.observe(took)  # after postprocess: it counts the step's decode tokens
         self._account(step, sampled, sum(len(item.seq.output) for item in step.items) - before)
         # Publishing comes last, once nothing of the step can raise any more: a step that
@@ -221,6 +223,17 @@ class Engine:
             self.stats.requests_finished += 1
             # Its finishing event, if held, goes out once this release is answered.
             self.leases.release(seq, then=self.final.when_released(seq))
+
+    def _prefetch_masks(self) -> None:
+        """The running sequences' grammar masks for the next step, filled from now on (their
+        tokens are consumed): off the step's critical path (``worker.model.grammar``)."""
+        matchers = [
+            s.sampler.grammar
+            for s in self.scheduler.running
+            if s.sampler is not None and s.sampler.grammar is not None
+        ]
+        if matchers:
+            prefetch.start(matchers, self.intake.limits.vocab_size)
 
     def _log_step(self, step: Step, took: ForwardTime, seconds: float) -> None:
         """One line a step (``--log-level DEBUG``): where a request's time goes between its

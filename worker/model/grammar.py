@@ -143,6 +143,61 @@ def fill_masks(matchers: Sequence[Any], vocab_size: int) -> np.ndarray:
     return masks
 
 
+class MaskPrefetch:
+    """The next step's masks, filled as soon as the tokens they depend on are consumed: the
+    engine calls :meth:`start` right after a step's tokens join their outputs, and llguidance
+    fills them on its own thread (without the GIL) while the event loop streams, schedules and
+    hands the next step over; the sampler :meth:`take` s them. A matcher is never used by two
+    threads at once: ``take`` waits for a fill in flight before anything else touches one."""
+
+    def __init__(self) -> None:
+        self._pool: Any = None
+        self._pending: tuple[dict[int, int], Any, int] | None = None
+        self.used = 0  # steps whose masks were prefetched (tests, the benchmark)
+
+    def start(self, matchers: Sequence[Any], vocab_size: int) -> None:
+        self.wait()
+        if not matchers:
+            return
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-masks")
+        index = {id(m): i for i, m in enumerate(matchers)}
+        self._pending = (
+            index,
+            self._pool.submit(fill_masks, list(matchers), vocab_size),
+            vocab_size,
+        )
+
+    def wait(self) -> None:
+        """Lets a fill in flight end (its result kept for :meth:`take`)."""
+        if self._pending is not None:
+            try:
+                self._pending[1].result()
+            except Exception:  # a matcher in an error state: take() falls back, which says so
+                self._pending = None
+
+    def take(self, matchers: Sequence[Any], vocab_size: int) -> np.ndarray | None:
+        """The prefetched masks of ``matchers`` (in their order), or None when they were not
+        all prefetched (a row new in this step: the caller fills them itself)."""
+        self.wait()
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        index, future, vocab = pending
+        rows = [index[id(m)] for m in matchers if id(m) in index]
+        if vocab != vocab_size or len(rows) != len(matchers):
+            return None
+        masks: np.ndarray = future.result()
+        self.used += 1
+        return masks[rows]
+
+
+# One a process: the engine's step loop and its model thread use it one step at a time.
+prefetch = MaskPrefetch()
+
+
 _BITS: dict[int, tuple[mx.array, mx.array]] = {}
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
 from kvserve_model.sampling_params import SamplingParams
-from worker.model.grammar import apply_masks, fill_masks
+from worker.model.grammar import apply_masks, fill_masks, prefetch
 from worker.model.sampled import Accepted, RowFailed, Sampled
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class RowSampler:
             bias = dict(p.logit_bias).get(token, 0.0) if p.logit_bias else 0.0
             self._delta[token] = bias - p.presence_penalty - p.frequency_penalty * n
         if self.grammar is not None:
+            prefetch.wait()  # a matcher is used by one thread at a time
             self.grammar.consume_token(token)
 
     def deltas(self, extra: Sequence[int] = ()) -> dict[int, float]:
@@ -159,6 +160,7 @@ def adjust_logits(logits: mx.array, rows: Sequence[Row]) -> tuple[mx.array, dict
     constrained = [r for r in rows if r[1].grammar is not None]
     if constrained:
         mx.async_eval(logits)  # the forward runs while llguidance fills the masks
+        prefetch.wait()  # no matcher is touched while a prefetch fills it
         ok = []
         for r in constrained:
             if r[1].grammar.is_error():
@@ -168,7 +170,12 @@ def adjust_logits(logits: mx.array, rows: Sequence[Row]) -> tuple[mx.array, dict
             else:
                 ok.append(r)
         constrained = ok
-        masks = fill_masks([r[1].grammar for r in constrained], logits.shape[-1]) if ok else None
+        matchers = [r[1].grammar for r in constrained]
+        masks = None
+        if ok:
+            masks = prefetch.take(matchers, logits.shape[-1])
+            if masks is None:
+                masks = fill_masks(matchers, logits.shape[-1])
     if adjusting:
         row_idx: list[int] = []
         tok_idx: list[int] = []
