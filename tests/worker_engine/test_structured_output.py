@@ -30,6 +30,7 @@ async def system(request: pytest.FixtureRequest, model: LoadedModel) -> AsyncIte
         s.lookahead = request.param == "lookahead"
         yield s
 
+
 PERSON = {
     "type": "object",
     "properties": {
