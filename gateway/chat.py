@@ -122,8 +122,15 @@ class ChatServing:
         )
         top = req.top_logprobs or 0
         request_id = self.s.new_id("chatcmpl")
+        # Without max_tokens: as many as fit, which the worker decides (0 on the wire): its
+        # pool may hold fewer tokens than the context this budget allows.
         sequences = self.s.sequences(
-            request_id, req, [prompt], [budget], max(1, top) if req.logprobs else 0, structured
+            request_id,
+            req,
+            [prompt],
+            [0 if max_tokens is None else budget],
+            max(1, top) if req.logprobs else 0,
+            structured,
         )
         view = ChatView(
             request_id, model, self.s.created(), req.n, top if req.logprobs else None, tools

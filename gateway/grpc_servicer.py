@@ -55,7 +55,9 @@ class GatewayWorkerServicer(pb_grpc.WorkerServicer):
         return GenerationRequest(
             request_id=request.request_id or f"grpc-{uuid.uuid4().hex}",
             prompt_token_ids=tuple(ids),
-            sampling=replace(sampling, max_tokens=budget),
+            # Unset stays 0: as many as fit, which the worker decides (its pool may hold
+            # fewer tokens than the context).
+            sampling=replace(sampling, max_tokens=budget if sampling.max_tokens else 0),
             namespace=request.namespace,
         )
 

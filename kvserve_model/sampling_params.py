@@ -30,7 +30,8 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    # 0: up to the context (the gateway resolves it before dispatch: always explicit there).
+    # 0: as many as fit, in the model's context and in the worker's pool (the worker decides:
+    # its pool may hold fewer tokens than the context).
     max_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()

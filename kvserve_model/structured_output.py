@@ -54,7 +54,9 @@ class StructuredOutput:
                 raise StructuredOutputError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, dict | bool):
             raise StructuredOutputError("a JSON schema must be an object")
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        # Keys in the order given: the properties' order is the order the output writes them
+        # in (as OpenAI's strict mode does), so sorting them would reorder the document.
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
 
     @classmethod
     def from_wire(cls, msg: Any) -> StructuredOutput | None:

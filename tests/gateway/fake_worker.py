@@ -194,7 +194,8 @@ class FakeWorker(pb_grpc.WorkerServicer):
         self.running += 1
         released = False
         try:
-            limit = request.sampling.max_tokens or len(OUTPUT)
+            # 0: as many as fit; the fake's output ends (a stop) before any pool would.
+            limit = request.sampling.max_tokens or len(OUTPUT) + 1
             n = min(limit, len(OUTPUT))
             for i in range(n):
                 if b.fail_with is not None and i == b.fail_after:

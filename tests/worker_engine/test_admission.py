@@ -14,6 +14,7 @@ import pytest
 from kvcache_service.leases import AcquireRequest, Reuse
 from kvcache_service.tokens import pack
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kpb
+from kvserve_proto.worker.v1 import worker_pb2 as pb
 from tests.worker_engine.conftest import AUTH, BS, System, generate, request
 
 BLOCKS = 24
@@ -68,4 +69,15 @@ async def test_waiting_for_room_ends_after_the_timeout_and_others_pass(system: S
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "not admitted within 4 s" in (err.value.details() or "")
     system.authority.release("w0", incarnation, held.lease_id)
+    await system.wait_idle()
+
+
+async def test_without_max_tokens_a_request_gets_what_the_pool_holds(system: System) -> None:
+    """max_tokens unset (0) is as many as fit, in the context and in the pool: a pool smaller
+    than the model's context serves the request to its end instead of refusing it."""
+    stub = await system.add_worker(num_blocks=BLOCKS)
+    p = prompt(4, 3 * BS)
+    got = await generate(stub, request(p, max_tokens=0))
+    assert got["last"].finish_reason == pb.FINISH_REASON_LENGTH
+    assert len(p) + len(got["tokens"]) == BLOCKS * BS
     await system.wait_idle()

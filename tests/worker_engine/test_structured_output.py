@@ -74,6 +74,8 @@ async def test_json_schema_outputs_validate_batched_with_unconstrained_rows(
     for out in outs[3:]:
         assert out["last"].finish_reason == pb.FINISH_REASON_STOP, out["text"]
         jsonschema.validate(json.loads(out["text"]), PERSON)
+        # Written in the schema's property order (not sorted: "age" < "name").
+        assert list(json.loads(out["text"])) == list(PERSON["properties"])
     greedy = await asyncio.gather(  # greedy only: a step the lookahead may take
         *(generate(stub, constrained(prompt(i), schema(PERSON))) for i in (0, 2, 4))
     )

@@ -123,7 +123,12 @@ class Intake:
             raise InvalidRequest(
                 f"the prompt has {len(prompt)} tokens; the model's context is {lim.max_context}"
             )
-        max_tokens = params.max_tokens or room
+        # Unset: as many as fit, in the context and in this worker's pool (which may hold
+        # fewer tokens than the context: a chat without max_tokens on a small pool was refused
+        # for needing more blocks than the pool has).
+        max_tokens = params.max_tokens or max(
+            1, min(room, lim.num_blocks * lim.block_size - len(prompt))
+        )
         if max_tokens > room:
             raise InvalidRequest(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "

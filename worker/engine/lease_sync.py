@@ -197,12 +197,17 @@ class LeaseSync:
         not come back in time."""
         if self._extension is not None and not self._extension.done():
             return
-        # A speculating sequence may write its drafts' K/V and keep them all in one step.
+        # A speculating sequence may write its drafts' K/V and keep them all in one step. One
+        # whose blocks already hold every token it can ever have asks for nothing: a request
+        # sized to the whole pool was refused a block it would never use, and preempted,
+        # again and again.
         ahead = self.policy.extend_ahead_tokens
         items = [
             (s.lease.lease_id, (len(s.block_table) + 1) * self.block_size)
             for s in self.scheduler.running
-            if s.lease is not None and s.capacity - s.num_tokens < ahead + s.num_draft
+            if s.lease is not None
+            and s.capacity - s.num_tokens < ahead + s.num_draft
+            and s.capacity < len(s.prompt) + s.max_tokens + s.num_draft
         ]
         if items:
             self._extension = asyncio.create_task(self._extend(items))
