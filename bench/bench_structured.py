@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,21 +34,13 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_generate import start  # noqa: E402
+
 from bench.structured_schemas import SCHEMAS, check  # noqa: E402
-from kvserve_model.blas import fast_blas_env  # noqa: E402
 from kvserve_proto.worker.v1 import worker_pb2 as pb  # noqa: E402
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc  # noqa: E402
 
 QUESTION = "Reply with one JSON document that matches the schema: "
-
-
-def start(cmd: list[str], ready: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=fast_blas_env())
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith(ready):
-            return proc, line.split()[1]
-    raise RuntimeError(f"{cmd[2]} exited before it was ready")
 
 
 def model_path(name: str) -> str:

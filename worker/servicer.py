@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from kvserve_model.structured_output import StructuredOutput
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker.engine.loop import Engine
@@ -129,7 +130,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         it has none. Raises InvalidRequest."""
         if not request.sampling.HasField("structured_output"):
             return None
-        return await self.engine.intake.grammar(SamplingParams.from_wire(request.sampling))
+        return await self.engine.intake.grammar(
+            StructuredOutput.from_wire(request.sampling.structured_output)
+        )
 
     def _sequence(self, request: pb.GenerateRequest, grammar: Any = None) -> Sequence:
         """The request checked against the worker's limits; raises Overloaded, CacheOutage or

@@ -18,7 +18,6 @@ from mlx_lm.generate import generate_step
 from kvserve_model.tiny_model import TINY_MODEL_NAME
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from tests.worker_engine.conftest import System, generate, request, started_system
-from worker.model.grammar import prefetch
 from worker.model.loader import LoadedModel, load_model
 
 
@@ -62,7 +61,7 @@ async def test_json_schema_outputs_validate_batched_with_unconstrained_rows(
     system: System, reference
 ) -> None:
     stub = await system.add_worker()
-    prefetched = prefetch.used
+    masks = system.workers[0].engine.executor.masks
     plain = [prompt(100 + i, 6) for i in range(3)]
     jobs = [generate(stub, request(p, max_tokens=12)) for p in plain]
     for i in range(6):  # greedy and sampled, with and without a seed
@@ -83,7 +82,7 @@ async def test_json_schema_outputs_validate_batched_with_unconstrained_rows(
         assert out["tokens"] == want["tokens"]
     if system.lookahead:
         assert system.workers[0].engine.executor.lookahead_hits > 0
-    assert prefetch.used > prefetched  # masks filled between steps, off the critical path
+    assert masks.used > 0  # masks filled between steps, off the critical path
     await system.wait_idle()
 
 

@@ -32,6 +32,7 @@ from worker.engine.step import Step
 from worker.engine.step_budget import ForwardTime
 from worker.model.draft import DraftModel
 from worker.model.forward_batch import SeqInput
+from worker.model.grammar import MaskPrefetch
 from worker.model.sampling import RowSampler, adjust_logits, sample_rows, verify_rows
 from worker.model.spec import ModelSpec
 
@@ -123,6 +124,8 @@ class ModelExecutor:
         that the engine expects to repeat, start the next step's forward before answering.
         Off unless the worker's ``--decode-lookahead`` sets it."""
         self._ahead: lookahead.Ahead | None = None
+        # The next step's grammar masks, filled between steps (the engine starts them).
+        self.masks = MaskPrefetch()
         self.lookahead_hits = 0
         self.lookahead_misses = 0
 
@@ -242,14 +245,14 @@ class ModelExecutor:
             if look and any(r[1].adjusts for r in rows):
                 # Bias, penalties and masks come from what is known now (every token before
                 # this step's is consumed): the next forward is built on the adjusted argmax.
-                adjusted, failed = adjust_logits(logits, rows)
+                adjusted, failed = adjust_logits(logits, rows, self.masks)
             else:
                 adjusted = logits
             if look and not failed:  # every row greedy: the next forward runs on its samples
                 ids, self._ahead = lookahead.start(self.runner, inputs, adjusted)
                 sampled: list[Sampled | RowFailed] = [Sampled(t) for t in ids]
             else:
-                sampled = sample_rows(logits, rows) if rows else []
+                sampled = sample_rows(logits, rows, self.masks) if rows else []
             for (k, *_), s in zip(rows, sampled, strict=True):
                 out[items[k]] = s
             seconds[g] += time.perf_counter() - start

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve_model.structured_output import StructuredOutput
 from worker.engine.sampling_params import SamplingParams, validate
 from worker.engine.sequence import Sequence, TextStream
 from worker.engine.speculation import NgramDrafter
@@ -88,13 +89,13 @@ class Intake:
             self._grammars = Grammars(hf, self.limits.vocab_size, sorted(self.eos_ids))
         return self._grammars
 
-    async def grammar(self, params: SamplingParams) -> Any:
-        """The request's structured output as a fresh matcher (compiled off the event loop,
+    async def grammar(self, so: StructuredOutput | None) -> Any:
+        """A request's structured output as a fresh matcher (compiled off the event loop,
         cached), or None when it has none. Raises InvalidRequest naming what does not
         compile."""
-        if params.structured_output is None:
+        if so is None:
             return None
-        return await self.grammars.matcher_async(params.structured_output)
+        return await self.grammars.matcher_async(so)
 
     def sequence(
         self,

@@ -32,7 +32,6 @@ from worker.engine.sequence import Sequence, Status
 from worker.engine.step import Step
 from worker.engine.step_budget import ForwardTime, StepBudget
 from worker.errors import Cancelled, ShuttingDown, StepFailed, WorkerError
-from worker.model.grammar import prefetch
 
 # How often background work waiting for an idle engine looks again.
 IDLE_POLL_S = 0.05
@@ -212,6 +211,7 @@ class Engine:
             self._log_step(step, took, time.perf_counter() - started)
         sampled = self._end_failed_rows(step, results)
         before = sum(len(item.seq.output) for item in step.items)  # a sequence once a step
+        self.executor.masks.wait()  # postprocess consumes tokens: no fill may be in flight
         finished = self.scheduler.postprocess(step, sampled)
         self._prefetch_masks()
         self.scheduler.observe(took)  # after postprocess: it counts the step's decode tokens
@@ -233,7 +233,7 @@ class Engine:
             if s.sampler is not None and s.sampler.grammar is not None
         ]
         if matchers:
-            prefetch.start(matchers, self.intake.limits.vocab_size)
+            self.executor.masks.start(matchers, self.intake.limits.vocab_size)
 
     def _log_step(self, step: Step, took: ForwardTime, seconds: float) -> None:
         """One line a step (``--log-level DEBUG``): where a request's time goes between its

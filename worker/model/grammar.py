@@ -144,15 +144,19 @@ def fill_masks(matchers: Sequence[Any], vocab_size: int) -> np.ndarray:
 
 
 class MaskPrefetch:
-    """The next step's masks, filled as soon as the tokens they depend on are consumed: the
-    engine calls :meth:`start` right after a step's tokens join their outputs, and llguidance
-    fills them on its own thread (without the GIL) while the event loop streams, schedules and
-    hands the next step over; the sampler :meth:`take` s them. A matcher is never used by two
-    threads at once: ``take`` waits for a fill in flight before anything else touches one."""
+    """A worker's next-step masks, filled as soon as the tokens they depend on are consumed:
+    the engine calls :meth:`start` right after a step's tokens join their outputs, and
+    llguidance fills them on its own thread (without the GIL) while the event loop streams,
+    schedules and hands the next step over; the sampler :meth:`take` s them. One a worker
+    (its executor's), used one step at a time: the engine :meth:`wait` s before it consumes
+    tokens, the sampler before it touches a matcher, so no matcher is used by two threads at
+    once. The pending fill holds its matchers, so their ids cannot be reused while it is
+    pending: a matcher is found by identity."""
 
     def __init__(self) -> None:
         self._pool: Any = None
-        self._pending: tuple[dict[int, int], Any, int] | None = None
+        # (the matchers, their masks being filled, the vocabulary size)
+        self._pending: tuple[list[Any], Any, int] | None = None
         self.used = 0  # steps whose masks were prefetched (tests, the benchmark)
 
     def start(self, matchers: Sequence[Any], vocab_size: int) -> None:
@@ -163,12 +167,8 @@ class MaskPrefetch:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-masks")
-        index = {id(m): i for i, m in enumerate(matchers)}
-        self._pending = (
-            index,
-            self._pool.submit(fill_masks, list(matchers), vocab_size),
-            vocab_size,
-        )
+        held = list(matchers)
+        self._pending = (held, self._pool.submit(fill_masks, held, vocab_size), vocab_size)
 
     def wait(self) -> None:
         """Lets a fill in flight end (its result kept for :meth:`take`)."""
@@ -183,19 +183,16 @@ class MaskPrefetch:
         all prefetched (a row new in this step: the caller fills them itself)."""
         self.wait()
         pending, self._pending = self._pending, None
-        if pending is None:
+        if pending is None or pending[2] != vocab_size:
             return None
-        index, future, vocab = pending
+        held, future, _ = pending
+        index = {id(m): i for i, m in enumerate(held)}  # ids of live objects: unique
         rows = [index[id(m)] for m in matchers if id(m) in index]
-        if vocab != vocab_size or len(rows) != len(matchers):
+        if len(rows) != len(matchers):
             return None
         masks: np.ndarray = future.result()
         self.used += 1
         return masks[rows]
-
-
-# One a process: the engine's step loop and its model thread use it one step at a time.
-prefetch = MaskPrefetch()
 
 
 _BITS: dict[int, tuple[mx.array, mx.array]] = {}

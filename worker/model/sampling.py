@@ -35,7 +35,7 @@ import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
 from kvserve_model.sampling_params import SamplingParams
-from worker.model.grammar import apply_masks, fill_masks, prefetch
+from worker.model.grammar import MaskPrefetch, apply_masks, fill_masks
 from worker.model.sampled import Accepted, RowFailed, Sampled
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class RowSampler:
     # What bias and penalties add to each token's logit now: the bias, less the penalties of
     # the tokens generated so far (kept up to date by accept: O(1) a token).
     _delta: dict[int, float] = field(init=False)
+    _bias: dict[int, float] = field(init=False)
     _counts: dict[int, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -63,7 +64,8 @@ class RowSampler:
         self.seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little")
         penalty = p.repetition_penalty if p.repetition_penalty not in (0.0, 1.0) else None
         self.processors = make_logits_processors(repetition_penalty=penalty)
-        self._delta = dict(p.logit_bias)
+        self._bias = dict(p.logit_bias)
+        self._delta = dict(self._bias)
         self._counts = {}
 
     @property
@@ -87,10 +89,8 @@ class RowSampler:
         p = self.params
         if p.presence_penalty or p.frequency_penalty:
             n = self._counts[token] = self._counts.get(token, 0) + 1
-            bias = dict(p.logit_bias).get(token, 0.0) if p.logit_bias else 0.0
-            self._delta[token] = bias - p.presence_penalty - p.frequency_penalty * n
+            self._delta[token] = self._penalized(token, n)
         if self.grammar is not None:
-            prefetch.wait()  # a matcher is used by one thread at a time
             self.grammar.consume_token(token)
 
     def deltas(self, extra: Sequence[int] = ()) -> dict[int, float]:
@@ -98,14 +98,17 @@ class RowSampler:
         verified) counted as generated."""
         if not extra:
             return self._delta
-        p = self.params
         out = dict(self._delta)
         counts = dict(self._counts)
-        bias = dict(p.logit_bias)
         for t in extra:
             n = counts[t] = counts.get(t, 0) + 1
-            out[t] = bias.get(t, 0.0) - p.presence_penalty - p.frequency_penalty * n
+            out[t] = self._penalized(t, n)
         return out
+
+    def _penalized(self, token: int, n: int) -> float:
+        """What is added to ``token``'s logit once it appeared ``n`` times."""
+        p = self.params
+        return self._bias.get(token, 0.0) - p.presence_penalty - p.frequency_penalty * n
 
     def key(self, position: int) -> mx.array:
         """The key of the token at ``position``. The second half of a split: what the former
@@ -151,7 +154,9 @@ def _top_p(x: mx.array, top_p: float) -> mx.array:
 Row = tuple[int, RowSampler, Sequence[int], int]
 
 
-def adjust_logits(logits: mx.array, rows: Sequence[Row]) -> tuple[mx.array, dict[int, RowFailed]]:
+def adjust_logits(
+    logits: mx.array, rows: Sequence[Row], prefetched: MaskPrefetch | None = None
+) -> tuple[mx.array, dict[int, RowFailed]]:
     """``logits`` with every row's bias and penalties added (one scatter) and its grammar's
     mask applied (one more); rows without either are unchanged. Returns the failures too: a
     row whose grammar is in an error state (it fails alone)."""
@@ -160,7 +165,8 @@ def adjust_logits(logits: mx.array, rows: Sequence[Row]) -> tuple[mx.array, dict
     constrained = [r for r in rows if r[1].grammar is not None]
     if constrained:
         mx.async_eval(logits)  # the forward runs while llguidance fills the masks
-        prefetch.wait()  # no matcher is touched while a prefetch fills it
+        if prefetched is not None:
+            prefetched.wait()  # no matcher is touched while a prefetch fills it
         ok = []
         for r in constrained:
             if r[1].grammar.is_error():
@@ -173,7 +179,7 @@ def adjust_logits(logits: mx.array, rows: Sequence[Row]) -> tuple[mx.array, dict
         matchers = [r[1].grammar for r in constrained]
         masks = None
         if ok:
-            masks = prefetch.take(matchers, logits.shape[-1])
+            masks = prefetched.take(matchers, logits.shape[-1]) if prefetched else None
             if masks is None:
                 masks = fill_masks(matchers, logits.shape[-1])
     if adjusting:
@@ -194,7 +200,9 @@ def adjust_logits(logits: mx.array, rows: Sequence[Row]) -> tuple[mx.array, dict
     return logits, failed
 
 
-def sample_rows(logits: mx.array, rows: Sequence[Row]) -> list[Sampled | RowFailed]:
+def sample_rows(
+    logits: mx.array, rows: Sequence[Row], prefetched: MaskPrefetch | None = None
+) -> list[Sampled | RowFailed]:
     """Samples one token for each (row index, sampler, tokens so far, position) of `logits`.
 
     Bias, penalties and grammar masks first, for the batch (:func:`adjust_logits`). Greedy
@@ -206,7 +214,7 @@ def sample_rows(logits: mx.array, rows: Sequence[Row]) -> list[Sampled | RowFail
     out: dict[int, Sampled | RowFailed] = {}
     if any(r[1].adjusts for r in rows):
         try:
-            logits, failed = adjust_logits(logits, rows)
+            logits, failed = adjust_logits(logits, rows, prefetched)
             out.update(failed)
         except Exception as e:  # whatever llguidance or MLX raises: these rows end alone
             log.exception("adjusting logits failed")
