@@ -7,11 +7,12 @@ from itertools import compress, pairwise, repeat
 from operator import eq
 
 from kvcache_service.ids import LeaseId, Namespace, Tokens
+from kvserve_proto.block_keys import block_keys, namespace_key
 
 
 def chain_seed(ns: Namespace) -> int:
     """The chain hash before a sequence's first block: its namespace's."""
-    return hash(ns)
+    return namespace_key(ns)
 
 
 def chain_hashes(
@@ -23,16 +24,12 @@ def chain_hashes(
     0. So a block is hashed once, by the lease that fills it, not by every acquire over the
     whole prompt.
 
-    A hint, not an identity: a collision only makes a request wait for a commit that then
-    does not match, and it computes the block itself on its retry.
+    The shared, stable block keys (``kvserve_proto.block_keys``): the tier index and the
+    workers' spilled blocks use the same ones. Within this service a hint, not an identity:
+    a collision only makes a request wait for a commit that then does not match, and it
+    computes the block itself on its retry.
     """
-    h = seed
-    out = []
-    end = len(tokens) if stop is None else min(len(tokens), stop * chunk_bytes)
-    for pos in range(first * chunk_bytes, end - chunk_bytes + 1, chunk_bytes):
-        h = hash((h, tokens[pos : pos + chunk_bytes]))
-        out.append(h)
-    return out
+    return block_keys(seed, tokens, first, chunk_bytes, stop)
 
 
 class InFlight:

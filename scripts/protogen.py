@@ -18,14 +18,15 @@ PROTO_ROOT = ROOT / "proto"
 PACKAGE = "kvserve_proto"
 # Hand-written modules of the package, beside the generated ones: generate() leaves them alone
 # and tests/test_proto_up_to_date.py does not compare them.
-HAND_WRITTEN = ("packed_tokens.py",)
+HAND_WRITTEN = ("packed_tokens.py", "block_keys.py")
 # The top package's __init__.py: what tests/test_import_rules.py asks of every package.
 PACKAGE_DOC = '''"""Generated from proto/ by `make proto` (scripts/protogen.py): the gRPC contracts'
-messages and stubs (kvcache.v1, worker.v1). Do not edit; `packed_tokens` is hand-written.
+messages and stubs (kvcache.v1, worker.v1). Do not edit; `packed_tokens` and `block_keys`
+are hand-written.
 
-May import: protobuf and grpc only. Imported only at the processes' edges (servers, servicers,
-converters, clients; `packed_tokens` also where tokens are checked), never by domain code nor
-by kvserve_model (docs/architecture.md, "Import rules").
+May import: protobuf, grpc and xxhash only. Imported only at the processes' edges (servers,
+servicers, converters, clients; `packed_tokens` also where tokens are checked, `block_keys`
+where blocks are named), never by domain code otherwise nor by kvserve_model (docs/architecture.md, "Import rules").
 """
 '''
 

@@ -7,6 +7,53 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEDIUM_UNSPECIFIED: _ClassVar[Medium]
+    MEDIUM_DEVICE: _ClassVar[Medium]
+    MEDIUM_HOST: _ClassVar[Medium]
+    MEDIUM_DISK: _ClassVar[Medium]
+MEDIUM_UNSPECIFIED: Medium
+MEDIUM_DEVICE: Medium
+MEDIUM_HOST: Medium
+MEDIUM_DISK: Medium
+
+class TierSpec(_message.Message):
+    __slots__ = ("medium", "capacity_blocks")
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    medium: Medium
+    capacity_blocks: int
+    def __init__(self, medium: _Optional[_Union[Medium, str]] = ..., capacity_blocks: _Optional[int] = ...) -> None: ...
+
+class TierBlock(_message.Message):
+    __slots__ = ("key", "parent_key", "namespace", "medium")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    parent_key: int
+    namespace: str
+    medium: Medium
+    def __init__(self, key: _Optional[int] = ..., parent_key: _Optional[int] = ..., namespace: _Optional[str] = ..., medium: _Optional[_Union[Medium, str]] = ...) -> None: ...
+
+class UpdateTiersRequest(_message.Message):
+    __slots__ = ("pool", "stored", "dropped")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolRef
+    stored: _containers.RepeatedCompositeFieldContainer[TierBlock]
+    dropped: _containers.RepeatedCompositeFieldContainer[TierBlock]
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., stored: _Optional[_Iterable[_Union[TierBlock, _Mapping]]] = ..., dropped: _Optional[_Iterable[_Union[TierBlock, _Mapping]]] = ...) -> None: ...
+
+class UpdateTiersResponse(_message.Message):
+    __slots__ = ("evict",)
+    EVICT_FIELD_NUMBER: _ClassVar[int]
+    evict: _containers.RepeatedCompositeFieldContainer[TierBlock]
+    def __init__(self, evict: _Optional[_Iterable[_Union[TierBlock, _Mapping]]] = ...) -> None: ...
+
 class PoolLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "bytes_per_block")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -22,7 +69,7 @@ class PoolLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("pool_id", "model_fingerprint", "layout", "num_blocks", "block_size", "worker_address", "model", "incarnation")
+    __slots__ = ("pool_id", "model_fingerprint", "layout", "num_blocks", "block_size", "worker_address", "model", "incarnation", "tiers")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +78,7 @@ class RegisterPoolRequest(_message.Message):
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     model_fingerprint: str
     layout: PoolLayout
@@ -39,7 +87,8 @@ class RegisterPoolRequest(_message.Message):
     worker_address: str
     model: str
     incarnation: int
-    def __init__(self, pool_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., worker_address: _Optional[str] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierSpec]
+    def __init__(self, pool_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., worker_address: _Optional[str] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierSpec, _Mapping]]] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("incarnation", "lease_ttl_s", "heartbeat_interval_s", "max_namespace_chars", "wire_revision")
@@ -70,12 +119,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("expired_lease_ids", "live_leases")
+    __slots__ = ("expired_lease_ids", "live_leases", "tier_evict")
     EXPIRED_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     LIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    TIER_EVICT_FIELD_NUMBER: _ClassVar[int]
     expired_lease_ids: _containers.RepeatedScalarFieldContainer[int]
     live_leases: int
-    def __init__(self, expired_lease_ids: _Optional[_Iterable[int]] = ..., live_leases: _Optional[int] = ...) -> None: ...
+    tier_evict: _containers.RepeatedCompositeFieldContainer[TierBlock]
+    def __init__(self, expired_lease_ids: _Optional[_Iterable[int]] = ..., live_leases: _Optional[int] = ..., tier_evict: _Optional[_Iterable[_Union[TierBlock, _Mapping]]] = ...) -> None: ...
 
 class AcquireLeaseRequest(_message.Message):
     __slots__ = ("pool", "namespace", "prompt_token_ids", "prompt_tokens", "reserve_tokens", "allow_defer", "skip_cache")
@@ -104,18 +155,20 @@ class CopyOnWrite(_message.Message):
     def __init__(self, src_block: _Optional[int] = ..., dst_block: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "block_table", "cached_tokens", "copy_on_write", "expires_at")
+    __slots__ = ("lease_id", "block_table", "cached_tokens", "copy_on_write", "expires_at", "tier_blocks")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COPY_ON_WRITE_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     block_table: _containers.RepeatedScalarFieldContainer[int]
     cached_tokens: int
     copy_on_write: _containers.RepeatedCompositeFieldContainer[CopyOnWrite]
     expires_at: float
-    def __init__(self, lease_id: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., copy_on_write: _Optional[_Iterable[_Union[CopyOnWrite, _Mapping]]] = ..., expires_at: _Optional[float] = ...) -> None: ...
+    tier_blocks: int
+    def __init__(self, lease_id: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., copy_on_write: _Optional[_Iterable[_Union[CopyOnWrite, _Mapping]]] = ..., expires_at: _Optional[float] = ..., tier_blocks: _Optional[int] = ...) -> None: ...
 
 class Deferred(_message.Message):
     __slots__ = ("waiting_on_lease_id", "cached_tokens", "pending_tokens")
@@ -312,7 +365,7 @@ class RouteRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ...) -> None: ...
 
 class PoolRoute(_message.Message):
-    __slots__ = ("pool_id", "worker_address", "cached_tokens", "free_blocks", "evictable_blocks", "live_leases", "alive", "model")
+    __slots__ = ("pool_id", "worker_address", "cached_tokens", "free_blocks", "evictable_blocks", "live_leases", "alive", "model", "tier_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +374,7 @@ class PoolRoute(_message.Message):
     LIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    TIER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     worker_address: str
     cached_tokens: int
@@ -329,7 +383,8 @@ class PoolRoute(_message.Message):
     live_leases: int
     alive: bool
     model: str
-    def __init__(self, pool_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., evictable_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., alive: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+    tier_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., evictable_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., alive: _Optional[bool] = ..., model: _Optional[str] = ..., tier_tokens: _Optional[int] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("pools",)
@@ -450,7 +505,7 @@ class StatsRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "incarnation", "worker_address", "model_fingerprint", "block_size", "num_blocks", "free_blocks", "cached_blocks", "referenced_blocks", "pinned_blocks", "peak_used_blocks", "live_leases", "acquires", "acquire_hits", "deferrals", "exhausted", "prompt_tokens", "cached_tokens", "evicted_blocks", "expired_leases", "alive", "token_hit_rate", "request_hit_rate", "indexed_blocks", "bytes_per_block")
+    __slots__ = ("pool_id", "incarnation", "worker_address", "model_fingerprint", "block_size", "num_blocks", "free_blocks", "cached_blocks", "referenced_blocks", "pinned_blocks", "peak_used_blocks", "live_leases", "acquires", "acquire_hits", "deferrals", "exhausted", "prompt_tokens", "cached_tokens", "evicted_blocks", "expired_leases", "alive", "token_hit_rate", "request_hit_rate", "indexed_blocks", "bytes_per_block", "tiers", "tier_hit_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -476,6 +531,8 @@ class PoolStats(_message.Message):
     REQUEST_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    TIER_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     incarnation: int
     worker_address: str
@@ -501,7 +558,25 @@ class PoolStats(_message.Message):
     request_hit_rate: float
     indexed_blocks: int
     bytes_per_block: int
-    def __init__(self, pool_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., worker_address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., referenced_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., peak_used_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., acquires: _Optional[int] = ..., acquire_hits: _Optional[int] = ..., deferrals: _Optional[int] = ..., exhausted: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., expired_leases: _Optional[int] = ..., alive: _Optional[bool] = ..., token_hit_rate: _Optional[float] = ..., request_hit_rate: _Optional[float] = ..., indexed_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    tier_hit_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., worker_address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., referenced_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., peak_used_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., acquires: _Optional[int] = ..., acquire_hits: _Optional[int] = ..., deferrals: _Optional[int] = ..., exhausted: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., expired_leases: _Optional[int] = ..., alive: _Optional[bool] = ..., token_hit_rate: _Optional[float] = ..., request_hit_rate: _Optional[float] = ..., indexed_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tier_hit_tokens: _Optional[int] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("medium", "blocks", "capacity_blocks", "stored_blocks", "loaded_blocks", "dropped_blocks")
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    medium: Medium
+    blocks: int
+    capacity_blocks: int
+    stored_blocks: int
+    loaded_blocks: int
+    dropped_blocks: int
+    def __init__(self, medium: _Optional[_Union[Medium, str]] = ..., blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., dropped_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("pools",)
@@ -562,20 +637,22 @@ class LookupRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., namespace: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PoolLookup(_message.Message):
-    __slots__ = ("pool_id", "cached_tokens", "matched_blocks", "pending_tokens", "blocks_needed", "copied_tokens")
+    __slots__ = ("pool_id", "cached_tokens", "matched_blocks", "pending_tokens", "blocks_needed", "copied_tokens", "tier_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_NEEDED_FIELD_NUMBER: _ClassVar[int]
     COPIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     cached_tokens: int
     matched_blocks: _containers.RepeatedScalarFieldContainer[int]
     pending_tokens: int
     blocks_needed: int
     copied_tokens: int
-    def __init__(self, pool_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., matched_blocks: _Optional[_Iterable[int]] = ..., pending_tokens: _Optional[int] = ..., blocks_needed: _Optional[int] = ..., copied_tokens: _Optional[int] = ...) -> None: ...
+    tier_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., matched_blocks: _Optional[_Iterable[int]] = ..., pending_tokens: _Optional[int] = ..., blocks_needed: _Optional[int] = ..., copied_tokens: _Optional[int] = ..., tier_tokens: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("pools",)
@@ -610,10 +687,12 @@ class EvictResponse(_message.Message):
     def __init__(self, evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
-    __slots__ = ("pool_id",)
+    __slots__ = ("pool_id", "medium")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
-    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+    medium: Medium
+    def __init__(self, pool_id: _Optional[str] = ..., medium: _Optional[_Union[Medium, str]] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("pool_id", "prefix")

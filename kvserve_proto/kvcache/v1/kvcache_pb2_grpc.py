@@ -84,6 +84,11 @@ class KVCacheServiceStub:
                 request_serializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsResponse.FromString,
                 _registered_method=True)
+        self.UpdateTiers = channel.unary_unary(
+                '/kvcache.v1.KVCacheService/UpdateTiers',
+                request_serializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.UpdateTiersRequest.SerializeToString,
+                response_deserializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.UpdateTiersResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServiceServicer:
@@ -168,6 +173,16 @@ class KVCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateTiers(self, request, context):
+        """What the pool's tiers (RegisterPoolRequest.tiers) now hold, or no longer hold: blocks a
+        worker spilled, and, after every registration, the whole content it found there (the
+        manifest, in as many calls as it takes). Answers the blocks the service dropped from a
+        tier to keep it within its capacity, which the worker deletes (docs/kv-tiers.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -220,6 +235,11 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.FromString,
                     response_serializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsResponse.SerializeToString,
+            ),
+            'UpdateTiers': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateTiers,
+                    request_deserializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.UpdateTiersRequest.FromString,
+                    response_serializer=kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.UpdateTiersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -492,6 +512,33 @@ class KVCacheService:
             '/kvcache.v1.KVCacheService/WatchEvents',
             kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
             kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateTiers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCacheService/UpdateTiers',
+            kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.UpdateTiersRequest.SerializeToString,
+            kvserve__proto_dot_kvcache_dot_v1_dot_kvcache__pb2.UpdateTiersResponse.FromString,
             options,
             channel_credentials,
             insecure,
