@@ -59,6 +59,11 @@ class WorkerConfig(ServerClientFlags):
     extend_ahead_tokens: int = 8
     # Off: every request computes its whole prompt (benchmarks, debugging).
     prefix_caching: bool = True
+    # The disk tier (docs/kv-tiers.md): every committed block is also written here, so blocks
+    # the pool evicts, and everything after a restart, load back instead of being computed.
+    # Empty: no disk tier. Its size in GB; 0: half the free space of its file system at start.
+    offload_dir: str = ""
+    offload_gb: float = 0.0
     # Speculative decoding (a request opts in): a small model with the same tokenizer for
     # "draft_model" speculation (empty: none; "ngram" needs none), and the drafts per step
     # for requests that name no number.
@@ -138,6 +143,10 @@ def check(c: WorkerConfig) -> str | None:
         return f"--dequantize must be one of {', '.join(DEQUANTIZE)}"
     if not 0.0 <= c.kv_memory_fraction <= 1.0:
         return "--kv-memory-fraction must be in [0, 1] (0: the device's default)"
+    if c.offload_gb < 0:
+        return "--offload-gb must be >= 0 (0: half the free disk space)"
+    if c.offload_gb and not c.offload_dir:
+        return "--offload-gb needs --offload-dir (where the disk tier's files go)"
     return None
 
 
@@ -170,6 +179,9 @@ SETTINGS = Settings(
         "prefix_caching": Flag(
             "compute every prompt in full (benchmarks, debugging)", off_only=True
         ),
+        "offload_dir": "the disk tier: a directory every committed KV block is also written "
+        "to; evicted blocks and prefixes from before a restart load back from it",
+        "offload_gb": "the disk tier's size in GB (0: half the free space of its file system)",
         "draft_model": "a small model with the same tokenizer, for requests that ask for "
         "speculative draft_model",
         "num_draft_tokens": "speculative decoding: drafts per step when a request names none",

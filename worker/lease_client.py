@@ -36,6 +36,7 @@ from worker.engine.lease import (
     NoRoom,
     PoolRegistration,
     Rejected,
+    TierEntry,
     Written,
 )
 
@@ -48,6 +49,8 @@ DEFAULT_MAX_NAMESPACE_CHARS = 256
 # The cache service's contract revision this client needs (RegisterPoolResponse): packed
 # token ids, sequence updates, AcquireLeases and ReleaseLeases. Upgrade the service first.
 WIRE_REVISION = 2
+# A tier's medium, as PoolRegistration names it, on the wire.
+_MEDIA = {"host": pb.MEDIUM_HOST, "disk": pb.MEDIUM_DISK}
 
 
 # The cache service's codes (kvcache.proto) -> what the engine does about them. Decided by the
@@ -95,6 +98,7 @@ class LeaseClient:
         self.heartbeat_interval_s = 1.0
         # The longest namespace the service stores (it says so at registration).
         self.max_namespace_chars = DEFAULT_MAX_NAMESPACE_CHARS
+        self._tier_evict: list[int] = []
 
     async def close(self) -> None:
         await self._channel.close()
@@ -129,6 +133,7 @@ class LeaseClient:
                     dtype=reg.dtype,
                     bytes_per_block=reg.bytes_per_block,
                 ),
+                tiers=[pb.TierSpec(medium=_MEDIA[m], capacity_blocks=c) for m, c in reg.tiers],
             ),
         )
         if resp.wire_revision < WIRE_REVISION:
@@ -149,7 +154,30 @@ class LeaseClient:
     async def heartbeat(self) -> list[int]:
         """Renews liveness; returns lease ids that expired since the last report."""
         resp = await self._call(self._stub.Heartbeat, pb.HeartbeatRequest(pool=self._ref))
+        if resp.tier_evict:
+            self._tier_evict += [b.key for b in resp.tier_evict]
         return list(resp.expired_lease_ids)
+
+    async def update_tiers(self, stored: Sequence[TierEntry], dropped: Sequence[int]) -> list[int]:
+        disk = pb.MEDIUM_DISK
+        resp = await self._call(
+            self._stub.UpdateTiers,
+            pb.UpdateTiersRequest(
+                pool=self._ref,
+                stored=[
+                    pb.TierBlock(
+                        key=e.key, parent_key=e.parent_key, namespace=e.namespace, medium=disk
+                    )
+                    for e in stored
+                ],
+                dropped=[pb.TierBlock(key=k, medium=disk) for k in dropped],
+            ),
+        )
+        return [b.key for b in resp.evict]
+
+    def take_tier_evictions(self) -> list[int]:
+        out, self._tier_evict = self._tier_evict, []
+        return out
 
     async def acquire(
         self, asks: Sequence[LeaseAsk]
@@ -181,7 +209,13 @@ class LeaseClient:
                 lease = r.lease
                 cow = tuple((c.src_block, c.dst_block) for c in lease.copy_on_write)
                 out.append(
-                    Lease(lease.lease_id, tuple(lease.block_table), lease.cached_tokens, cow)
+                    Lease(
+                        lease.lease_id,
+                        tuple(lease.block_table),
+                        lease.cached_tokens,
+                        cow,
+                        lease.tier_blocks,
+                    )
                 )
             elif kind == "deferred":
                 d = r.deferred

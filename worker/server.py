@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import mlx.core as mx
@@ -20,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvserve_launch.malformed import MalformedRequests
-from kvserve_launch.startup import EXCLUSIVE_PORT, add_port
+from kvserve_launch.startup import EXCLUSIVE_PORT, StartupError, add_port
 from kvserve_launch.tls import Dialer, server_credentials
 from kvserve_model.context import context_length
 from kvserve_proto.worker.v1 import worker_pb2 as pb
@@ -35,6 +37,8 @@ from worker.model.loader import LoadedModel, load_model
 from worker.model.spec import LayerSpec
 from worker.model_setup import build_executor, model_errors_as_startup_errors
 from worker.servicer import WorkerServicer
+from worker.tier.disk import DiskTier
+from worker.tier.store import TierStore
 from worker.warmup import warm_up_between_requests
 
 log = logging.getLogger(__name__)
@@ -70,7 +74,10 @@ async def running(
     server, port = _bound_server(config)
     worker_id = config.pool_id(port)
     address = config.address(port)
-    registration = _registration(config, loaded, runner, chosen, worker_id, address)
+    tiers = _tier_store(config, loaded, runner)
+    if tiers is not None:
+        await asyncio.to_thread(tiers.start)  # scans what an earlier run left
+    registration = _registration(config, loaded, runner, chosen, worker_id, address, tiers)
     max_context = context_length(loaded.config)
     engine = Engine(
         executor,
@@ -78,6 +85,7 @@ async def running(
         registration,
         _engine_limits(config, executor, chosen, max_context),
         loaded.tokenizer,
+        tiers,
     )
     health_servicer = _add_services(
         server, WorkerServicer(engine, worker_id, config.model, runner.kind, config.stream_interval)
@@ -114,6 +122,8 @@ async def running(
         log.debug("server stopped")
         await engine.stop()
         log.debug("engine stopped")
+        if tiers is not None:
+            await asyncio.to_thread(tiers.close)
         executor.shutdown()
         log.debug("worker %s stopped", worker_id)
 
@@ -144,6 +154,7 @@ def _registration(
     chosen: WorkerLimits,
     worker_id: str,
     address: str,
+    tiers: TierStore | None = None,
 ) -> PoolRegistration:
     """What the pool registers with the cache service: its blocks and their layout."""
     # A pure SSM has no attention layer: its pool layout is all zeros (the cache service only
@@ -161,7 +172,38 @@ def _registration(
         head_dim=layer.k_head_dim,
         dtype=str(runner.spec.dtype),
         bytes_per_block=runner.bytes_per_block,
+        tiers=(("disk", tiers.disk.capacity_blocks),) if tiers is not None else (),
     )
+
+
+def _tier_store(config: WorkerConfig, loaded: LoadedModel, runner: Runner) -> TierStore | None:
+    """The disk tier ``--offload-dir`` asks for (not scanned yet); None without one. Only the
+    paged runner's blocks hold K/V to spill."""
+    if not config.offload_dir:
+        return None
+    pool = getattr(runner, "pool", None)
+    if runner.kind != "paged" or pool is None:
+        log.warning("--offload-dir ignored: the %s runner's blocks hold no K/V", runner.kind)
+        return None
+    root = Path(config.offload_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    size = config.offload_gb * 1e9 or shutil.disk_usage(root).free / 2
+    capacity = int(size // pool.bytes_per_block)
+    if capacity < 1:
+        raise StartupError(
+            f"--offload-gb {config.offload_gb:g} holds no block of {pool.bytes_per_block} bytes"
+        )
+    disk = DiskTier(
+        root, loaded.fingerprint, pool.describe_layout(), pool.bytes_per_block, capacity
+    )
+    log.info(
+        "disk tier %s: %d blocks (%.1f GB) of %d bytes",
+        disk.dir,
+        capacity,
+        capacity * pool.bytes_per_block / 1e9,
+        pool.bytes_per_block,
+    )
+    return TierStore(disk, runner.block_size)
 
 
 def _engine_limits(

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Protocol, cast
@@ -183,6 +183,11 @@ class ModelExecutor:
         warm-up's), keeping every running sequence's."""
         if self.draft is not None:
             await self.call(self.draft.forget, keys)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Queues ``fn(*args)`` on the model thread now (not when awaited): work that must
+        run before any step queued after it (a tier's copy of blocks about to be released)."""
+        return self._thread.submit(fn, *args)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the model thread (what touches the runner or MLX streams)."""

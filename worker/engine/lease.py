@@ -65,6 +65,9 @@ class Lease:
     block_table: tuple[int, ...]
     cached_tokens: int
     copy_on_write: tuple[tuple[int, int], ...]
+    # Blocks after the cached ones that the pool's tiers hold: load them (worker.tier), or
+    # compute them.
+    tier_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +112,17 @@ class PoolRegistration:
     head_dim: int
     dtype: str
     bytes_per_block: int = 0
+    # The worker's tiers beside the pool: (medium, capacity in blocks); medium "disk".
+    tiers: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TierEntry:
+    """A block a tier holds, as the cache service is told of it (kvserve_proto.block_keys)."""
+
+    key: int
+    parent_key: int
+    namespace: str
 
 
 class LeaseService(Protocol):
@@ -151,6 +165,15 @@ class LeaseService(Protocol):
 
     async def release(self, items: Sequence[tuple[int, Written | None]]) -> list[LeaseError | None]:
         """Releases leases (committing what ``Written`` says); per item None or its error."""
+        ...
+
+    async def update_tiers(self, stored: Sequence[TierEntry], dropped: Sequence[int]) -> list[int]:
+        """Tells the service what the disk tier now holds and no longer holds; returns the
+        keys it dropped from the tier (to delete)."""
+        ...
+
+    def take_tier_evictions(self) -> list[int]:
+        """Tier keys the service dropped that heartbeats brought back (to delete)."""
         ...
 
     async def close(self) -> None: ...

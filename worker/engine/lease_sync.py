@@ -67,6 +67,7 @@ from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, Status
 from worker.engine.step import Step
 from worker.engine.step_budget import StepBudget
+from worker.engine.tier_sync import TierSync
 from worker.errors import CacheOutage, CacheRejected, InvalidRequest, NotAdmitted, WorkerError
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ class LeaseSync:
         wake_steps: Callable[[], None],
         end: Callable[[Sequence, WorkerError], None],
         budget: StepBudget | None = None,
+        tiers: TierSync | None = None,
     ) -> None:
         """``step_lock``: held by the step loop around each step (recovery takes it, so no step
         runs on void leases). ``wake_steps``: a sequence can step (admitted, grown, requeued).
@@ -126,6 +128,7 @@ class LeaseSync:
         self._wake_steps = wake_steps
         self._end = end
         self._budget = budget
+        self.tiers = tiers
         self.preemptions = 0
         self._admit = asyncio.Event()
         self._probe: asyncio.Task | None = None  # check_reachable's heartbeat, in flight
@@ -145,6 +148,8 @@ class LeaseSync:
     async def start(self) -> None:
         """Registers the pool (retrying until the service answers), then admits and beats."""
         await self._register()
+        if self.tiers is not None:
+            self.tiers.start()
         self._tasks += [
             asyncio.create_task(self._admit_loop()),
             asyncio.create_task(self._heartbeat_loop()),
@@ -157,6 +162,8 @@ class LeaseSync:
         if self._extension is not None:
             self._extension.cancel()
         await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
+        if self.tiers is not None:
+            await self.tiers.stop()
         await self.client.close()
 
     @property
@@ -182,6 +189,11 @@ class LeaseSync:
             )
             if self._budget is not None:
                 self._budget.set_ttl(self.client.lease_ttl_s)
+            if self.tiers is not None:
+                try:
+                    await self.tiers.after_register()
+                except LeaseError as err:  # the tier's content is a hint: serve without it
+                    log.warning("cannot send the disk tier's manifest: %s", err)
             self._outage.recovered()
             return
 
@@ -229,6 +241,8 @@ class LeaseSync:
             full = seq.num_computed // self.block_size * self.block_size
             if full > seq.committed_tokens:
                 seq.committed_tokens = full
+                if self.tiers is not None:  # queued before the commit goes out
+                    self.tiers.spill(seq, full // self.block_size)
                 written = _written(seq)
                 items.append((seq.lease.lease_id, written))
         if items:
@@ -246,6 +260,8 @@ class LeaseSync:
         written = None
         if self.policy.publish_blocks:
             written = _written(seq)
+            if self.tiers is not None:  # queued before the release goes out
+                self.tiers.spill(seq, written.count // self.block_size)
         seq.lease = None
         self._releases.add(lease.lease_id, written, then)
 
@@ -386,6 +402,8 @@ class LeaseSync:
                 seq.num_tokens,
             )
             seq.admit(result)
+            if self.tiers is not None:
+                self.tiers.load(seq, result)
             self.scheduler.admitted(seq)
             self._wake_steps()
 

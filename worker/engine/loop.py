@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from worker.engine.executor import ModelExecutor
 from worker.engine.final_hold import FinalHold
@@ -31,7 +31,11 @@ from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, Status
 from worker.engine.step import Step
 from worker.engine.step_budget import ForwardTime, StepBudget
+from worker.engine.tier_sync import TierSync
 from worker.errors import Cancelled, ShuttingDown, StepFailed, WorkerError
+
+if TYPE_CHECKING:  # built by the assembly (worker.server): it names blocks with kvserve_proto
+    from worker.tier.store import TierStore
 
 # How often background work waiting for an idle engine looks again.
 IDLE_POLL_S = 0.05
@@ -84,7 +88,10 @@ class Engine:
         registration: PoolRegistration,
         limits: EngineLimits,
         tokenizer: Any,
+        tiers: TierStore | None = None,
     ) -> None:
+        """``tiers``: the worker's disk tier (``--offload-dir``), started (scanned); None:
+        none."""
         self.executor = executor
         self.registration = registration
         self.limits = limits
@@ -101,6 +108,16 @@ class Engine:
         self._work = asyncio.Event()
         self._step_lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
+        self.tiers = None
+        if tiers is not None:
+            self.tiers = TierSync(
+                tiers,
+                client,
+                cast(Any, executor.runner).pool,
+                executor.submit,
+                step_lock=self._step_lock,
+                wake_steps=self._work.set,
+            )
         self.leases = LeaseSync(
             client,
             registration,
@@ -118,6 +135,7 @@ class Engine:
             wake_steps=self._work.set,
             end=self._end,
             budget=self.budget,
+            tiers=self.tiers,
         )
         self.intake = Intake(
             RequestLimits(

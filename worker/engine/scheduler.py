@@ -92,7 +92,7 @@ class Scheduler:
         for seq in self.running:
             if len(items) == self.max_batch_size or budget == 0:
                 break
-            if seq.to_compute == 1 and seq.capacity > seq.num_computed:
+            if seq.to_compute == 1 and seq.capacity > seq.num_computed and seq.loading is None:
                 room = min(self.draft_room(seq), budget - 1)
                 if room > 0 and seq.drafter is not None:
                     drafter = seq.drafter
@@ -116,7 +116,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if len(items) == self.max_batch_size:
                 break
-            if seq.to_compute > 1:
+            if seq.to_compute > 1 and seq.loading is None:
                 n = min(seq.to_compute, seq.capacity - seq.num_computed, budget // (chunks + 1))
                 if n < 1 or (chunks + 1) * max(longest, n) > budget:
                     break

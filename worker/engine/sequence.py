@@ -209,6 +209,11 @@ class Sequence:
     # across preemptions; the lease sync passes it, then ends it, after a bound.
     no_room_since: float | None = None
     preemptions: int = 0
+    # The lease whose tier blocks are being loaded into this sequence's blocks (it does not
+    # step meanwhile: worker.engine.tier_sync); None: none.
+    loading: Lease | None = None
+    # Leading blocks already spilled to the tiers (or found there) under the current lease.
+    spilled_blocks: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -240,6 +245,7 @@ class Sequence:
         self.block_table = list(lease.block_table)
         self.num_computed = lease.cached_tokens
         self.pending_cow = lease.copy_on_write
+        self.spilled_blocks = 0
         self.committed_tokens = lease.cached_tokens // self.block_size * self.block_size
         if self.cached_tokens is None:
             self.cached_tokens = lease.cached_tokens
@@ -254,4 +260,5 @@ class Sequence:
         self.block_table = []
         self.num_computed = 0
         self.pending_cow = ()
+        self.loading = None
         self.status = Status.WAITING

@@ -172,6 +172,55 @@ class KVPool:
         del copies
         mx.eval(self.arrays())
 
+    def describe_layout(self) -> str:
+        """The pool's layout as one line: what a spilled block's bytes mean (worker.tier)."""
+        layers = ",".join(f"{s.n_kv_heads}x{s.k_head_dim}/{s.v_head_dim}" for s in self.layers)
+        return f"head-major;bs={self.block_size};dtype={self.dtype};layers={layers}"
+
+    def read_blocks(self, blocks: Sequence[int]) -> list[bytes]:
+        """A copy of each block's K and V in every layer, as one payload per block: per layer,
+        K ``[heads, block_size, k_dim]`` then V, C order, the pool's dtype (worker.tier spills
+        them). On the model thread; the pool is only read."""
+        if not blocks:
+            return []
+        self.check_blocks(blocks)
+        ids = mx.array(list(blocks), dtype=mx.int32)
+        parts = []
+        for k, v in zip(self._keys, self._values, strict=True):
+            parts += [k[:, ids].view(mx.uint8), v[:, ids].view(mx.uint8)]
+        mx.eval(parts)
+        host = [np.array(p) for p in parts]  # [heads, n, block_size, dim * itemsize]
+        del parts
+        return [b"".join(a[:, j].tobytes() for a in host) for j in range(len(blocks))]
+
+    def write_blocks(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None:
+        """Writes payloads of :meth:`read_blocks`' form into ``blocks`` (a tier's blocks
+        loaded back), before any forward reads them."""
+        if not blocks:
+            return
+        self.check_blocks(blocks)
+        per = self.bytes_per_block
+        bad = [len(p) for p in payloads if len(p) != per]
+        if len(payloads) != len(blocks) or bad:
+            raise BatchError(f"block payloads must be {per} bytes each, one per block")
+        ids = mx.array(list(blocks), dtype=mx.int32)
+        size, bs, n = self.dtype.size, self.block_size, len(blocks)
+        offset = 0
+        for layer, s in enumerate(self.layers):
+            for dim, arrays in ((s.k_head_dim, self._keys), (s.v_head_dim, self._values)):
+                count = s.n_kv_heads * bs * dim * size
+                stacked = np.stack(
+                    [
+                        np.frombuffer(p, np.uint8, count, offset).reshape(s.n_kv_heads, bs, -1)
+                        for p in payloads
+                    ],
+                    axis=1,
+                )  # [heads, n, block_size, dim * itemsize]
+                value = mx.array(stacked).view(self.dtype).reshape(s.n_kv_heads, n, bs, dim)
+                arrays[layer][:, ids] = value
+                offset += count
+        mx.eval(self.arrays())
+
     def check_blocks(self, blocks: Sequence[int]) -> None:
         """Raise :class:`BatchError` unless every id names a leasable block of this pool."""
         bad = [b for b in blocks if not 0 <= b < self.num_blocks]

@@ -1,0 +1,195 @@
+"""The engine's side of the tiers: what it spills, what it loads, what it tells the service.
+
+``LeaseSync`` calls it at four points: after every registration (``after_register``: the
+disk tier's manifest, in chunks), when a sequence's full blocks are committed or its lease is
+released (``spill``: write-through of blocks the tier does not hold), when a lease is granted
+with ``tier_blocks`` (``load``), and at stop. The bytes move on other threads: a block is
+copied out of the pool on the model thread (queued there before the commit or release that
+lets the service hand the block to another lease, so the copy is what this lease wrote) and
+written by the store's writer; a load reads and checks files on the store's load threads while
+the engine steps other sequences, then writes the blocks into the pool on the model thread
+under the step lock, and only then lets the sequence step (``Sequence.loading``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol
+
+from worker.engine.lease import Lease, LeaseError, LeaseService, TierEntry
+from worker.engine.sequence import Sequence, Status
+from worker.tier.block_file import BlockMeta
+
+if TYPE_CHECKING:  # built by the assembly (worker.server): it names blocks with kvserve_proto
+    from worker.tier.store import TierStore
+
+log = logging.getLogger(__name__)
+
+REPORT_EVERY_S = 0.25
+MANIFEST_CHUNK = 8192
+
+
+class PoolIO(Protocol):
+    def read_blocks(self, blocks: list[int]) -> list[bytes]: ...
+
+    def write_blocks(self, blocks: list[int], payloads: list[bytes]) -> None: ...
+
+
+def _entry(meta: BlockMeta) -> TierEntry:
+    return TierEntry(meta.key, meta.parent_key, meta.namespace)
+
+
+class TierSync:
+    def __init__(
+        self,
+        store: TierStore,
+        client: LeaseService,
+        pool: PoolIO,
+        on_model_thread: Callable[..., Future[Any]],
+        *,
+        step_lock: asyncio.Lock,
+        wake_steps: Callable[[], None],
+    ) -> None:
+        self.store = store
+        self.client = client
+        self.pool = pool
+        self.block_size = store.block_size
+        self._on_model = on_model_thread
+        self._step_lock = step_lock
+        self._wake_steps = wake_steps
+        self._task: asyncio.Task | None = None
+        self._loads: set[asyncio.Task] = set()
+        self.loaded_tokens = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._report_loop())
+
+    async def stop(self) -> None:
+        for task in [self._task, *self._loads]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in [self._task, *self._loads] if t), return_exceptions=True)
+        await asyncio.to_thread(self.store.flush)
+        with contextlib.suppress(LeaseError):
+            await self._report_once()
+
+    # -- the service --------------------------------------------------------------------------
+
+    async def after_register(self) -> None:
+        """The tier's whole content (the manifest), after a registration: the service starts
+        every incarnation with an empty tier index."""
+        metas = self.store.manifest()
+        for i in range(0, len(metas), MANIFEST_CHUNK):
+            chunk = [_entry(m) for m in metas[i : i + MANIFEST_CHUNK]]
+            evict = await self.client.update_tiers(chunk, [])
+            if evict:
+                await asyncio.to_thread(self.store.evict, evict)
+        if metas:
+            log.info("told the cache service of %d blocks in the disk tier", len(metas))
+
+    async def _report_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REPORT_EVERY_S)
+            try:
+                await self._report_once()
+            except LeaseError as err:  # the lease sync handles outages and fences
+                log.debug("tier report failed: %s", err)
+            except Exception:
+                log.exception("tier report failed")
+
+    async def _report_once(self) -> None:
+        evict = self.client.take_tier_evictions()
+        stored, dropped = self.store.take_reports()
+        if stored or dropped:
+            try:
+                evict += await self.client.update_tiers([_entry(m) for m in stored], dropped)
+            except LeaseError:
+                self.store.give_back(stored, dropped)
+                raise
+        if evict:
+            await asyncio.to_thread(self.store.evict, evict)
+
+    # -- spilling -----------------------------------------------------------------------------
+
+    def spill(self, seq: Sequence, upto: int) -> None:
+        """Spills ``seq``'s full blocks before position ``upto`` that were not spilled yet and
+        that the tier does not hold. Queued on the model thread now: before the commit or
+        release the caller sends next, so before any other lease can write these blocks."""
+        first = seq.spilled_blocks
+        upto = min(upto, len(seq.block_table))
+        if upto <= first:
+            return
+        seq.spilled_blocks = upto
+        metas = self.store.to_spill(
+            self.store.metas(seq.namespace, seq.token_slice(0, upto * self.block_size), first, upto)
+        )
+        if not metas:
+            return
+        blocks = [seq.block_table[m.position] for m in metas]
+        self._on_model(self._copy_out, blocks, metas)
+
+    def _copy_out(self, blocks: list[int], metas: list[BlockMeta]) -> None:
+        try:
+            self.store.enqueue(metas, self.pool.read_blocks(blocks))
+        except Exception:
+            log.exception("copying %d blocks out for the disk tier failed", len(blocks))
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def load(self, seq: Sequence, lease: Lease) -> None:
+        """Loads ``lease``'s tier blocks for ``seq`` (just admitted with it) in the background;
+        the sequence does not step until they are in its blocks, or found missing."""
+        if not lease.tier_blocks or not self.store.load_worth:
+            return
+        seq.loading = lease
+        task = asyncio.create_task(self._load(seq, lease))
+        self._loads.add(task)
+        task.add_done_callback(self._loads.discard)
+
+    async def _load(self, seq: Sequence, lease: Lease) -> None:
+        bs = self.block_size
+        first = lease.cached_tokens // bs
+        stop = first + lease.tier_blocks
+        try:
+            expected = self.store.metas(seq.namespace, seq.token_slice(0, stop * bs), first, stop)
+            payloads = await asyncio.to_thread(self.store.load, expected)
+            async with self._step_lock:
+                if payloads and self._still_mine(seq, lease, first * bs):
+                    blocks = [seq.block_table[p] for p in range(first, first + len(payloads))]
+                    await asyncio.wrap_future(
+                        self._on_model(self.pool.write_blocks, blocks, payloads)
+                    )
+                    if self._still_mine(seq, lease, first * bs):
+                        n = len(payloads) * bs
+                        seq.num_computed += n
+                        seq.spilled_blocks = max(seq.spilled_blocks, first + len(payloads))
+                        if seq.cached_tokens == lease.cached_tokens and not seq.output:
+                            seq.cached_tokens += n  # usage: loaded, not computed
+                        self.loaded_tokens += n
+                if len(payloads) < lease.tier_blocks:
+                    log.info(
+                        "%s: loaded %d of %d tier blocks; computing the rest",
+                        seq.request_id,
+                        len(payloads),
+                        lease.tier_blocks,
+                    )
+        except Exception:
+            log.exception("%s: loading tier blocks failed; computing them", seq.request_id)
+        finally:
+            if seq.loading is lease:
+                seq.loading = None
+            self._wake_steps()
+
+    @staticmethod
+    def _still_mine(seq: Sequence, lease: Lease, computed: int) -> bool:
+        """The sequence still holds ``lease``, runs, and has computed nothing since."""
+        return (
+            seq.lease is lease
+            and seq.status is Status.RUNNING
+            and not seq.aborted
+            and seq.num_computed == computed
+        )

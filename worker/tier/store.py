@@ -1,0 +1,237 @@
+"""What the engine talks to about tiers: spill written blocks, load granted ones, report both.
+
+- **Spill, write-through**: every full block a sequence commits is copied out of the pool on
+  the model thread (``KVPool.read_blocks``, queued before the commit or release that lets the
+  cache service reuse the block, so the copy is of what the lease wrote) and written by one
+  writer thread, off the step path. A block a tier already holds, or one queued, is not copied
+  again. While the writer is behind by more than ``max_backlog_bytes``, new blocks are not
+  spilled (they stay in the pool and are written if committed again later): memory stays
+  bounded and no step waits for the disk.
+- **Load**: a grant's ``tier_blocks`` are read and checked on load threads (the file must be
+  the block expected: model, layout, key, position, namespace, tokens, prefix digest and
+  payload checksum), in parallel; the run stops at the first block that fails, which is
+  dropped and reported, and the sequence computes from there. A block still queued for
+  writing is loaded from the queue.
+- **Reports**: blocks written (``stored``) and found bad or missing (``dropped``) are
+  collected for the next ``UpdateTiers``; the service answers the blocks it evicts, which are
+  deleted (``evict``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from kvserve_proto.block_keys import block_keys, namespace_key
+from kvserve_proto.packed_tokens import pack
+from worker.tier.block_file import BlockMeta, checksum, prefix_digests
+from worker.tier.disk import DiskTier
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BACKLOG_BYTES = 256 << 20
+LOAD_THREADS = 4
+
+
+@dataclass(slots=True)
+class TierCounters:
+    spilled_blocks: int = 0  # queued for writing
+    skipped_blocks: int = 0  # not spilled: the writer was too far behind
+    loaded_blocks: int = 0
+    load_failures: int = 0  # granted blocks that could not be loaded (then computed)
+
+
+class TierStore:
+    """The worker's tiers (today: the disk tier) behind one interface."""
+
+    def __init__(
+        self,
+        disk: DiskTier,
+        block_size: int,
+        *,
+        max_backlog_bytes: int = DEFAULT_BACKLOG_BYTES,
+    ) -> None:
+        self.disk = disk
+        self.block_size = block_size
+        self.block_bytes = block_size * 4  # packed tokens of one block
+        self.max_backlog_bytes = max_backlog_bytes
+        self.counters = TierCounters()
+        # Whether a granted block is loaded rather than computed (worker.tier.speed decides
+        # it by measurement; True until it has).
+        self.load_worth = True
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[BlockMeta, bytes]] = {}
+        self._backlog = 0
+        self._queue: queue.SimpleQueue[tuple[BlockMeta, bytes] | None] = queue.SimpleQueue()
+        self._stored: list[BlockMeta] = []
+        self._dropped: list[int] = []
+        self._writer: threading.Thread | None = None
+        self._readers = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-tier-load")
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> list[BlockMeta]:
+        """Scans the disk tier and starts the writer; returns what the tier holds (the
+        manifest the cache service hears after every registration)."""
+        metas = self.disk.scan()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-tier-write", daemon=True)
+        self._writer.start()
+        return metas
+
+    def close(self) -> None:
+        """Writes what is queued, then stops the writer."""
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join()
+            self._writer = None
+        self._readers.shutdown(wait=True)
+
+    def manifest(self) -> list[BlockMeta]:
+        """Every block the tiers hold now (what a registration is followed by)."""
+        return self.disk.metas()
+
+    # -- naming blocks ------------------------------------------------------------------------
+
+    def metas(self, namespace: str, tokens: list[int], first: int, stop: int) -> list[BlockMeta]:
+        """What blocks ``first`` .. ``stop - 1`` of a sequence of ``tokens`` are (no payload
+        yet): keys, parents, tokens, prefix digests."""
+        bs = self.block_size
+        packed = pack(tokens[: stop * bs])
+        keys = block_keys(namespace_key(namespace), packed, 0, self.block_bytes, stop)
+        digests = prefix_digests(namespace, packed, first, stop, self.block_bytes)
+        out = []
+        for pos in range(first, stop):
+            out.append(
+                BlockMeta(
+                    key=keys[pos],
+                    parent_key=keys[pos - 1] if pos else namespace_key(namespace),
+                    position=pos,
+                    namespace=namespace,
+                    tokens=tuple(tokens[pos * bs : (pos + 1) * bs]),
+                    prefix_digest=digests[pos - first],
+                    fingerprint=self.disk.fingerprint,
+                    layout=self.disk.layout,
+                    payload_len=self.disk.payload_len,
+                    checksum="",
+                )
+            )
+        return out
+
+    # -- spilling -----------------------------------------------------------------------------
+
+    def to_spill(self, metas: list[BlockMeta]) -> list[BlockMeta]:
+        """Those of ``metas`` the tiers neither hold nor have queued; none while the writer
+        is too far behind (counted as skipped)."""
+        with self._lock:
+            new = [m for m in metas if m.key not in self._pending and m.key not in self.disk]
+            if new and self._backlog >= self.max_backlog_bytes:
+                self.counters.skipped_blocks += len(new)
+                return []
+            return new
+
+    def enqueue(self, metas: list[BlockMeta], payloads: list[bytes]) -> None:
+        """Queues blocks copied out of the pool for writing (the model thread calls it)."""
+        with self._lock:
+            for meta, payload in zip(metas, payloads, strict=True):
+                if meta.key in self._pending:
+                    continue
+                self._pending[meta.key] = (meta, payload)
+                self._backlog += len(payload)
+                self._queue.put((meta, payload))
+            self.counters.spilled_blocks += len(metas)
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            meta, payload = item
+            try:
+                written = self.disk.write(replace(meta, checksum=checksum(payload)), payload)
+            except Exception:  # a bug must not stop spilling for good
+                log.exception("disk tier: writing block %016x failed", meta.key)
+                written = False
+            with self._lock:
+                self._pending.pop(meta.key, None)
+                self._backlog -= len(payload)
+                if written:
+                    self._stored.append(meta)
+
+    def flush(self) -> None:
+        """Waits until everything queued so far is written (tests, shutdown)."""
+        with self._lock:
+            keys = set(self._pending)
+        while keys:
+            time.sleep(0.01)
+            with self._lock:
+                keys &= self._pending.keys()
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def load(self, expected: list[BlockMeta]) -> list[bytes]:
+        """The payloads of the leading blocks of ``expected`` that load and check out, in
+        order; blocking (call it off the event loop). The first that fails ends the run: it
+        is dropped (and reported), and what comes after it is not used."""
+        if not expected:
+            return []
+        found: list[bytes | None] = list(self._readers.map(self._load_one, expected))
+        out: list[bytes] = []
+        for meta, payload in zip(expected, found, strict=True):
+            if payload is None:
+                self.counters.load_failures += len(expected) - len(out)
+                with self._lock:
+                    self._dropped.append(meta.key)
+                break
+            out.append(payload)
+        self.counters.loaded_blocks += len(out)
+        return out
+
+    def _load_one(self, expect: BlockMeta) -> bytes | None:
+        with self._lock:
+            queued = self._pending.get(expect.key)
+        if queued is not None:
+            meta, payload = queued
+            same = (meta.position, meta.namespace, meta.tokens, meta.prefix_digest) == (
+                expect.position,
+                expect.namespace,
+                expect.tokens,
+                expect.prefix_digest,
+            )
+            return payload if same else None
+        return self.disk.read(expect)
+
+    # -- the cache service --------------------------------------------------------------------
+
+    def take_reports(self) -> tuple[list[BlockMeta], list[int]]:
+        """Blocks written and blocks dropped since the last call."""
+        with self._lock:
+            stored, self._stored = self._stored, []
+            dropped, self._dropped = self._dropped, []
+        return stored, dropped
+
+    def give_back(self, stored: list[BlockMeta], dropped: list[int]) -> None:
+        """Reports that did not reach the service, for the next call."""
+        with self._lock:
+            self._stored[:0] = stored
+            self._dropped[:0] = dropped
+
+    def evict(self, keys: list[int]) -> None:
+        """Deletes blocks the service dropped from the tier."""
+        self.disk.delete(keys)
+
+    def stats(self) -> dict[str, int | float | bool | str]:
+        c = self.counters
+        return {
+            "dir": str(self.disk.dir),
+            "blocks": len(self.disk),
+            "capacity_blocks": self.disk.capacity_blocks,
+            "spilled_blocks": c.spilled_blocks,
+            "skipped_blocks": c.skipped_blocks,
+            "loaded_blocks": c.loaded_blocks,
+            "load_failures": c.load_failures,
+            "write_failures": self.disk.write_failures,
+            "bad_reads": self.disk.bad_reads,
+            "backlog_bytes": self._backlog,
+            "load_worth": self.load_worth,
+        }
