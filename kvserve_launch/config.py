@@ -42,6 +42,10 @@ class LaunchConfig(ServerClientFlags):
     # Per-worker KV pool; 0: the worker's own default (a memory budget, KVWORKER_*).
     num_blocks: int = 0
     block_size: int = 0
+    # The workers' disk tier (docs/kv-tiers.md): worker i keeps its blocks under
+    # <offload_dir>/worker-<i>, up to offload_gb GB each (0: half the free space). Empty: none.
+    offload_dir: str = ""
+    offload_gb: float = 0.0
     startup_timeout_s: float = 300.0
     # A child that dies is restarted after this, doubling each time up to 30 s
     # (kvserve_launch.supervisor); more than max_restarts deaths of one child within
@@ -85,6 +89,8 @@ def check(c: LaunchConfig) -> str | None:
         return "--cache-shards must be at least 1"
     if c.num_blocks < 0 or c.block_size < 0:
         return "--num-blocks and --block-size must not be negative"
+    if c.offload_gb < 0 or (c.offload_gb and not c.offload_dir):
+        return "--offload-gb must be >= 0 and needs --offload-dir"
     if c.restart_backoff_s <= 0 or c.max_restarts < 0 or c.restart_window_s <= 0:
         return "--restart-backoff-s and --restart-window-s must be positive, --max-restarts >= 0"
     return check_tls(c.tls_cert, c.tls_key, c.tls_ca, c.tls_server_name, c.tls_client_ca)
@@ -130,6 +136,9 @@ SETTINGS = Settings(
         "admin_token": Flag("admin bearer token (default: a random one, printed)", secret=True),
         "num_blocks": "KV blocks per worker (0: the worker's default)",
         "block_size": "tokens per KV block (0: the worker's default)",
+        "offload_dir": "the workers' disk tier: worker i keeps every committed KV block under "
+        "DIR/worker-i, so evicted prefixes and those from before a restart load back",
+        "offload_gb": "each worker's disk tier size in GB (0: half the free disk space)",
         "startup_timeout_s": "how long each process may take to get ready",
         "restart_backoff_s": "a child that dies restarts after this, doubling up to 30 s",
         "max_restarts": "restarts of one child within --restart-window-s before giving up",

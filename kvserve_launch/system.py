@@ -139,6 +139,11 @@ def worker_command(
         argv += ["--num-blocks", str(cfg.num_blocks)]
     if cfg.block_size:
         argv += ["--block-size", str(cfg.block_size)]
+    if cfg.offload_dir:
+        # One directory per worker: a tier's files are its worker's alone.
+        argv += ["--offload-dir", os.path.join(cfg.offload_dir, f"worker-{index}")]
+        if cfg.offload_gb:
+            argv += ["--offload-gb", f"{cfg.offload_gb:g}"]
     return argv + tls_flags(cfg)
 
 
