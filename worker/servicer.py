@@ -268,4 +268,22 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             draft_tokens=e.stats.draft_tokens,
             accepted_draft_tokens=e.stats.accepted_draft_tokens,
             draft_model=e.limits.draft_model,
+            tier=self._tier_info(),
+        )
+
+    def _tier_info(self) -> pb.TierInfo | None:
+        tiers = self.engine.tiers
+        if tiers is None:
+            return None
+        s = tiers.store.stats()
+        return pb.TierInfo(
+            dir=str(s["dir"]),
+            blocks=int(s["blocks"]),
+            capacity_blocks=int(s["capacity_blocks"]),
+            spilled_blocks=int(s["spilled_blocks"]),
+            skipped_blocks=int(s["skipped_blocks"]),
+            loaded_tokens=tiers.loaded_tokens,
+            load_failures=int(s["load_failures"]),
+            write_failures=int(s["write_failures"]),
+            read_mb_s=float(s["read_mb_s"]),
         )

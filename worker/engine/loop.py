@@ -117,6 +117,7 @@ class Engine:
                 executor.submit,
                 step_lock=self._step_lock,
                 wake_steps=self._work.set,
+                prefill_s_per_token=lambda: self.budget.s_per_token,
             )
         self.leases = LeaseSync(
             client,

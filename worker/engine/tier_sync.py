@@ -53,6 +53,7 @@ class TierSync:
         *,
         step_lock: asyncio.Lock,
         wake_steps: Callable[[], None],
+        prefill_s_per_token: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.store = store
         self.client = client
@@ -61,6 +62,7 @@ class TierSync:
         self._on_model = on_model_thread
         self._step_lock = step_lock
         self._wake_steps = wake_steps
+        self._s_per_token = prefill_s_per_token
         self._task: asyncio.Task | None = None
         self._loads: set[asyncio.Task] = set()
         self.loaded_tokens = 0
@@ -143,7 +145,7 @@ class TierSync:
     def load(self, seq: Sequence, lease: Lease) -> None:
         """Loads ``lease``'s tier blocks for ``seq`` (just admitted with it) in the background;
         the sequence does not step until they are in its blocks, or found missing."""
-        if not lease.tier_blocks or not self.store.load_worth:
+        if not lease.tier_blocks or not self.store.load_worth(self._s_per_token()):
             return
         seq.loading = lease
         task = asyncio.create_task(self._load(seq, lease))

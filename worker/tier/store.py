@@ -30,6 +30,7 @@ from kvserve_proto.block_keys import block_keys, namespace_key
 from kvserve_proto.packed_tokens import pack
 from worker.tier.block_file import BlockMeta, checksum, prefix_digests
 from worker.tier.disk import DiskTier
+from worker.tier.speed import load_beats_compute, measure_read_rate
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,9 @@ class TierStore:
         self.block_bytes = block_size * 4  # packed tokens of one block
         self.max_backlog_bytes = max_backlog_bytes
         self.counters = TierCounters()
-        # Whether a granted block is loaded rather than computed (worker.tier.speed decides
-        # it by measurement; True until it has).
-        self.load_worth = True
+        # Bytes a second the tier reads back (worker.tier.speed: probed at start, then an
+        # average over the loads themselves).
+        self.read_rate = 0.0
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[BlockMeta, bytes]] = {}
         self._backlog = 0
@@ -78,6 +79,8 @@ class TierStore:
         """Scans the disk tier and starts the writer; returns what the tier holds (the
         manifest the cache service hears after every registration)."""
         metas = self.disk.scan()
+        self.read_rate = measure_read_rate(self.disk.dir)
+        log.info("disk tier reads back at %.0f MB/s", self.read_rate / 1e6)
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-write", daemon=True)
         self._writer.start()
         return metas
@@ -175,7 +178,9 @@ class TierStore:
         is dropped (and reported), and what comes after it is not used."""
         if not expected:
             return []
+        start = time.perf_counter()
         found: list[bytes | None] = list(self._readers.map(self._load_one, expected))
+        took = time.perf_counter() - start
         out: list[bytes] = []
         for meta, payload in zip(expected, found, strict=True):
             if payload is None:
@@ -185,7 +190,17 @@ class TierStore:
                 break
             out.append(payload)
         self.counters.loaded_blocks += len(out)
+        if len(out) >= 4 and took > 0:  # a rate worth averaging in
+            rate = sum(map(len, out)) / took
+            self.read_rate = rate if not self.read_rate else 0.5 * (self.read_rate + rate)
         return out
+
+    def load_worth(self, s_per_token: float | None) -> bool:
+        """Whether granted blocks are loaded rather than computed, at the engine's measured
+        prefill seconds per token (worker.tier.speed)."""
+        return load_beats_compute(
+            self.disk.payload_len, self.read_rate, self.block_size, s_per_token
+        )
 
     def _load_one(self, expect: BlockMeta) -> bytes | None:
         with self._lock:
@@ -233,5 +248,5 @@ class TierStore:
             "write_failures": self.disk.write_failures,
             "bad_reads": self.disk.bad_reads,
             "backlog_bytes": self._backlog,
-            "load_worth": self.load_worth,
+            "read_mb_s": round(self.read_rate / 1e6, 1),
         }

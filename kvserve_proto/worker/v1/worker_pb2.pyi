@@ -205,7 +205,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "model_fingerprint", "max_context", "vocab_size", "block_size", "num_blocks", "free_blocks", "running", "waiting", "prefilled_tokens", "generated_tokens", "preemptions", "requests_finished", "runner", "max_pending_requests", "draft_tokens", "accepted_draft_tokens", "draft_model")
+    __slots__ = ("worker_id", "model", "model_fingerprint", "max_context", "vocab_size", "block_size", "num_blocks", "free_blocks", "running", "waiting", "prefilled_tokens", "generated_tokens", "preemptions", "requests_finished", "runner", "max_pending_requests", "draft_tokens", "accepted_draft_tokens", "draft_model", "tier")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class WorkerInfo(_message.Message):
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     model_fingerprint: str
@@ -244,4 +245,27 @@ class WorkerInfo(_message.Message):
     draft_tokens: int
     accepted_draft_tokens: int
     draft_model: str
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., runner: _Optional[str] = ..., max_pending_requests: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., draft_model: _Optional[str] = ...) -> None: ...
+    tier: TierInfo
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., runner: _Optional[str] = ..., max_pending_requests: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., draft_model: _Optional[str] = ..., tier: _Optional[_Union[TierInfo, _Mapping]] = ...) -> None: ...
+
+class TierInfo(_message.Message):
+    __slots__ = ("dir", "blocks", "capacity_blocks", "spilled_blocks", "skipped_blocks", "loaded_tokens", "load_failures", "write_failures", "read_mb_s")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SPILLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    READ_MB_S_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    blocks: int
+    capacity_blocks: int
+    spilled_blocks: int
+    skipped_blocks: int
+    loaded_tokens: int
+    load_failures: int
+    write_failures: int
+    read_mb_s: float
+    def __init__(self, dir: _Optional[str] = ..., blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., spilled_blocks: _Optional[int] = ..., skipped_blocks: _Optional[int] = ..., loaded_tokens: _Optional[int] = ..., load_failures: _Optional[int] = ..., write_failures: _Optional[int] = ..., read_mb_s: _Optional[float] = ...) -> None: ...

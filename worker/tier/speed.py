@@ -1,0 +1,59 @@
+"""Whether loading a block back beats computing it: the disk's read rate, measured here.
+
+A block loads in ``bytes_per_block / read rate`` (plus the copy into the pool, small beside
+it) and computes in ``block_size x`` the prefill seconds per token the engine measures
+(``StepBudget.s_per_token``). On a CPU a block of the default model computes in ~50 ms and
+loads in ~1 ms; on a GPU prefill is fast enough that a slow disk can lose, so it is measured,
+not assumed: once at start (a file written, synced, dropped from the page cache and read
+back) and then from every load the store does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+PROBE_BYTES = 16 << 20
+CHUNK = 1 << 20
+
+
+def measure_read_rate(directory: Path, nbytes: int = PROBE_BYTES) -> float:
+    """Bytes a second read back from a file of ``nbytes`` in ``directory``, out of the page
+    cache where the kernel lets it go (``posix_fadvise(DONTNEED)`` after a sync); 0.0 when it
+    cannot be measured (a full or read-only disk)."""
+    path = directory / f".read-probe-{os.getpid()}"
+    try:
+        with open(path, "wb") as f:
+            block = os.urandom(CHUNK)
+            for _ in range(max(1, nbytes // CHUNK)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        start = time.perf_counter()
+        total = 0
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(CHUNK):
+                total += len(chunk)
+        took = time.perf_counter() - start
+        return total / took if took > 0 else 0.0
+    except OSError:
+        return 0.0
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def load_beats_compute(
+    bytes_per_block: int, read_rate: float, block_size: int, s_per_token: float | None
+) -> bool:
+    """Whether a block loads faster than it computes. Unknown prefill speed: load (the first
+    prefill has not been timed yet); unknown read rate: compute."""
+    if read_rate <= 0:
+        return False
+    if s_per_token is None:
+        return True
+    return bytes_per_block / read_rate < s_per_token * block_size
