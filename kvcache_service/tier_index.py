@@ -1,0 +1,376 @@
+"""The blocks a pool's tiers hold: a worker's host memory and disk beside its device pool.
+
+The worker moves the bytes (it spills every committed full block to its tiers and loads the
+blocks a grant names); this index is the service's record of which blocks each tier holds,
+named by their stable keys (kvserve_proto.block_keys: the chain hashes the radix index keeps
+and a lease's chain are the same keys), and the decisions taken on them: which blocks an
+acquire loads instead of computing (LeaseBook.acquire) and which a full tier drops (here).
+Pure domain: no clocks, no gRPC.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from heapq import heapify, heappop, heappush
+from itertools import islice, pairwise
+from typing import NamedTuple
+
+from kvcache_service.errors import InvalidArgument
+from kvcache_service.ids import Namespace
+
+
+class Medium(enum.Enum):
+    """Where a block's KV is kept (kvcache.proto's Medium, converted at the edge)."""
+
+    DEVICE = "device"  # the pool itself: not a tier, named in the stats only
+    HOST = "host"
+    DISK = "disk"
+
+
+# The media a tier may be on, fastest first: a block several hold is loaded from the first.
+TIER_MEDIA = (Medium.HOST, Medium.DISK)
+
+
+class TierBlock(NamedTuple):
+    """A block a tier holds (a NamedTuple: a manifest brings 65,536 of them a call)."""
+
+    key: int
+    parent_key: int  # the key of the block before it; the namespace's for a first block
+    namespace: Namespace
+    medium: Medium
+
+
+class TierEntry(NamedTuple):
+    """What a tier records of a block it holds. Immutable: a touch replaces it, so a copy of
+    the entries is a consistent snapshot."""
+
+    parent_key: int
+    namespace: Namespace
+    stamp: int  # last use, on the index's logical clock: larger is younger
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Since the pool registered: blocks that entered the tier (a key already there is a
+    touch, not counted), blocks granted to be loaded from it (each from the fastest medium
+    holding it), and blocks that left it (evicted, flushed, or reported gone by the worker)."""
+
+    stored: int = 0
+    loaded: int = 0
+    dropped: int = 0
+
+
+@dataclass(slots=True)
+class _Tier:
+    """One medium's blocks.
+
+    ``entries`` is the LRU order (oldest first). ``children`` counts, for each key, the
+    entries here whose parent it is (keys with none are absent), whether or not that key is
+    here itself: a manifest may name a child before its parent. ``leaves`` is a heap of
+    (stamp, key), lazily cleaned: an item is current while its key is here with that stamp
+    and no child; every entry without a child has a current item, so the least recently used
+    leaf is the first current item popped.
+    """
+
+    capacity: int
+    entries: OrderedDict[int, TierEntry] = field(default_factory=OrderedDict)
+    children: dict[int, int] = field(default_factory=dict)
+    leaves: list[tuple[int, int]] = field(default_factory=list)
+    counters: TierCounters = field(default_factory=TierCounters)
+
+
+def tier_capacities(specs: Iterable[tuple[Medium, int]]) -> dict[Medium, int]:
+    """A registration's tiers, checked: HOST or DISK, one each at most, capacities >= 0."""
+    out: dict[Medium, int] = {}
+    for medium, capacity in specs:
+        if medium not in TIER_MEDIA:
+            raise InvalidArgument(f"a tier is on HOST or DISK, not {medium.name}")
+        if medium in out:
+            raise InvalidArgument(f"two tiers on {medium.name}: at most one a medium")
+        if capacity < 0:
+            raise InvalidArgument(f"the {medium.name} tier's capacity is negative")
+        out[medium] = capacity
+    return out
+
+
+class TierIndex:
+    """Per medium a capacity in blocks and the blocks held: key -> (parent key, namespace,
+    last use). A key may be held by several media at once.
+
+    Capacity: after every update, a tier over its capacity drops its least recently used
+    blocks, leaves first (a block with a child in the same tier is not dropped before the
+    child: the child is of no use without it). The keys it drops go to the ``outbox``, which
+    the pool's UpdateTiers and Heartbeat answers drain (``take_evicted``): the worker deletes
+    them. A block stored again before the outbox is drained leaves it (the worker keeps it).
+    """
+
+    def __init__(self, tiers: Iterable[tuple[Medium, int]] = ()) -> None:
+        """``tiers``: (medium, capacity in blocks), checked (``tier_capacities``)."""
+        self._tiers: dict[Medium, _Tier] = {m: _Tier(c) for m, c in tier_capacities(tiers).items()}
+        # Fastest first: the order loads and run() look in.
+        self._fastest = [self._tiers[m] for m in TIER_MEDIA if m in self._tiers]
+        self._clock = 0
+        # (key, medium) dropped by the service, oldest first, not yet told to the worker.
+        self._outbox: OrderedDict[tuple[int, Medium], None] = OrderedDict()
+        # Namespaces as stored: one string each, not one per entry.
+        self._names: dict[str, Namespace] = {}
+
+    # -- what it holds ------------------------------------------------------------------------
+
+    @property
+    def media(self) -> tuple[Medium, ...]:
+        """The pool's tiers, fastest first."""
+        return tuple(m for m in TIER_MEDIA if m in self._tiers)
+
+    def __bool__(self) -> bool:
+        """Whether any tier holds any block: an acquire looks only then."""
+        return any(t.entries for t in self._fastest)
+
+    def __len__(self) -> int:
+        return sum(len(t.entries) for t in self._fastest)
+
+    def count(self, medium: Medium) -> int:
+        return len(self._tier(medium).entries)
+
+    def capacity(self, medium: Medium) -> int:
+        return self._tier(medium).capacity
+
+    def counters(self, medium: Medium) -> TierCounters:
+        return self._tier(medium).counters
+
+    def holds(self, key: int, medium: Medium) -> bool:
+        return key in self._tier(medium).entries
+
+    def entry(self, key: int, medium: Medium) -> TierEntry | None:
+        return self._tier(medium).entries.get(key)
+
+    def keys(self, medium: Medium) -> list[int]:
+        """The keys ``medium`` holds, least recently used first."""
+        return list(self._tier(medium).entries)
+
+    def _tier(self, medium: Medium) -> _Tier:
+        tier = self._tiers.get(medium)
+        if tier is None:
+            raise InvalidArgument(f"this pool registered no {medium.name} tier")
+        return tier
+
+    def run(self, keys: Sequence[int]) -> int:
+        """How many leading keys of ``keys`` some tier holds (not necessarily the same one)."""
+        held = [t.entries for t in self._fastest]
+        n = 0
+        for key in keys:
+            if not any(key in entries for entries in held):
+                break
+            n += 1
+        return n
+
+    # -- changes ------------------------------------------------------------------------------
+
+    def update(self, stored: Sequence[TierBlock], dropped: Sequence[tuple[int, Medium]]) -> None:
+        """What a worker reports: ``stored`` (in turn, each the most recently used of its
+        tier), then ``dropped`` (key, medium) (a key in both ends dropped: the worker may not
+        have it), then each tier over its capacity evicts. Every medium is checked first: a
+        call naming a tier the pool lacks changes nothing."""
+        for block in stored:
+            self._tier(block.medium)
+        for _, medium in dropped:
+            self._tier(medium)
+        names = self._names
+        for key, parent, ns, medium in stored:
+            name = names.get(ns)
+            if name is None:
+                name = names[ns] = ns
+            self._store(self._tiers[medium], medium, key, parent, name)
+        for key, medium in dropped:
+            tier = self._tiers[medium]
+            if key in tier.entries:
+                self._remove(tier, key)
+                tier.counters.dropped += 1
+        self._evict_over_capacity()
+
+    def store(self, blocks: Sequence[TierBlock]) -> None:
+        """Blocks a tier holds now: new, or touched (the most recently used either way)."""
+        self.update(blocks, ())
+
+    def drop(self, keys: Iterable[int], medium: Medium | None = None) -> int:
+        """Blocks ``medium`` (None: every tier) no longer holds, as the worker reports them
+        (it knows: they are not sent back to it). Returns how many entries went."""
+        tiers = [self._tier(medium)] if medium is not None else self._fastest
+        n = 0
+        for key in keys:
+            for tier in tiers:
+                if key in tier.entries:
+                    self._remove(tier, key)
+                    tier.counters.dropped += 1
+                    n += 1
+        return n
+
+    def touch(self, keys: Iterable[int]) -> None:
+        """Each key, in turn, becomes the most recently used of every tier holding it."""
+        for key in keys:
+            for tier in self._fastest:
+                entry = tier.entries.get(key)
+                if entry is not None:
+                    self._stamp(tier, key, entry.parent_key, entry.namespace)
+
+    def load(self, keys: Sequence[int]) -> None:
+        """``keys``, which an acquire grants to be loaded: touched, and counted as loaded
+        from the fastest tier holding each."""
+        for key in keys:
+            for tier in self._fastest:
+                if key in tier.entries:
+                    tier.counters.loaded += 1
+                    break
+        self.touch(keys)
+
+    def clear(self, medium: Medium) -> int:
+        """Drops every block of ``medium`` (a flush): all of them to the outbox, oldest first.
+        Returns how many."""
+        tier = self._tier(medium)
+        n = len(tier.entries)
+        self._outbox.update(dict.fromkeys(zip(tier.entries, [medium] * n, strict=True)))
+        tier.counters.dropped += n
+        tier.entries.clear()
+        tier.children.clear()
+        tier.leaves.clear()
+        return n
+
+    def take_evicted(self, limit: int) -> list[tuple[int, Medium]]:
+        """Up to ``limit`` of the blocks the service dropped, oldest first, taken out of the
+        outbox: the worker is told once."""
+        taken = list(islice(self._outbox, limit))
+        for item in taken:
+            del self._outbox[item]
+        return taken
+
+    @property
+    def pending_evictions(self) -> int:
+        return len(self._outbox)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _store(self, tier: _Tier, medium: Medium, key: int, parent: int, ns: Namespace) -> None:
+        old = tier.entries.get(key)
+        if old is None:
+            tier.counters.stored += 1
+            self._outbox.pop((key, medium), None)  # stored again: the worker keeps it
+            self._add_child(tier, parent)
+        elif old.parent_key != parent:  # a key is a hash of its whole prefix: a collision
+            self._remove_child(tier, old.parent_key)
+            self._add_child(tier, parent)
+        self._stamp(tier, key, parent, ns)
+
+    def _stamp(self, tier: _Tier, key: int, parent: int, ns: Namespace) -> None:
+        """``key`` becomes the youngest of ``tier``."""
+        self._clock += 1
+        stamp = self._clock
+        entries = tier.entries
+        entries[key] = TierEntry(parent, ns, stamp)
+        entries.move_to_end(key)
+        if key not in tier.children:
+            self._push_leaf(tier, stamp, key)
+
+    def _push_leaf(self, tier: _Tier, stamp: int, key: int) -> None:
+        leaves = tier.leaves
+        heappush(leaves, (stamp, key))
+        if len(leaves) > 2 * len(tier.entries) + 64:  # mostly stale items: rebuild
+            children = tier.children
+            tier.leaves = [(e.stamp, k) for k, e in tier.entries.items() if k not in children]
+            heapify(tier.leaves)
+
+    def _add_child(self, tier: _Tier, parent: int) -> None:
+        children = tier.children
+        children[parent] = children.get(parent, 0) + 1
+
+    def _remove_child(self, tier: _Tier, parent: int) -> None:
+        children = tier.children
+        left = children[parent] - 1
+        if left:
+            children[parent] = left
+            return
+        del children[parent]
+        entry = tier.entries.get(parent)
+        if entry is not None:  # a leaf now
+            self._push_leaf(tier, entry.stamp, parent)
+
+    def _remove(self, tier: _Tier, key: int) -> None:
+        entry = tier.entries.pop(key)
+        self._remove_child(tier, entry.parent_key)
+
+    def _evict_over_capacity(self) -> None:
+        for medium in TIER_MEDIA:
+            tier = self._tiers.get(medium)
+            if tier is None:
+                continue
+            entries, children = tier.entries, tier.children
+            while len(entries) > tier.capacity:
+                victim = None
+                while tier.leaves:
+                    stamp, key = heappop(tier.leaves)
+                    entry = entries.get(key)
+                    if entry is not None and entry.stamp == stamp and key not in children:
+                        victim = key
+                        break
+                if victim is None:
+                    # No leaf: every block is some block's parent (keys in a cycle, from
+                    # collisions or a confused worker). The oldest goes.
+                    victim = next(iter(entries))
+                self._remove(tier, victim)
+                tier.counters.dropped += 1
+                self._outbox[(victim, medium)] = None
+
+    # -- integrity ----------------------------------------------------------------------------
+
+    def snapshot(self) -> TierSnapshot:
+        """Copies of the state ``TierSnapshot.problems`` checks (C-speed copies, taken in one
+        step of the caller); the check, O(blocks held), can then run on any thread."""
+        return TierSnapshot(
+            tiers={
+                m: (t.capacity, dict(t.entries), dict(t.children), list(t.leaves))
+                for m, t in self._tiers.items()
+            },
+            outbox=list(self._outbox),
+        )
+
+    def check_integrity(self) -> list[str]:
+        return self.snapshot().problems()
+
+
+@dataclass(frozen=True, slots=True)
+class TierSnapshot:
+    """A TierIndex's state, copied: per medium (capacity, entries in LRU order, child counts,
+    the leaf heap), and the outbox."""
+
+    tiers: dict[Medium, tuple[int, dict[int, TierEntry], dict[int, int], list[tuple[int, int]]]]
+    outbox: list[tuple[int, Medium]]
+
+    def problems(self) -> list[str]:
+        """Each tier within its capacity; its LRU order by last use; its child counts a
+        recount of its entries' parents; every leaf findable in its heap; nothing both held
+        and waiting in the outbox to be deleted."""
+        found = []
+        for medium, (capacity, entries, children, leaves) in self.tiers.items():
+            name = medium.name
+            if len(entries) > capacity:
+                found.append(f"{name} tier holds {len(entries)} blocks, over {capacity}")
+            stamps = [e.stamp for e in entries.values()]
+            if any(a >= b for a, b in pairwise(stamps)):
+                found.append(f"{name} tier's LRU order is not by last use")
+            recount = Counter(e.parent_key for e in entries.values())
+            if recount != Counter(children) or any(c <= 0 for c in children.values()):
+                found.append(f"{name} tier's child counts disagree with its entries")
+            current = {(s, k) for s, k in leaves}
+            lost = [
+                k for k, e in entries.items() if k not in children and (e.stamp, k) not in current
+            ]
+            if lost:
+                found.append(f"{name} tier: {len(lost)} leaves missing from the eviction heap")
+        held = [(k, m) for k, m in self.outbox if m in self.tiers and k in self.tiers[m][1]]
+        if held:
+            found.append(f"{len(held)} blocks held and waiting to be deleted")
+        if len(set(self.outbox)) != len(self.outbox):
+            found.append("the outbox holds a block twice")
+        return found

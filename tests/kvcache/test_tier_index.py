@@ -1,0 +1,249 @@
+"""The tier index (kvcache_service/tier_index.py) against a naive model: per medium a dict of
+key -> (parent key, namespace, last use), and eviction by a scan of every entry.
+
+Randomized operation sequences mirror every operation on both; after each one the content
+and LRU order of every tier, the counters, the outbox and ``run`` must agree, and
+``check_integrity`` must find nothing. Keys come from a small universe with parents that are
+mostly the key before (chains, shared prefixes) and sometimes anything (a cycle, a key its own
+parent: collisions or a confused worker), so that leaves-first eviction and its fallback are
+both exercised.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvcache_service.errors import InvalidArgument
+from kvcache_service.ids import Namespace
+from kvcache_service.tier_index import TIER_MEDIA, Medium, TierBlock, TierIndex
+
+KEYS = st.integers(0, 15)
+NAMESPACES = st.sampled_from([Namespace(""), Namespace("t1")])
+
+
+class RefTiers:
+    """The naive model: what each tier holds, stamped with a logical clock."""
+
+    def __init__(self, capacities: dict[Medium, int]) -> None:
+        self.caps = capacities
+        self.held: dict[Medium, dict[int, tuple[int, str, int]]] = {m: {} for m in capacities}
+        self.clock = 0
+        self.outbox: list[tuple[int, Medium]] = []
+        self.stored = dict.fromkeys(capacities, 0)
+        self.loaded = dict.fromkeys(capacities, 0)
+        self.dropped = dict.fromkeys(capacities, 0)
+
+    def media(self) -> list[Medium]:
+        return [m for m in TIER_MEDIA if m in self.caps]
+
+    def _stamp(self, m: Medium, key: int, parent: int, ns: str) -> None:
+        self.clock += 1
+        self.held[m][key] = (parent, ns, self.clock)
+
+    def lru(self, m: Medium) -> list[int]:
+        return sorted(self.held[m], key=lambda k: self.held[m][k][2])
+
+    def update(self, stored: list[TierBlock], dropped: list[tuple[int, Medium]]) -> None:
+        for key, parent, ns, m in stored:
+            if key not in self.held[m]:
+                self.stored[m] += 1
+                if (key, m) in self.outbox:
+                    self.outbox.remove((key, m))
+            self._stamp(m, key, parent, ns)
+        for key, m in dropped:
+            if self.held[m].pop(key, None) is not None:
+                self.dropped[m] += 1
+        for m in self.media():
+            held = self.held[m]
+            while len(held) > self.caps[m]:
+                parents = {parent for parent, _, _ in held.values()}
+                leaves = [k for k in held if k not in parents]
+                victim = min(leaves or held, key=lambda k: held[k][2])
+                del held[victim]
+                self.dropped[m] += 1
+                self.outbox.append((victim, m))
+
+    def drop(self, keys: list[int], medium: Medium | None) -> int:
+        n = 0
+        for key in keys:
+            for m in [medium] if medium is not None else self.media():
+                if self.held[m].pop(key, None) is not None:
+                    self.dropped[m] += 1
+                    n += 1
+        return n
+
+    def touch(self, keys: list[int]) -> None:
+        for key in keys:
+            for m in self.media():
+                if key in self.held[m]:
+                    parent, ns, _ = self.held[m][key]
+                    self._stamp(m, key, parent, ns)
+
+    def load(self, keys: list[int]) -> None:
+        for key in keys:
+            for m in self.media():
+                if key in self.held[m]:
+                    self.loaded[m] += 1
+                    break
+        self.touch(keys)
+
+    def run(self, keys: list[int]) -> int:
+        n = 0
+        while n < len(keys) and any(keys[n] in self.held[m] for m in self.media()):
+            n += 1
+        return n
+
+    def clear(self, m: Medium) -> int:
+        gone = self.lru(m)
+        self.outbox += [(k, m) for k in gone]
+        self.dropped[m] += len(gone)
+        self.held[m].clear()
+        return len(gone)
+
+
+def blocks(media: list[Medium]) -> st.SearchStrategy[list[TierBlock]]:
+    def block(key: int, parent: int | None, ns: Namespace, medium: Medium) -> TierBlock:
+        # Mostly a chain (the key before: its parent); sometimes any key, itself included.
+        return TierBlock(key, key - 1 if parent is None else parent, ns, medium)
+
+    one = st.builds(
+        block, KEYS, st.one_of(st.none(), st.none(), KEYS), NAMESPACES, st.sampled_from(media)
+    )
+    return st.lists(one, max_size=8)
+
+
+class TierMachine(RuleBasedStateMachine):
+    CAPACITIES: dict[Medium, int] = {Medium.HOST: 3, Medium.DISK: 6}
+
+    @initialize()
+    def setup(self) -> None:
+        self.real = TierIndex(self.CAPACITIES.items())
+        self.ref = RefTiers(dict(self.CAPACITIES))
+
+    @rule(data=st.data())
+    def update(self, data: st.DataObject) -> None:
+        media = self.ref.media()
+        stored = data.draw(blocks(media), label="stored")
+        dropped = data.draw(
+            st.lists(st.tuples(KEYS, st.sampled_from(media)), max_size=3), label="dropped"
+        )
+        self.real.update(stored, dropped)
+        self.ref.update(stored, dropped)
+
+    @rule(data=st.data())
+    def store(self, data: st.DataObject) -> None:
+        stored = data.draw(blocks(self.ref.media()), label="stored")
+        self.real.store(stored)
+        self.ref.update(stored, [])
+
+    @rule(keys=st.lists(KEYS, max_size=4), data=st.data())
+    def drop(self, keys: list[int], data: st.DataObject) -> None:
+        medium = data.draw(st.sampled_from([None, *self.ref.media()]), label="medium")
+        assert self.real.drop(keys, medium) == self.ref.drop(keys, medium)
+
+    @rule(keys=st.lists(KEYS, max_size=6))
+    def touch(self, keys: list[int]) -> None:
+        self.real.touch(keys)
+        self.ref.touch(keys)
+
+    @rule(keys=st.lists(KEYS, max_size=6))
+    def load(self, keys: list[int]) -> None:
+        self.real.load(keys)
+        self.ref.load(keys)
+
+    @rule(data=st.data())
+    def clear(self, data: st.DataObject) -> None:
+        medium = data.draw(st.sampled_from(self.ref.media()), label="medium")
+        assert self.real.clear(medium) == self.ref.clear(medium)
+
+    @rule(limit=st.integers(0, 6))
+    def take_evicted(self, limit: int) -> None:
+        taken = self.real.take_evicted(limit)
+        assert taken == self.ref.outbox[:limit]
+        del self.ref.outbox[:limit]
+
+    @rule(keys=st.lists(KEYS, max_size=8))
+    def run(self, keys: list[int]) -> None:
+        assert self.real.run(keys) == self.ref.run(keys)
+
+    @invariant()
+    def agrees(self) -> None:
+        real, ref = self.real, self.ref
+        assert real.media == tuple(ref.media())
+        for m in ref.media():
+            assert real.keys(m) == ref.lru(m), m
+            for key, (parent, ns, _) in ref.held[m].items():
+                entry = real.entry(key, m)
+                assert entry is not None and (entry.parent_key, entry.namespace) == (parent, ns)
+            c = real.counters(m)
+            assert (c.stored, c.loaded, c.dropped) == (ref.stored[m], ref.loaded[m], ref.dropped[m])
+            assert real.count(m) == len(ref.held[m]) <= real.capacity(m)
+        assert real.pending_evictions == len(ref.outbox)
+        assert bool(real) == any(ref.held[m] for m in ref.media())
+        assert real.check_integrity() == []
+
+
+class DiskOnly(TierMachine):
+    CAPACITIES = {Medium.DISK: 4}
+
+
+class HostNone(TierMachine):
+    """A host tier of no capacity: everything stored there is dropped at once."""
+
+    CAPACITIES = {Medium.HOST: 0, Medium.DISK: 2}
+
+
+SETTINGS = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestTiers = TierMachine.TestCase
+TestTiers.settings = SETTINGS
+TestDiskOnly = DiskOnly.TestCase
+TestDiskOnly.settings = SETTINGS
+TestHostNone = HostNone.TestCase
+TestHostNone.settings = SETTINGS
+
+
+def test_leaves_go_first_and_the_oldest_leaf_first() -> None:
+    """A chain 1 <- 2 <- 3 stored root first (the root is the oldest entry) and a lone block
+    9: over capacity, the oldest leaf goes (9, then 3), never a block with a child."""
+    tiers = TierIndex([(Medium.DISK, 3)])
+    ns = Namespace("")
+    tiers.store([TierBlock(9, 0, ns, Medium.DISK)])
+    tiers.store([TierBlock(k, k - 1, ns, Medium.DISK) for k in (1, 2, 3)])
+    assert tiers.take_evicted(10) == [(9, Medium.DISK)]
+    tiers.touch([3])  # the leaf is young again; its parents are older but not leaves
+    tiers.store([TierBlock(20, 0, ns, Medium.DISK)])
+    assert tiers.take_evicted(10) == [(3, Medium.DISK)]  # the only leaf but the new block
+    assert tiers.keys(Medium.DISK) == [1, 2, 20]
+    assert tiers.check_integrity() == []
+
+
+def test_a_block_stored_again_is_not_deleted() -> None:
+    tiers = TierIndex([(Medium.DISK, 1)])
+    ns = Namespace("")
+    tiers.store([TierBlock(1, 0, ns, Medium.DISK), TierBlock(2, 0, ns, Medium.DISK)])
+    assert tiers.pending_evictions == 1  # 1, the older leaf
+    tiers.store([TierBlock(1, 0, ns, Medium.DISK)])  # the worker spilled it again
+    assert tiers.take_evicted(10) == [(2, Medium.DISK)]
+    assert tiers.keys(Medium.DISK) == [1]
+
+
+def test_registration_checks() -> None:
+    with pytest.raises(InvalidArgument, match="HOST or DISK"):
+        TierIndex([(Medium.DEVICE, 4)])
+    with pytest.raises(InvalidArgument, match="at most one a medium"):
+        TierIndex([(Medium.DISK, 4), (Medium.DISK, 8)])
+    with pytest.raises(InvalidArgument, match="negative"):
+        TierIndex([(Medium.HOST, -1)])
+    tiers = TierIndex([(Medium.DISK, 4)])
+    with pytest.raises(InvalidArgument, match="no HOST tier"):
+        tiers.update([TierBlock(1, 0, Namespace(""), Medium.DISK)], [(1, Medium.HOST)])
+    assert len(tiers) == 0  # all or nothing
+    assert not TierIndex() and TierIndex().media == ()
