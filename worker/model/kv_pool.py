@@ -203,6 +203,9 @@ class KVPool:
         bad = [len(p) for p in payloads if len(p) != per]
         if len(payloads) != len(blocks) or bad:
             raise BatchError(f"block payloads must be {per} bytes each, one per block")
+        if mx.default_device() == mx.cpu and self.dtype != mx.bfloat16:
+            self._write_blocks_in_place(blocks, payloads)
+            return
         ids = mx.array(list(blocks), dtype=mx.int32)
         size, bs, n = self.dtype.size, self.block_size, len(blocks)
         offset = 0
@@ -220,6 +223,25 @@ class KVPool:
                 arrays[layer][:, ids] = value
                 offset += count
         mx.eval(self.arrays())
+
+    def _write_blocks_in_place(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None:
+        """:meth:`write_blocks` on a CPU: the payloads copied straight into the pool's buffers
+        (numpy views of them: unified memory), one copy, where building an MLX array and
+        scattering it took three (~4x slower: 275 against 1,080 MB/s from the files). Safe on
+        the model thread: every pool array is evaluated first (a forward in flight writes
+        other blocks; these are a loading sequence's own, which no forward reads yet)."""
+        mx.eval(self.arrays())
+        bs, offset = self.block_size, 0
+        for layer in range(self.num_layers):
+            for arrays in (self._keys, self._values):
+                view = np.array(arrays[layer], copy=False)  # [heads, blocks + 1, bs, dim]
+                count = view.shape[0] * bs * view.shape[3] * view.itemsize
+                shape = (view.shape[0], bs, view.shape[3])
+                for b, p in zip(blocks, payloads, strict=True):
+                    view[:, b] = np.frombuffer(
+                        p, view.dtype, count // view.itemsize, offset
+                    ).reshape(shape)
+                offset += count
 
     def check_blocks(self, blocks: Sequence[int]) -> None:
         """Raise :class:`BatchError` unless every id names a leasable block of this pool."""
