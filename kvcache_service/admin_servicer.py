@@ -86,8 +86,10 @@ class AdminServicer(pb_grpc.KVCacheAdminServicer):
 
     @admin_only
     async def Flush(self, request, context):
-        n = sum(pool.admin.flush() for pool in self.auth.select(request.pool_id or None))
-        log.info("admin flushed %d blocks", n)
+        medium = convert.flush_medium(request.medium)
+        n = self.auth.flush(request.pool_id or None, medium)
+        where = f"{medium.name} tier " if medium is not None else ""
+        log.info("admin flushed %d %sblocks", n, where)
         return pb.EvictResponse(evicted_blocks=n)
 
     @admin_only

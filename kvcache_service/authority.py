@@ -33,6 +33,7 @@ from kvcache_service.leases import AcquireRequest, Deferral, Grant, SequenceUpda
 from kvcache_service.names import MAX_NAME_CHARS, check_name
 from kvcache_service.pool import PoolSpec, PoolState
 from kvcache_service.pool_admin import Lookup
+from kvcache_service.tier_index import Medium, TierBlock, tier_capacities
 from kvcache_service.tokens import pack
 
 MAX_BLOCKS = 1 << 24
@@ -40,6 +41,12 @@ MAX_BLOCK_SIZE = 4096
 # Items in one batched call (AcquireLeases, ExtendLeases, CommitLeases, ReleaseLeases): a
 # worker's batch is at most its running requests; each item is O(its tokens) of work.
 MAX_BATCH_ITEMS = 1024
+# Blocks one UpdateTiers may report (stored and dropped together; a worker sends its manifest
+# in chunks), and blocks to delete one answer (UpdateTiers, Heartbeat) may carry (the rest
+# wait for the next): each bounds the service's work a call (~1-2 us a block) and the message
+# (~25 bytes a block).
+MAX_TIER_ITEMS = 65_536
+MAX_TIER_EVICT = 65_536
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +91,7 @@ class PoolRoute:
     evictable_blocks: int
     live_leases: int
     alive: bool
+    tier_tokens: int = 0  # past cached_tokens, those the pool's tiers hold
 
 
 @dataclass(slots=True)
@@ -147,6 +155,13 @@ class CacheAuthority:
                 f"num_blocks {spec.num_blocks} is over this service's limit of "
                 f"{self.config.max_pool_blocks} per pool"
             )
+        for medium, capacity in tier_capacities(spec.tiers).items():
+            # The index costs ~0.3 KB a block a tier holds: bounded as the pool is.
+            if capacity > self.config.max_pool_blocks:
+                raise RegistrationLimit(
+                    f"the {medium.name} tier's capacity of {capacity} blocks is over this "
+                    f"service's limit of {self.config.max_pool_blocks} per tier"
+                )
         self.expire_due()
         old = self.pools.get(spec.pool_id)
         if old is not None and self._live[spec.pool_id].alive and incarnation != old.incarnation:
@@ -164,9 +179,35 @@ class CacheAuthority:
         self._quiet_until = min(self._quiet_until, self._live[spec.pool_id].deadline)
         return Registration(self._next_incarnation, ttl, ttl / 4, self.config.max_namespace_chars)
 
-    def heartbeat(self, pool_id: PoolId, incarnation: int) -> tuple[list[LeaseId], int]:
+    def heartbeat(
+        self, pool_id: PoolId, incarnation: int
+    ) -> tuple[list[LeaseId], int, list[tuple[int, Medium]]]:
+        """The pool's leases that expired since it last heard, how many it holds, and tier
+        blocks the service dropped since it last said (a flush, capacity): delete them."""
         pool = self._pool(pool_id, incarnation)
-        return self._take_expired(pool_id), len(pool.leases)
+        evict = pool.tiers.take_evicted(MAX_TIER_EVICT)
+        return self._take_expired(pool_id), len(pool.leases), evict
+
+    def update_tiers(
+        self,
+        pool_id: PoolId,
+        incarnation: int,
+        stored: Sequence[TierBlock],
+        dropped: Sequence[tuple[int, Medium]],
+    ) -> list[tuple[int, Medium]]:
+        """What the pool's tiers now hold (``stored``: spilled, or found at start) and no
+        longer hold (``dropped``: key, medium); all or nothing. Answers the tier blocks the
+        service dropped since it last said (capacity, a flush), at most MAX_TIER_EVICT of
+        them: the worker deletes them."""
+        if len(stored) + len(dropped) > MAX_TIER_ITEMS:
+            raise InvalidArgument(f"UpdateTiers reports at most {MAX_TIER_ITEMS} blocks a call")
+        pool = self._pool(pool_id, incarnation)
+        if not pool.tiers.media:
+            raise InvalidArgument(f"pool {pool_id!r} registered no tiers")
+        for ns in {b.namespace for b in stored}:
+            self.namespace(ns)
+        pool.tiers.update(stored, dropped)
+        return pool.tiers.take_evicted(MAX_TIER_EVICT)
 
     def acquire(self, req: AcquireRequest) -> tuple[Grant | Deferral, list[LeaseId]]:
         """A lease (or a Deferral), and the caller's leases that expired since it last heard."""
@@ -283,16 +324,18 @@ class CacheAuthority:
         for pool_id, pool in self.pools.items():
             if model is not None and pool.spec.model and pool.spec.model != model:
                 continue
+            cached, tier_tokens = pool.match_tokens(ns, tokens)
             out.append(
                 PoolRoute(
                     pool_id,
                     pool.spec.worker_address,
                     pool.spec.model,
-                    pool.match_tokens(ns, tokens),
+                    cached,
                     pool.blocks.num_free,
                     len(pool.order),
                     len(pool.leases),
                     self._live[pool_id].alive,
+                    tier_tokens,
                 )
             )
         return out
@@ -432,6 +475,17 @@ class CacheAuthority:
         ns = self.namespace(ns)
         tokens = as_tokens(prompt, "prompt")
         return [(p.spec.pool_id, p.admin.lookup(ns, tokens)) for p in self.select(pool_id)]
+
+    def flush(self, pool_id: str | None, medium: Medium | None = None) -> int:
+        """Evicts every unreferenced, unpinned block of the pool (None: of every pool); or,
+        ``medium`` given, drops every block of that tier (of every pool that has one, or of the
+        pool named, which must), which its worker is told to delete. Returns how many."""
+        pools = self.select(pool_id)
+        if medium is None:
+            return sum(pool.admin.flush() for pool in pools)
+        if pool_id is None:
+            pools = [p for p in pools if medium in p.tiers.media]
+        return sum(pool.admin.flush_tier(medium) for pool in pools)
 
     def check_integrity(self) -> list[str]:
         problems = []

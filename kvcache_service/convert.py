@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import grpc
 
-from kvcache_service.authority import PoolRoute, Registration
+from kvcache_service.authority import MAX_TIER_ITEMS, PoolRoute, Registration
 from kvcache_service.errors import (
     CacheError,
     FellBehind,
@@ -41,6 +41,7 @@ from kvcache_service.leases import AcquireRequest, Deferral, Grant, Reuse, Seque
 from kvcache_service.names import MAX_NAME_CHARS, check_id, check_name
 from kvcache_service.pool import PoolSpec, PoolState
 from kvcache_service.pool_admin import Lookup
+from kvcache_service.tier_index import TIER_MEDIA, Medium, TierBlock
 from kvcache_service.tokens import from_wire, pack, to_wire
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 
@@ -72,8 +73,31 @@ def status_of(err: CacheError) -> grpc.StatusCode:
 WIRE_REVISION = 2
 
 
+MEDIA: dict[int, Medium] = {
+    pb.MEDIUM_DEVICE: Medium.DEVICE,
+    pb.MEDIUM_HOST: Medium.HOST,
+    pb.MEDIUM_DISK: Medium.DISK,
+}
+WIRE_MEDIA: dict[Medium, pb.Medium] = {
+    Medium.DEVICE: pb.MEDIUM_DEVICE,
+    Medium.HOST: pb.MEDIUM_HOST,
+    Medium.DISK: pb.MEDIUM_DISK,
+}
+
+
+def medium(value: int, what: str) -> Medium:
+    """A Medium off the wire; UNSPECIFIED or a number this service does not know is refused
+    (proto3 enums are open: any int32 arrives)."""
+    m = MEDIA.get(value)
+    if m is None:
+        raise InvalidArgument(f"{what}: medium {value} is none of DEVICE, HOST, DISK")
+    return m
+
+
 def pool_spec(req: pb.RegisterPoolRequest) -> PoolSpec:
     """The pool a worker registers; its names checked (names.py) before anything stores them."""
+    if len(req.tiers) > len(TIER_MEDIA):
+        raise InvalidArgument(f"at most {len(TIER_MEDIA)} tiers: one on HOST, one on DISK")
     return PoolSpec(
         pool_id=PoolId(check_id(req.pool_id, "pool_id")),
         num_blocks=req.num_blocks,
@@ -86,6 +110,7 @@ def pool_spec(req: pb.RegisterPoolRequest) -> PoolSpec:
         head_dim=req.layout.head_dim,
         dtype=req.layout.dtype,
         bytes_per_block=req.layout.bytes_per_block,
+        tiers=tuple((medium(t.medium, "tiers"), t.capacity_blocks) for t in req.tiers),
     )
 
 
@@ -102,6 +127,38 @@ def registration(reg: Registration) -> pb.RegisterPoolResponse:
         max_namespace_chars=reg.max_namespace_chars,
         wire_revision=WIRE_REVISION,
     )
+
+
+def tier_update(req: pb.UpdateTiersRequest) -> tuple[list[TierBlock], list[tuple[int, Medium]]]:
+    """An UpdateTiers call's stored blocks and dropped (key, medium); a medium that is no tier
+    (UNSPECIFIED, DEVICE, unknown) is refused. Bounded before anything is read (as the
+    authority bounds it): a call with a million blocks costs one len()."""
+    if len(req.stored) + len(req.dropped) > MAX_TIER_ITEMS:
+        raise InvalidArgument(f"UpdateTiers reports at most {MAX_TIER_ITEMS} blocks a call")
+    stored = [
+        TierBlock(b.key, b.parent_key, Namespace(b.namespace), _tier_medium(b.medium, "stored"))
+        for b in req.stored
+    ]
+    dropped = [(b.key, _tier_medium(b.medium, "dropped")) for b in req.dropped]
+    return stored, dropped
+
+
+def _tier_medium(value: int, what: str) -> Medium:
+    m = medium(value, what)
+    if m not in TIER_MEDIA:
+        raise InvalidArgument(f"{what}: a tier block is on HOST or DISK, not {m.name}")
+    return m
+
+
+def tier_evict(evicted: list[tuple[int, Medium]]) -> list[pb.TierBlock]:
+    """Blocks the service dropped from a tier, as the worker is told them: key and medium."""
+    return [pb.TierBlock(key=k, medium=WIRE_MEDIA[m]) for k, m in evicted]
+
+
+def flush_medium(value: int) -> Medium | None:
+    """A FlushRequest's medium: None (UNSPECIFIED, DEVICE) flushes the pool itself."""
+    m = medium(value, "flush") if value else Medium.DEVICE
+    return None if m is Medium.DEVICE else m
 
 
 def tokens(readable: Sequence[int], compact: bytes, what: str, allow_empty: bool = False) -> Tokens:
@@ -221,6 +278,7 @@ def lease(grant: Grant) -> pb.Lease:
         cached_tokens=grant.cached_tokens,
         copy_on_write=[pb.CopyOnWrite(src_block=s, dst_block=d) for s, d in grant.copy_on_write],
         expires_at=grant.expires_at,
+        tier_blocks=grant.tier_blocks,
     )
 
 
@@ -248,6 +306,7 @@ def pool_route(r: PoolRoute) -> pb.PoolRoute:
         evictable_blocks=r.evictable_blocks,
         live_leases=r.live_leases,
         alive=r.alive,
+        tier_tokens=r.tier_tokens,
     )
 
 
@@ -280,7 +339,36 @@ def pool_stats(pool: PoolState, alive: bool) -> pb.PoolStats:
         alive=alive,
         token_hit_rate=c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
         request_hit_rate=c.acquire_hits / c.acquires if c.acquires else 0.0,
+        tiers=tier_stats(pool),
+        tier_hit_tokens=c.tier_hit_tokens,
     )
+
+
+def tier_stats(pool: PoolState) -> list[pb.TierStats]:
+    """The device pool first (its indexed blocks of its capacity; what left it: evictions),
+    then each tier, fastest first."""
+    out = [
+        pb.TierStats(
+            medium=pb.MEDIUM_DEVICE,
+            blocks=len(pool.index),
+            capacity_blocks=pool.spec.num_blocks,
+            dropped_blocks=pool.counters.evicted_blocks,
+        )
+    ]
+    tiers = pool.tiers
+    for m in tiers.media:
+        c = tiers.counters(m)
+        out.append(
+            pb.TierStats(
+                medium=WIRE_MEDIA[m],
+                blocks=tiers.count(m),
+                capacity_blocks=tiers.capacity(m),
+                stored_blocks=c.stored,
+                loaded_blocks=c.loaded,
+                dropped_blocks=c.dropped,
+            )
+        )
+    return out
 
 
 # InspectTree answers at most this many nodes (parents first): it runs on the event loop,
@@ -343,6 +431,7 @@ def pool_lookup(pool_id: str, lk: Lookup) -> pb.PoolLookup:
         pending_tokens=lk.pending_tokens,
         blocks_needed=lk.blocks_needed,
         copied_tokens=lk.copied_tokens,
+        tier_tokens=lk.tier_tokens,
     )
 
 

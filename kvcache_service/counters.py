@@ -8,7 +8,8 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class PoolCounters:
     """Plain counts. The lease book writes the lease fields (acquires to cached tokens, expired
-    leases); the budget writes `exhausted` and `evicted_blocks`."""
+    leases, tier hits); the budget writes `exhausted` and `evicted_blocks`. The tiers count their
+    own blocks (tier_index.TierCounters)."""
 
     acquires: int = 0
     acquire_hits: int = 0  # acquires that reused at least one cached token
@@ -18,3 +19,4 @@ class PoolCounters:
     cached_tokens: int = 0
     evicted_blocks: int = 0
     expired_leases: int = 0
+    tier_hit_tokens: int = 0  # prompt tokens acquires were granted to load from a tier

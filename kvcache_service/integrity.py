@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from kvcache_service.ids import BlockId
+from kvcache_service.tier_index import TierSnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,13 +58,14 @@ class IntegritySnapshot:
     evictable: frozenset[BlockId]  # the LRU order's blocks
     charged: frozenset[BlockId]  # blocks charged to a namespace
     pin_counts: Counter[BlockId]  # pins implied by the pinned prefixes
+    tiers: TierSnapshot  # the tier index, copied (its check is O(blocks the tiers hold))
 
     def problems(self) -> list[str]:
         """Every problem: those found on the loop, then the per-block pass (O(num_blocks))."""
         blk = self.blocks
         rc, pins, is_free = blk.refcount, blk.pins, blk.is_free
         n = len(rc)
-        problems = list(self.found) + blk.problems()
+        problems = list(self.found) + blk.problems() + self.tiers.problems()
         referenced = n - rc.count(0)
         cached_unref = sum(1 for b in self.indexed if not rc[b])
         if len(blk.free) + cached_unref + referenced != n:

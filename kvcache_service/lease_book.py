@@ -17,6 +17,7 @@ from kvcache_service.ids import BlockId, LeaseId, Namespace, PoolId, Tokens
 from kvcache_service.inflight import InFlight, chain_hashes, chain_seed
 from kvcache_service.leases import AcquireRequest, Deferral, Grant, Lease, Reuse, SequenceUpdate
 from kvcache_service.radix_index import Match, RadixIndex
+from kvcache_service.tier_index import TierIndex
 from kvcache_service.tokens import TOKEN_BYTES, count
 
 
@@ -25,6 +26,22 @@ def reusable_tokens(match: Match, block_size: int, prompt_len: int) -> int:
     is always computed, so the model yields logits for the first output token: a fully cached
     prompt shares its last block copy-on-write."""
     return min(match.num_tokens(block_size), prompt_len - 1)
+
+
+def tier_reuse(
+    tiers: TierIndex, chain: list[int], cached: int, block_size: int, prompt_len: int
+) -> tuple[int, int]:
+    """(cached tokens, tier blocks) once the pool's tiers are asked: how many blocks from
+    block ``cached // block_size`` on (``chain``: their keys) the tiers hold, so many that at
+    least one prompt token is still computed. When they hold any, a partial match into the
+    first of them is dropped: loading the whole block beats copying part of it. No side
+    effects: Route and Lookup ask it too."""
+    full = cached // block_size
+    limit = (prompt_len - 1) // block_size - full
+    if limit <= 0 or not tiers:
+        return cached, 0
+    k = tiers.run(chain[:limit])
+    return (full * block_size if k else cached), k
 
 
 class LeaseBook:
@@ -44,12 +61,14 @@ class LeaseBook:
         index: RadixIndex,
         budget: Budget,
         counters: PoolCounters,
+        tiers: TierIndex | None = None,
     ) -> None:
         self.pool_id = pool_id
         self.block_size = block_size
         self.index = index
         self.budget = budget
         self.counters = counters
+        self.tiers = tiers if tiers is not None else TierIndex()
         self.live: dict[LeaseId, Lease] = {}
         self.inflight = InFlight()
 
@@ -69,7 +88,12 @@ class LeaseBook:
         prefix shared, a partially matched block copied on write into the first fresh block
         (or, a tail nobody holds, taken over: see `_adoptable`), fresh blocks for the rest
         (evicting cached ones if needed). Or a Deferral (SHARE_OR_DEFER only); OutOfBlocks
-        where the pool has no room now, NeverFits where it never could (pins, a quota)."""
+        where the pool has no room now, NeverFits where it never could (pins, a quota).
+
+        Past the shared prefix, the blocks the pool's tiers hold (``tier_reuse``) are granted
+        to be loaded (``Grant.tier_blocks``): ordinary fresh blocks of the lease, in the
+        in-flight map like the rest, so that a concurrent acquire of the prefix waits for
+        them instead of loading them twice."""
         bs = self.block_size
         ns, n = req.namespace, count(prompt)
         match = Match() if req.reuse is Reuse.NONE else self.index.match(ns, prompt)
@@ -87,6 +111,11 @@ class LeaseBook:
             if filler is not None and pending > 0:
                 self.counters.deferrals += 1
                 return Deferral(filler, cached, pending)
+        tier_blocks = 0
+        if req.reuse is not Reuse.NONE and self.tiers:
+            cached, tier_blocks = tier_reuse(self.tiers, chain, cached, bs, n)
+            if tier_blocks:
+                cow_src = None  # nor copied nor taken over: the whole block is loaded
 
         adopt = cow_src is not None and self._adoptable(cow_src)
         need = blocks_for(n + req.reserve_tokens, bs) - full
@@ -111,12 +140,17 @@ class LeaseBook:
         if used is not None:
             self.index.touch(used, now)
         c = self.counters
+        if req.reuse is not Reuse.NONE and self.tiers:
+            if shared:  # hot prefixes stay young in the tiers too
+                self.tiers.touch((base,))
+            self.tiers.load(chain[:tier_blocks])
+            c.tier_hit_tokens += tier_blocks * bs
         c.acquires += 1
         c.acquire_hits += cached > 0
         c.prompt_tokens += n
         c.cached_tokens += cached
         cow = (lease.cow,) if lease.cow is not None else ()
-        return Grant(lease_id, tuple(lease.table), cached, cow, expires_at)
+        return Grant(lease_id, tuple(lease.table), cached, cow, expires_at, tier_blocks)
 
     def _take_blocks(self, ns: Namespace, need: int, held: list[BlockId]) -> list[BlockId]:
         """``need`` fresh blocks for ``ns`` (evicting cached ones if needed), with ``held``

@@ -100,6 +100,9 @@ class Grant:
     cached_tokens: int
     copy_on_write: tuple[tuple[BlockId, BlockId], ...]
     expires_at: float
+    # Blocks after the cached ones (table positions cached_tokens // block_size on, all of
+    # them the lease's own) whose KV the pool's tiers hold: the worker loads them.
+    tier_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,10 +9,12 @@ from kvcache_service.budget import Budget
 from kvcache_service.counters import PoolCounters
 from kvcache_service.eviction import EvictionOrder
 from kvcache_service.ids import BlockId, Namespace, PoolId, Tokens
+from kvcache_service.inflight import chain_hashes, chain_seed
 from kvcache_service.integrity import IntegritySnapshot
-from kvcache_service.lease_book import LeaseBook, reusable_tokens
+from kvcache_service.lease_book import LeaseBook, reusable_tokens, tier_reuse
 from kvcache_service.pool_admin import PoolAdmin
 from kvcache_service.radix_index import RadixIndex
+from kvcache_service.tier_index import Medium, TierIndex
 from kvcache_service.tokens import count
 
 
@@ -32,14 +34,17 @@ class PoolSpec:
     head_dim: int = 0
     dtype: str = ""
     bytes_per_block: int = 0  # 0: not reported
+    # The worker's tiers: (medium, capacity in blocks), HOST and DISK at most once each.
+    tiers: tuple[tuple[Medium, int], ...] = ()
 
 
 class PoolState:
     """Block metadata of one worker pool. Pure domain: no clocks, no gRPC, no locks.
 
     The state: `blocks` (free list, refcounts, pin counts), `index` (token prefixes to
-    blocks), `order` (evictable blocks, least recently used first) and `counters`. What
-    changes it, top down (each uses only those below it):
+    blocks), `order` (evictable blocks, least recently used first), `tiers` (the blocks the
+    worker's host memory and disk hold, by key: tier_index.py) and `counters`. What changes
+    it, top down (each uses only those below it):
 
         admin   (PoolAdmin)  operator actions: evict, flush, pin, unpin, lookup
         leases  (LeaseBook)  the lease lifecycle: acquire, extend, commit, release, expire
@@ -57,15 +62,28 @@ class PoolState:
         self.index = RadixIndex(spec.block_size)
         self.order = EvictionOrder(by_namespace=namespace_quota is not None)
         self.counters = PoolCounters()
+        # Empty at every registration, as the index: the worker's manifest follows.
+        self.tiers = TierIndex(spec.tiers)
         self.budget = Budget(self.blocks, self.index, self.order, self.counters, namespace_quota)
         self.leases = LeaseBook(
-            spec.pool_id, spec.block_size, self.index, self.budget, self.counters
+            spec.pool_id, spec.block_size, self.index, self.budget, self.counters, self.tiers
         )
         self.admin = PoolAdmin(spec.block_size, self.index, self.order, self.budget, self.leases)
 
-    def match_tokens(self, ns: Namespace, prompt: Tokens) -> int:
-        """How many tokens of `prompt` an acquire would reuse (what Route answers)."""
-        return reusable_tokens(self.index.match(ns, prompt), self.block_size, count(prompt))
+    def match_tokens(self, ns: Namespace, prompt: Tokens) -> tuple[int, int]:
+        """How many tokens of `prompt` an acquire would reuse, and how many past those it
+        would load from the tiers (what Route answers). No side effects."""
+        bs, n = self.block_size, count(prompt)
+        match = self.index.match(ns, prompt)
+        cached = reusable_tokens(match, bs, n)
+        if not self.tiers:
+            return cached, 0
+        full = cached // bs
+        base = self.index.chain_hash(match.blocks[full - 1]) if full else chain_seed(ns)
+        # Only as far as a tier block may reach: the last prompt token is always computed.
+        chain = chain_hashes(base, prompt, full, self.index.chunk_bytes, (n - 1) // bs)
+        cached, tier_blocks = tier_reuse(self.tiers, chain, cached, bs, n)
+        return cached, tier_blocks * bs
 
     # -- accounting ---------------------------------------------------------------------------
 
@@ -98,6 +116,7 @@ class PoolState:
         found += self.leases.check_integrity()
         found += self.budget.check_integrity()
         return IntegritySnapshot(
+            tiers=self.tiers.snapshot(),
             label=f"pool {self.spec.pool_id!r}",
             blocks=self.blocks.snapshot(),
             found=found,

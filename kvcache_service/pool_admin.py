@@ -11,8 +11,9 @@ from kvcache_service.errors import NotFound
 from kvcache_service.eviction import EvictionOrder
 from kvcache_service.ids import BlockId, Namespace, Tokens
 from kvcache_service.inflight import chain_hashes, chain_seed
-from kvcache_service.lease_book import LeaseBook, reusable_tokens
+from kvcache_service.lease_book import LeaseBook, reusable_tokens, tier_reuse
 from kvcache_service.radix_index import RadixIndex
+from kvcache_service.tier_index import Medium
 from kvcache_service.tokens import count
 
 
@@ -28,10 +29,13 @@ class Lookup:
     # only in part (a prompt whose last cached block it does not fill, or that ends inside it:
     # the last prompt token is always computed).
     copied_tokens: int = 0
+    # Past cached_tokens, those the pool's tiers hold: loaded, not computed.
+    tier_tokens: int = 0
 
 
 class PoolAdmin:
-    """Operator actions on one pool; owns the pinned prefixes.
+    """Operator actions on one pool; owns the pinned prefixes. A lookup is what an acquire
+    would do, the tiers included (Lookup.tier_tokens), with no side effects.
 
     Every action is safe while requests run: evictions take only evictable blocks (indexed,
     unreferenced, unpinned), leaves first, through the budget; a pin holds blocks that are
@@ -75,6 +79,11 @@ class PoolAdmin:
 
     def flush(self) -> int:
         return sum(self.evict_namespace(ns) for ns in list(self.index.roots))
+
+    def flush_tier(self, medium: Medium) -> int:
+        """Drops every block of the pool's ``medium`` tier; its worker is told to delete them
+        (the tier index's outbox). InvalidArgument if the pool has no such tier."""
+        return self.leases.tiers.clear(medium)
 
     def _evict_all(self, leaves_first: list[BlockId]) -> int:
         done = 0
@@ -130,6 +139,12 @@ class PoolAdmin:
         base = self.index.chain_hash(match.blocks[full - 1]) if full else chain_seed(ns)
         chain = chain_hashes(base, prompt, full, self.index.chunk_bytes)
         pending, _ = self.leases.pending(chain, full, cached, n)
+        cached, tier_blocks = tier_reuse(self.leases.tiers, chain, cached, bs, n)
         return Lookup(
-            cached, match.blocks[:full], pending, blocks_for(n, bs) - full, cached - full * bs
+            cached,
+            match.blocks[:full],
+            pending,
+            blocks_for(n, bs) - full,
+            cached - full * bs,
+            tier_blocks * bs,
         )

@@ -101,20 +101,34 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     @service_only
     async def RegisterPool(self, request, context):
-        reg = self.auth.register_pool(convert.pool_spec(request), convert.incarnation(request))
+        spec = convert.pool_spec(request)
+        reg = self.auth.register_pool(spec, convert.incarnation(request))
         log.info(
-            "registered pool %r: %d blocks of %d tokens, incarnation %d",
+            "registered pool %r: %d blocks of %d tokens, incarnation %d%s",
             request.pool_id,
             request.num_blocks,
             request.block_size,
             reg.incarnation,
+            "".join(f", a {m.value} tier of {n} blocks" for m, n in spec.tiers),
         )
         return convert.registration(reg)
 
     @service_only
     async def Heartbeat(self, request, context):
-        expired, live = self.auth.heartbeat(PoolId(request.pool.pool_id), request.pool.incarnation)
-        return pb.HeartbeatResponse(expired_lease_ids=expired, live_leases=live)
+        expired, live, evict = self.auth.heartbeat(
+            PoolId(request.pool.pool_id), request.pool.incarnation
+        )
+        return pb.HeartbeatResponse(
+            expired_lease_ids=expired, live_leases=live, tier_evict=convert.tier_evict(evict)
+        )
+
+    @service_only
+    async def UpdateTiers(self, request, context):
+        stored, dropped = convert.tier_update(request)
+        evict = self.auth.update_tiers(
+            PoolId(request.pool.pool_id), request.pool.incarnation, stored, dropped
+        )
+        return pb.UpdateTiersResponse(evict=convert.tier_evict(evict))
 
     @service_only
     async def AcquireLease(self, request, context):

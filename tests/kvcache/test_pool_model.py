@@ -328,7 +328,7 @@ class PoolMachine(RuleBasedStateMachine):
             ended = sorted(ref.leases)
             for lease_id in ended:
                 ref.end(lease_id)
-            expired, live = self.auth.heartbeat(pool_id, self.inc[pool_id])
+            expired, live, _ = self.auth.heartbeat(pool_id, self.inc[pool_id])
             assert (sorted(expired), live) == (ended, 0)
 
     @rule(pool_id=st.sampled_from(list(POOLS)))

@@ -78,6 +78,10 @@ async def test_every_data_plane_call_needs_the_service_token(
             pb.ReleaseLeaseRequest(pool=ref, lease_id=1), metadata=md
         ),
         "Route": lambda md: kv.Route(pb.RouteRequest(prompt_token_ids=[1, 2, 3]), metadata=md),
+        "UpdateTiers": lambda md: kv.UpdateTiers(
+            pb.UpdateTiersRequest(pool=ref, dropped=[pb.TierBlock(key=1, medium=pb.MEDIUM_DISK)]),
+            metadata=md,
+        ),
     }
     wrong = [("authorization", "Bearer nope")]
     for call in calls.values():
