@@ -158,7 +158,12 @@ def _add_commands(sub: Any) -> None:
         "--prefix-messages", type=parse_messages, help="the prefix as chat messages (JSON)"
     )
     sp.add_argument("--prefix-namespace", default="")
-    with_pool("flush", "evict every unreferenced, unpinned block")
+    sp = with_pool("flush", "evict every unreferenced, unpinned block")
+    sp.add_argument(
+        "--tier",
+        choices=["host", "disk"],
+        help="clear the pools' tier on this medium instead (their workers delete the blocks)",
+    )
     sub.add_parser("check", help="verify the block accounting invariants")
     sp = with_pool("watch", "follow the KV events: every block stored in or removed from the index")
     sp.add_argument("--count", type=int, default=0, help="stop after N messages (0: Ctrl-C)")
@@ -264,8 +269,11 @@ def call(
         r = stub.Evict(req, metadata=md)
         return r, f"evicted {r.evicted_blocks} blocks"
     if a.cmd == "flush":
-        r = stub.Flush(pb.FlushRequest(pool_id=a.pool), metadata=md)
-        return r, f"flushed {r.evicted_blocks} blocks"
+        media = {"host": pb.MEDIUM_HOST, "disk": pb.MEDIUM_DISK}
+        medium = media[a.tier] if a.tier else pb.MEDIUM_UNSPECIFIED
+        r = stub.Flush(pb.FlushRequest(pool_id=a.pool, medium=medium), metadata=md)
+        where = f" from the {a.tier} tier" if a.tier else ""
+        return r, f"flushed {r.evicted_blocks} blocks{where}"
     r = stub.CheckIntegrity(pb.CheckIntegrityRequest(), metadata=md)
     problems = [safe(p) for p in r.problems]
     text = f"ok: {r.pools_checked} pools checked" if r.ok else "\n".join(["FAILED:", *problems])

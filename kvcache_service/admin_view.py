@@ -43,10 +43,23 @@ def memory(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+TIER_NAMES = {pb.MEDIUM_HOST: "host", pb.MEDIUM_DISK: "disk"}
+
+
+def tiers_cell(p: pb.PoolStats) -> str:
+    """A pool's tiers as `disk 120/4096` (blocks held of capacity), fastest first; `-`: none."""
+    cells = [
+        f"{TIER_NAMES.get(t.medium, str(t.medium))} {t.blocks}/{t.capacity_blocks}"
+        for t in p.tiers
+        if t.medium not in (pb.MEDIUM_UNSPECIFIED, pb.MEDIUM_DEVICE)
+    ]
+    return " ".join(cells) or "-"
+
+
 def show_stats(resp: pb.StatsResponse) -> str:
     headers = ["pool", "alive", "blocks", "memory", "free", "cached", "referenced", "pinned"]
     headers += ["peak", "leases", "hit% tok", "hit% req", "evicted", "expired", "deferred"]
-    headers += ["exhausted"]
+    headers += ["exhausted", "tiers", "tier hit tok"]
     rows = [
         [
             p.pool_id,
@@ -65,6 +78,8 @@ def show_stats(resp: pb.StatsResponse) -> str:
             p.expired_leases,
             p.deferrals,
             p.exhausted,
+            tiers_cell(p),
+            p.tier_hit_tokens,
         ]
         for p in resp.pools
     ]
@@ -79,12 +94,13 @@ def show_lookup(resp: pb.LookupResponse, tokens: Sequence[int], text: Decoder | 
             f"{x.cached_tokens} of {len(tokens)}",
             f"{x.cached_tokens - x.copied_tokens} in {len(x.matched_blocks)}",
             x.copied_tokens,
+            x.tier_tokens,
             x.pending_tokens,
             x.blocks_needed,
         ]
         for x in resp.pools
     ]
-    heads = ["pool", "cached tokens", "in shared blocks", "copied"]
+    heads = ["pool", "cached tokens", "in shared blocks", "copied", "from tiers"]
     heads += ["pending tokens", "blocks needed"]
     out = table(heads, rows)
     if text is not None:
@@ -93,7 +109,8 @@ def show_lookup(resp: pb.LookupResponse, tokens: Sequence[int], text: Decoder | 
         out += f"\ncached up to (best pool): ...{repr(tail)[1:-1]}"
     out += (
         "\n(the prompt's last token is always computed; tokens past the shared blocks are "
-        "reused by copying a block that matches only in part)"
+        "reused by copying a block that matches only in part; tokens from tiers are loaded "
+        "from the worker's host memory or disk)"
     )
     return out
 

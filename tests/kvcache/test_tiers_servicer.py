@@ -4,11 +4,15 @@ tier_blocks, Route's and Lookup's tier_tokens, the stats and the refusals."""
 
 from __future__ import annotations
 
-import grpc
+import asyncio
 
+import grpc
+import pytest
+
+from kvcache_service import admin_cli
 from kvserve_proto.block_keys import block_keys, namespace_key
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
-from tests.kvcache.test_servicer import AUTH, BS, Client, expect_code
+from tests.kvcache.test_servicer import AUTH, BS, TOKEN, Client, expect_code
 from tests.kvcache.test_servicer import client as client  # the fixture
 
 PROMPT = list(range(1, 22))  # 5 full blocks and one token
@@ -148,3 +152,17 @@ async def test_refusals(client: Client) -> None:
     flush = client.admin.Flush(pb.FlushRequest(pool_id="w2", medium=DISK), metadata=AUTH)
     assert "no DISK tier" in await expect_code(bad, flush)
     await expect_code(bad, client.admin.Flush(pb.FlushRequest(medium=12), metadata=AUTH))
+
+
+async def test_the_cli_shows_the_tiers(client: Client, capsys: pytest.CaptureFixture[str]) -> None:
+    pool = await client.register(tiers=[pb.TierSpec(medium=DISK, capacity_blocks=64)])
+    await client.kv.UpdateTiers(pb.UpdateTiersRequest(pool=pool, stored=spilled(PROMPT)))
+    args = ["--address", client.svc.address, "--token", TOKEN]
+    assert await asyncio.to_thread(admin_cli.main, [*args, "stats"]) == 0
+    out = capsys.readouterr().out
+    assert "tiers" in out and "disk 5/64" in out
+    lookup = [*args, "lookup", ",".join(map(str, PROMPT))]
+    assert await asyncio.to_thread(admin_cli.main, lookup) == 0
+    assert "from tiers" in capsys.readouterr().out
+    assert await asyncio.to_thread(admin_cli.main, [*args, "flush", "--tier", "disk"]) == 0
+    assert "flushed 5 blocks from the disk tier" in capsys.readouterr().out
