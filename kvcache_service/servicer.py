@@ -109,7 +109,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             request.num_blocks,
             request.block_size,
             reg.incarnation,
-            "".join(f", a {m.value} tier of {n} blocks" for m, n in spec.tiers),
+            "".join(f", a {m.name.lower()} tier of {n} blocks" for m, n in spec.tiers),
         )
         return convert.registration(reg)
 
