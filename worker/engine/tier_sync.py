@@ -106,12 +106,15 @@ class TierSync:
     async def _report_once(self) -> None:
         evict = self.client.take_tier_evictions()
         stored, dropped = self.store.take_reports()
-        if stored or dropped:
+        # In chunks: the service refuses a call past 65,536 blocks.
+        while stored or dropped:
+            s, d = stored[:MANIFEST_CHUNK], dropped[:MANIFEST_CHUNK]
             try:
-                evict += await self.client.update_tiers([_entry(m) for m in stored], dropped)
+                evict += await self.client.update_tiers([_entry(m) for m in s], d)
             except LeaseError:
                 self.store.give_back(stored, dropped)
                 raise
+            stored, dropped = stored[len(s) :], dropped[len(d) :]
         if evict:
             await asyncio.to_thread(self.store.evict, evict)
 
