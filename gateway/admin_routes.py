@@ -9,7 +9,7 @@ system prompt without computing its token ids.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, Request
 from google.protobuf.json_format import MessageToDict
@@ -45,6 +45,8 @@ class FlushBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     pool: str = ""
+    # A tier to clear instead of the pool's unreferenced blocks (docs/kv-tiers.md).
+    tier: Literal["", "host", "disk"] = ""
 
 
 B = TypeVar("B", PrefixBody, EvictBody, FlushBody)
@@ -151,7 +153,9 @@ def _add_maintenance_routes(router: APIRouter, gw: Gateway) -> None:
     async def flush(request: Request) -> dict[str, Any]:
         """Evict every unreferenced, unpinned block (of one pool, or all): safe under load."""
         b = await _body(request, FlushBody)
-        return await _call(gw, request, "Flush", pb.FlushRequest(pool_id=b.pool))
+        medium = {"": pb.MEDIUM_UNSPECIFIED, "host": pb.MEDIUM_HOST, "disk": pb.MEDIUM_DISK}
+        flush = pb.FlushRequest(pool_id=b.pool, medium=medium[b.tier])
+        return await _call(gw, request, "Flush", flush)
 
     async def pin_call(request: Request, method: str) -> dict[str, Any]:
         b = await _body(request, PrefixBody)

@@ -136,7 +136,21 @@ def pool_row(p: pb.PoolStats, view: WorkerView | None) -> dict[str, Any]:
     """``PoolStats`` with its numbers as JSON numbers (protobuf's JSON writes uint64 as
     strings), and the worker as this gateway sees it (None: not one of this gateway's model's
     workers, or not discovered yet)."""
-    row: dict[str, Any] = {f.name: getattr(p, f.name) for f in p.DESCRIPTOR.fields}
+    row: dict[str, Any] = {
+        f.name: getattr(p, f.name) for f in p.DESCRIPTOR.fields if f.name != "tiers"
+    }
+    # The device pool first, then the worker's tiers (docs/kv-tiers.md).
+    row["tiers"] = [
+        {
+            "medium": pb.Medium.Name(t.medium).removeprefix("MEDIUM_").lower(),
+            "blocks": t.blocks,
+            "capacity_blocks": t.capacity_blocks,
+            "stored_blocks": t.stored_blocks,
+            "loaded_blocks": t.loaded_blocks,
+            "dropped_blocks": t.dropped_blocks,
+        }
+        for t in p.tiers
+    ]
     worker = None
     if view is not None:
         load = view.load if view.healthy else None  # an unreachable worker's poll is stale

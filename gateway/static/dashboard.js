@@ -322,9 +322,14 @@
     // Memory only where the worker reported what a block holds (older workers: 0).
     const memory = p.bytes_per_block ? bytes(used * p.bytes_per_block) + " / " +
       bytes(p.num_blocks * p.bytes_per_block) + " · " : "";
+    // The worker's tiers beside its pool (docs/kv-tiers.md): blocks held, of how many.
+    const tiers = (p.tiers || []).filter((t) => t.medium !== "device").map((t) =>
+      " · " + t.medium + " tier " + num(t.blocks) + " / " + num(t.capacity_blocks) +
+      " (" + num(t.loaded_blocks) + " loaded)").join("");
     const caption = el("div", "caption", used + " / " + p.num_blocks + " used (" +
       pct(ratio(used, p.num_blocks)) + ") · " + num(used * p.block_size) + " / " +
-      num(p.num_blocks * p.block_size) + " tok · " + memory + p.block_size + " tok/block");
+      num(p.num_blocks * p.block_size) + " tok · " + memory + p.block_size + " tok/block" +
+      tiers);
     td.append(bar, pins, caption);
     return td;
   }
