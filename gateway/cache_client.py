@@ -42,6 +42,8 @@ class PoolRoute:
     pool_id: str
     worker_address: str
     model: str
+    # Prompt tokens the pool would not compute: in its pool, or in its tiers (loaded back:
+    # docs/kv-tiers.md), so a prefix a worker spilled to disk still routes there.
     cached_tokens: int
     free_blocks: int
     evictable_blocks: int
@@ -123,7 +125,7 @@ class CacheClient:
                 p.pool_id,
                 p.worker_address,
                 p.model,
-                p.cached_tokens,
+                p.cached_tokens + p.tier_tokens,
                 p.free_blocks,
                 p.evictable_blocks,
                 p.live_leases,
