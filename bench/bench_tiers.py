@@ -266,7 +266,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.model = "tiny" if args.model == "default" else args.model
-        args.docs, args.doc_tokens, args.rounds = 4, 256, 2
+        args.docs, args.doc_tokens, args.rounds = 8, 128, 2
         args.long_tokens, args.load_blocks = 1000, 64
     model = model_path(args.model)
     from transformers import AutoTokenizer

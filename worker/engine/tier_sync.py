@@ -29,7 +29,9 @@ if TYPE_CHECKING:  # built by the assembly (worker.server): it names blocks with
 
 log = logging.getLogger(__name__)
 
-REPORT_EVERY_S = 0.25
+# Reports go when the writer catches up, and at least this often (evictions a heartbeat
+# brought back are deleted then).
+REPORT_EVERY_S = 1.0
 MANIFEST_CHUNK = 8192
 
 
@@ -65,12 +67,20 @@ class TierSync:
         self._s_per_token = prefill_s_per_token
         self._task: asyncio.Task | None = None
         self._loads: set[asyncio.Task] = set()
+        self._written = asyncio.Event()  # the store's writer caught up: report now
         self.loaded_tokens = 0
 
     def start(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def written() -> None:
+            loop.call_soon_threadsafe(self._written.set)
+
+        self.store.on_written = written
         self._task = asyncio.create_task(self._report_loop())
 
     async def stop(self) -> None:
+        self.store.on_written = None
         for task in [self._task, *self._loads]:
             if task is not None:
                 task.cancel()
@@ -95,7 +105,10 @@ class TierSync:
 
     async def _report_loop(self) -> None:
         while True:
-            await asyncio.sleep(REPORT_EVERY_S)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(REPORT_EVERY_S):
+                    await self._written.wait()
+            self._written.clear()
             try:
                 await self._report_once()
             except LeaseError as err:  # the lease sync handles outages and fences

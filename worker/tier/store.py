@@ -23,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -72,6 +73,9 @@ class TierStore:
         self._dropped: list[int] = []
         self._writer: threading.Thread | None = None
         self._readers = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-tier-load")
+        # Called (on the writer thread) when the writer has caught up after writing blocks:
+        # the reports are worth sending now, not at the next tick.
+        self.on_written: Callable[[], None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -160,6 +164,9 @@ class TierStore:
                 self._backlog -= len(payload)
                 if written:
                     self._stored.append(meta)
+                caught_up = written and not self._pending
+            if caught_up and self.on_written is not None:
+                self.on_written()
 
     def flush(self) -> None:
         """Waits until everything queued so far is written (tests, shutdown)."""
