@@ -197,7 +197,7 @@ def load_back(args: argparse.Namespace, model: str) -> None:
     from worker.model.loader import load_model
     from worker.model.spec import probe
     from worker.tier.disk import DiskTier
-    from worker.tier.store import TierStore
+    from worker.tier.store import BlockFormat, TierStore
 
     spec = probe(load_model(model).model)
     n = args.load_blocks
@@ -205,7 +205,9 @@ def load_back(args: argparse.Namespace, model: str) -> None:
     per = pool.bytes_per_block
     root = Path(tempfile.mkdtemp(prefix="kv-tier-"))
     try:
-        store = TierStore(DiskTier(root, "bench", pool.describe_layout(), per, n), 32)
+        disk = DiskTier(root, "bench", pool.describe_layout(), per, n)
+        fmt = BlockFormat("bench", pool.describe_layout(), per)
+        store = TierStore(32, fmt, disk=disk)
         store.start()
         rng = random.Random(2)
         tokens = token_ids(rng, n * 32, 32000)

@@ -46,6 +46,8 @@ class LaunchConfig(ServerClientFlags):
     # <offload_dir>/worker-<i>, up to offload_gb GB each (0: half the free space). Empty: none.
     offload_dir: str = ""
     offload_gb: float = 0.0
+    # A host-memory tier per worker (GB; GPUs with memory of their own). 0: none.
+    host_offload_gb: float = 0.0
     startup_timeout_s: float = 300.0
     # A child that dies is restarted after this, doubling each time up to 30 s
     # (kvserve_launch.supervisor); more than max_restarts deaths of one child within
@@ -89,8 +91,8 @@ def check(c: LaunchConfig) -> str | None:
         return "--cache-shards must be at least 1"
     if c.num_blocks < 0 or c.block_size < 0:
         return "--num-blocks and --block-size must not be negative"
-    if c.offload_gb < 0 or (c.offload_gb and not c.offload_dir):
-        return "--offload-gb must be >= 0 and needs --offload-dir"
+    if c.host_offload_gb < 0 or c.offload_gb < 0 or (c.offload_gb and not c.offload_dir):
+        return "--offload-gb and --host-offload-gb must be >= 0; --offload-gb needs --offload-dir"
     if c.restart_backoff_s <= 0 or c.max_restarts < 0 or c.restart_window_s <= 0:
         return "--restart-backoff-s and --restart-window-s must be positive, --max-restarts >= 0"
     return check_tls(c.tls_cert, c.tls_key, c.tls_ca, c.tls_server_name, c.tls_client_ca)
@@ -139,6 +141,7 @@ SETTINGS = Settings(
         "offload_dir": "the workers' disk tier: worker i keeps every committed KV block under "
         "DIR/worker-i, so evicted prefixes and those from before a restart load back",
         "offload_gb": "each worker's disk tier size in GB (0: half the free disk space)",
+        "host_offload_gb": "each worker's host-memory tier in GB, in front of the disk (GPUs)",
         "startup_timeout_s": "how long each process may take to get ready",
         "restart_backoff_s": "a child that dies restarts after this, doubling up to 30 s",
         "max_restarts": "restarts of one child within --restart-window-s before giving up",

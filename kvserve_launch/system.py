@@ -144,6 +144,8 @@ def worker_command(
         argv += ["--offload-dir", os.path.join(cfg.offload_dir, f"worker-{index}")]
         if cfg.offload_gb:
             argv += ["--offload-gb", f"{cfg.offload_gb:g}"]
+    if cfg.host_offload_gb:
+        argv += ["--host-offload-gb", f"{cfg.host_offload_gb:g}"]
     return argv + tls_flags(cfg)
 
 

@@ -64,6 +64,9 @@ class WorkerConfig(ServerClientFlags):
     # Empty: no disk tier. Its size in GB; 0: half the free space of its file system at start.
     offload_dir: str = ""
     offload_gb: float = 0.0
+    # The host-memory tier in GB, in front of the disk tier, where the device has memory of
+    # its own (CUDA; ignored elsewhere, where the pool already is host memory). 0: none.
+    host_offload_gb: float = 0.0
     # Speculative decoding (a request opts in): a small model with the same tokenizer for
     # "draft_model" speculation (empty: none; "ngram" needs none), and the drafts per step
     # for requests that name no number.
@@ -143,8 +146,8 @@ def check(c: WorkerConfig) -> str | None:
         return f"--dequantize must be one of {', '.join(DEQUANTIZE)}"
     if not 0.0 <= c.kv_memory_fraction <= 1.0:
         return "--kv-memory-fraction must be in [0, 1] (0: the device's default)"
-    if c.offload_gb < 0:
-        return "--offload-gb must be >= 0 (0: half the free disk space)"
+    if c.offload_gb < 0 or c.host_offload_gb < 0:
+        return "--offload-gb and --host-offload-gb must be >= 0"
     if c.offload_gb and not c.offload_dir:
         return "--offload-gb needs --offload-dir (where the disk tier's files go)"
     return None
@@ -182,6 +185,8 @@ SETTINGS = Settings(
         "offload_dir": "the disk tier: a directory every committed KV block is also written "
         "to; evicted blocks and prefixes from before a restart load back from it",
         "offload_gb": "the disk tier's size in GB (0: half the free space of its file system)",
+        "host_offload_gb": "a host-memory tier of this many GB in front of the disk tier "
+        "(GPUs with memory of their own; 0: none)",
         "draft_model": "a small model with the same tokenizer, for requests that ask for "
         "speculative draft_model",
         "num_draft_tokens": "speculative decoding: drafts per step when a request names none",

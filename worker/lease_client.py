@@ -51,6 +51,7 @@ DEFAULT_MAX_NAMESPACE_CHARS = 256
 WIRE_REVISION = 2
 # A tier's medium, as PoolRegistration names it, on the wire.
 _MEDIA = {"host": pb.MEDIUM_HOST, "disk": pb.MEDIUM_DISK}
+_MEDIUM_OF = {v: k for k, v in _MEDIA.items()}
 
 
 # The cache service's codes (kvcache.proto) -> what the engine does about them. Decided by the
@@ -98,7 +99,7 @@ class LeaseClient:
         self.heartbeat_interval_s = 1.0
         # The longest namespace the service stores (it says so at registration).
         self.max_namespace_chars = DEFAULT_MAX_NAMESPACE_CHARS
-        self._tier_evict: list[int] = []
+        self._tier_evict: list[tuple[int, str]] = []
 
     async def close(self) -> None:
         await self._channel.close()
@@ -155,27 +156,31 @@ class LeaseClient:
         """Renews liveness; returns lease ids that expired since the last report."""
         resp = await self._call(self._stub.Heartbeat, pb.HeartbeatRequest(pool=self._ref))
         if resp.tier_evict:
-            self._tier_evict += [b.key for b in resp.tier_evict]
+            self._tier_evict += [(b.key, _MEDIUM_OF[b.medium]) for b in resp.tier_evict]
         return list(resp.expired_lease_ids)
 
-    async def update_tiers(self, stored: Sequence[TierEntry], dropped: Sequence[int]) -> list[int]:
-        disk = pb.MEDIUM_DISK
+    async def update_tiers(
+        self, stored: Sequence[TierEntry], dropped: Sequence[tuple[int, str]]
+    ) -> list[tuple[int, str]]:
         resp = await self._call(
             self._stub.UpdateTiers,
             pb.UpdateTiersRequest(
                 pool=self._ref,
                 stored=[
                     pb.TierBlock(
-                        key=e.key, parent_key=e.parent_key, namespace=e.namespace, medium=disk
+                        key=e.key,
+                        parent_key=e.parent_key,
+                        namespace=e.namespace,
+                        medium=_MEDIA[e.medium],
                     )
                     for e in stored
                 ],
-                dropped=[pb.TierBlock(key=k, medium=disk) for k in dropped],
+                dropped=[pb.TierBlock(key=k, medium=_MEDIA[m]) for k, m in dropped],
             ),
         )
-        return [b.key for b in resp.evict]
+        return [(b.key, _MEDIUM_OF[b.medium]) for b in resp.evict]
 
-    def take_tier_evictions(self) -> list[int]:
+    def take_tier_evictions(self) -> list[tuple[int, str]]:
         out, self._tier_evict = self._tier_evict, []
         return out
 

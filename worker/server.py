@@ -33,12 +33,14 @@ from worker.engine.executor import ModelExecutor, Runner
 from worker.engine.lease import PoolRegistration
 from worker.engine.loop import Engine, EngineLimits
 from worker.lease_client import LeaseClient
+from worker.model.device import cuda_available
 from worker.model.loader import LoadedModel, load_model
 from worker.model.spec import LayerSpec
 from worker.model_setup import build_executor, model_errors_as_startup_errors
 from worker.servicer import WorkerServicer
 from worker.tier.disk import DiskTier
-from worker.tier.store import TierStore
+from worker.tier.host import HostTier
+from worker.tier.store import BlockFormat, TierStore
 from worker.warmup import warm_up_between_requests
 
 log = logging.getLogger(__name__)
@@ -172,19 +174,45 @@ def _registration(
         head_dim=layer.k_head_dim,
         dtype=str(runner.spec.dtype),
         bytes_per_block=runner.bytes_per_block,
-        tiers=(("disk", tiers.disk.capacity_blocks),) if tiers is not None else (),
+        tiers=_tier_specs(tiers),
     )
 
 
+def _tier_specs(tiers: TierStore | None) -> tuple[tuple[str, int], ...]:
+    if tiers is None:
+        return ()
+    specs = []
+    if tiers.host is not None:
+        specs.append(("host", tiers.host.capacity_blocks))
+    if tiers.disk is not None:
+        specs.append(("disk", tiers.disk.capacity_blocks))
+    return tuple(specs)
+
+
 def _tier_store(config: WorkerConfig, loaded: LoadedModel, runner: Runner) -> TierStore | None:
-    """The disk tier ``--offload-dir`` asks for (not scanned yet); None without one. Only the
-    paged runner's blocks hold K/V to spill."""
-    if not config.offload_dir:
+    """The tiers ``--offload-dir`` and ``--host-offload-gb`` ask for (not scanned yet); None
+    without one. Only the paged runner's blocks hold K/V to spill; a host tier only where the
+    device has memory of its own (CUDA: elsewhere the pool already is host memory)."""
+    host_gb = config.host_offload_gb
+    if host_gb and not cuda_available():
+        log.warning(
+            "--host-offload-gb ignored: this device's pool is in host memory already "
+            "(a host tier is for a GPU with memory of its own)"
+        )
+        host_gb = 0.0
+    if not config.offload_dir and not host_gb:
         return None
     pool = getattr(runner, "pool", None)
     if runner.kind != "paged" or pool is None:
-        log.warning("--offload-dir ignored: the %s runner's blocks hold no K/V", runner.kind)
+        log.warning("KV tiers ignored: the %s runner's blocks hold no K/V", runner.kind)
         return None
+    fmt = BlockFormat(loaded.fingerprint, pool.describe_layout(), pool.bytes_per_block)
+    host = None
+    if host_gb:
+        host = HostTier(max(1, int(host_gb * 1e9 // pool.bytes_per_block)))
+        log.info("host tier: %d blocks (%.1f GB)", host.capacity_blocks, host_gb)
+    if not config.offload_dir:
+        return TierStore(runner.block_size, fmt, host=host)
     root = Path(config.offload_dir)
     root.mkdir(parents=True, exist_ok=True)
     size = config.offload_gb * 1e9 or shutil.disk_usage(root).free / 2
@@ -193,9 +221,7 @@ def _tier_store(config: WorkerConfig, loaded: LoadedModel, runner: Runner) -> Ti
         raise StartupError(
             f"--offload-gb {config.offload_gb:g} holds no block of {pool.bytes_per_block} bytes"
         )
-    disk = DiskTier(
-        root, loaded.fingerprint, pool.describe_layout(), pool.bytes_per_block, capacity
-    )
+    disk = DiskTier(root, fmt.fingerprint, fmt.layout, fmt.payload_len, capacity)
     log.info(
         "disk tier %s: %d blocks (%.1f GB) of %d bytes",
         disk.dir,
@@ -203,7 +229,7 @@ def _tier_store(config: WorkerConfig, loaded: LoadedModel, runner: Runner) -> Ti
         capacity * pool.bytes_per_block / 1e9,
         pool.bytes_per_block,
     )
-    return TierStore(disk, runner.block_size)
+    return TierStore(runner.block_size, fmt, disk=disk, host=host)
 
 
 def _engine_limits(

@@ -14,7 +14,8 @@ import pytest
 
 from worker.tier.block_file import BlockMeta, decode_header
 from worker.tier.disk import DiskTier
-from worker.tier.store import TierStore
+from worker.tier.host import HostTier
+from worker.tier.store import BlockFormat, TierStore
 
 BS = 4
 PAYLOAD = 256
@@ -24,8 +25,12 @@ def make(root: Path, fingerprint: str = "model-a", capacity: int = 1000) -> Disk
     return DiskTier(root, fingerprint, "layout-1", PAYLOAD, capacity)
 
 
-def store_of(disk: DiskTier) -> TierStore:
-    store = TierStore(disk, BS)
+def fmt_of(disk: DiskTier) -> BlockFormat:
+    return BlockFormat(disk.fingerprint, disk.layout, disk.payload_len)
+
+
+def store_of(disk: DiskTier, host: HostTier | None = None) -> TierStore:
+    store = TierStore(BS, fmt_of(disk), disk=disk, host=host)
     store.start()
     return store
 
@@ -47,12 +52,13 @@ def test_blocks_written_are_found_again_after_a_restart(tmp_path: Path) -> None:
     tokens = list(range(12))
     metas = spill(store, tokens)
     stored, dropped = store.take_reports()
-    assert [m.key for m in stored] == [m.key for m in metas] and not dropped
+    assert [(m.key, md) for m, md in stored] == [(m.key, "disk") for m in metas]
+    assert not dropped
     assert [m.parent_key for m in metas[1:]] == [m.key for m in metas[:-1]]
     store.close()
 
     again = store_of(make(tmp_path))  # a new process over the same directory
-    assert sorted(m.key for m in again.manifest()) == sorted(m.key for m in metas)
+    assert sorted(m.key for m, _ in again.manifest()) == sorted(m.key for m in metas)
     assert again.load(metas) == [payload(0), payload(1), payload(2)]
     assert spill(again, tokens) and again.counters.spilled_blocks == 0  # held: not again
 
@@ -80,7 +86,7 @@ def test_a_corrupt_payload_is_dropped_and_the_run_stops_there(tmp_path: Path) ->
     corrupt(disk.path(metas[2].key), at=-10)
     assert store.load(metas) == [payload(0), payload(1)]
     assert not disk.path(metas[2].key).exists()
-    assert store.take_reports() == ([], [metas[2].key])
+    assert store.take_reports() == ([], [(metas[2].key, "disk")])
     assert store.counters.load_failures == 2  # the bad one and the one after it
 
 
@@ -106,9 +112,7 @@ def test_truncated_foreign_and_temporary_files_are_dropped_at_the_scan(tmp_path:
     again = make(tmp_path)
     kept = {m.key for m in again.scan()}
     assert kept == {metas[1].key, metas[2].key, metas[3].key}
-    assert sorted(p.name for p in again.dir.iterdir()) == sorted(
-        again.path(k).name for k in kept
-    )
+    assert sorted(p.name for p in again.dir.iterdir()) == sorted(again.path(k).name for k in kept)
 
 
 def test_a_file_holding_another_block_under_the_expected_name_is_not_served(
@@ -124,7 +128,8 @@ def test_a_file_holding_another_block_under_the_expected_name_is_not_served(
 
 
 def test_a_block_still_queued_loads_from_the_queue(tmp_path: Path) -> None:
-    store = TierStore(make(tmp_path), BS)  # not started: the writer never runs
+    disk = make(tmp_path)
+    store = TierStore(BS, fmt_of(disk), disk=disk)  # not started: the writer never runs
     metas = store.metas("", list(range(8)), 0, 2)
     store.enqueue(metas, [payload(0), payload(1)])
     assert store.to_spill(metas) == []  # queued: not copied twice
@@ -136,11 +141,14 @@ def test_the_header_records_what_the_block_is(tmp_path: Path) -> None:
     meta = spill(store_of(disk), [7, 8, 9, 10], ns="t")[0]
     header, start = decode_header(disk.path(meta.key).read_bytes())
     assert (header.namespace, header.tokens, header.position) == ("t", (7, 8, 9, 10), 0)
-    assert header.payload_len == PAYLOAD and len(disk.path(meta.key).read_bytes()) == start + PAYLOAD
+    assert (
+        header.payload_len == PAYLOAD and len(disk.path(meta.key).read_bytes()) == start + PAYLOAD
+    )
 
 
 def test_a_backlog_past_its_bound_skips_spills_instead_of_growing(tmp_path: Path) -> None:
-    store = TierStore(make(tmp_path), BS, max_backlog_bytes=2 * PAYLOAD)  # writer not started
+    disk = make(tmp_path)  # the writer not started
+    store = TierStore(BS, fmt_of(disk), disk=disk, max_backlog_bytes=2 * PAYLOAD)
     metas = store.metas("", list(range(16)), 0, 4)
     store.enqueue(metas[:2], [payload(0), payload(1)])
     assert store.to_spill(metas[2:]) == []
@@ -167,8 +175,7 @@ def small_filesystem(path: Path, size: str):
 def test_a_full_disk_stops_spilling_and_fails_nothing(tmp_path: Path) -> None:
     with small_filesystem(tmp_path / "small", "64k") as root:
         disk = DiskTier(root, "model-a", "layout-1", 16 * 1024, 1000)
-        store = TierStore(disk, BS)
-        store.start()
+        store = store_of(disk)
         tokens = list(range(4 * 10))
         metas = store.metas("", tokens, 0, 10)
         store.enqueue(metas, [bytes([i]) * (16 * 1024) for i in range(10)])
@@ -181,3 +188,26 @@ def test_a_full_disk_stops_spilling_and_fails_nothing(tmp_path: Path) -> None:
         got = store.load(metas)
         assert len(got) == len(stored) and got[0] == bytes([0]) * (16 * 1024)
         store.close()
+
+
+def test_a_host_tier_serves_first_and_reports_its_own_medium(tmp_path: Path) -> None:
+    disk = make(tmp_path)
+    store = store_of(disk, HostTier(capacity_blocks=2))
+    metas = spill(store, list(range(16)))  # 4 blocks: the host keeps 2 + its margin
+    stored, _ = store.take_reports()
+    assert sorted(md for _, md in stored) == ["disk"] * 4 + ["host"] * 4
+    disk.delete([metas[0].key])  # gone from disk: still served from host memory
+    assert store.load(metas[:1]) == [payload(0)]
+    store.evict([(metas[0].key, "host")])  # the service dropped it from the host tier
+    assert store.load(metas[:1]) == []
+    assert store.take_reports()[1] == [(metas[0].key, "host"), (metas[0].key, "disk")]
+
+
+def test_a_host_tier_alone_needs_no_disk() -> None:
+    fmt = BlockFormat("model-a", "layout-1", PAYLOAD)
+    store = TierStore(BS, fmt, host=HostTier(capacity_blocks=100))
+    assert store.start() == [] and store.load_worth(1e-9)  # memory: loading always pays
+    metas = store.metas("", list(range(8)), 0, 2)
+    store.enqueue(metas, [payload(0), payload(1)])
+    assert store.load(metas) == [payload(0), payload(1)]
+    assert [md for _, md in store.manifest()] == ["host", "host"]

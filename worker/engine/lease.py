@@ -123,6 +123,7 @@ class TierEntry:
     key: int
     parent_key: int
     namespace: str
+    medium: str = "disk"  # "host" or "disk"
 
 
 class LeaseService(Protocol):
@@ -167,13 +168,15 @@ class LeaseService(Protocol):
         """Releases leases (committing what ``Written`` says); per item None or its error."""
         ...
 
-    async def update_tiers(self, stored: Sequence[TierEntry], dropped: Sequence[int]) -> list[int]:
-        """Tells the service what the disk tier now holds and no longer holds; returns the
-        keys it dropped from the tier (to delete)."""
+    async def update_tiers(
+        self, stored: Sequence[TierEntry], dropped: Sequence[tuple[int, str]]
+    ) -> list[tuple[int, str]]:
+        """Tells the service what the tiers now hold and no longer hold ((key, medium)
+        pairs); returns the blocks it dropped from a tier, (key, medium), to delete."""
         ...
 
-    def take_tier_evictions(self) -> list[int]:
-        """Tier keys the service dropped that heartbeats brought back (to delete)."""
+    def take_tier_evictions(self) -> list[tuple[int, str]]:
+        """Tier blocks the service dropped that heartbeats brought back (to delete)."""
         ...
 
     async def close(self) -> None: ...

@@ -41,8 +41,8 @@ class PoolIO(Protocol):
     def write_blocks(self, blocks: list[int], payloads: list[bytes]) -> None: ...
 
 
-def _entry(meta: BlockMeta) -> TierEntry:
-    return TierEntry(meta.key, meta.parent_key, meta.namespace)
+def _entry(meta: BlockMeta, medium: str) -> TierEntry:
+    return TierEntry(meta.key, meta.parent_key, meta.namespace, medium)
 
 
 class TierSync:
@@ -96,12 +96,12 @@ class TierSync:
         every incarnation with an empty tier index."""
         metas = self.store.manifest()
         for i in range(0, len(metas), MANIFEST_CHUNK):
-            chunk = [_entry(m) for m in metas[i : i + MANIFEST_CHUNK]]
+            chunk = [_entry(m, medium) for m, medium in metas[i : i + MANIFEST_CHUNK]]
             evict = await self.client.update_tiers(chunk, [])
             if evict:
                 await asyncio.to_thread(self.store.evict, evict)
         if metas:
-            log.info("told the cache service of %d blocks in the disk tier", len(metas))
+            log.info("told the cache service of %d blocks in the tiers", len(metas))
 
     async def _report_loop(self) -> None:
         while True:
@@ -123,7 +123,7 @@ class TierSync:
         while stored or dropped:
             s, d = stored[:MANIFEST_CHUNK], dropped[:MANIFEST_CHUNK]
             try:
-                evict += await self.client.update_tiers([_entry(m) for m in s], d)
+                evict += await self.client.update_tiers([_entry(m, md) for m, md in s], d)
             except LeaseError:
                 self.store.give_back(stored, dropped)
                 raise

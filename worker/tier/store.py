@@ -31,6 +31,7 @@ from kvserve_proto.block_keys import block_keys, namespace_key
 from kvserve_proto.packed_tokens import pack
 from worker.tier.block_file import BlockMeta, checksum, prefix_digests
 from worker.tier.disk import DiskTier
+from worker.tier.host import HostTier
 from worker.tier.speed import load_beats_compute, measure_read_rate
 
 log = logging.getLogger(__name__)
@@ -47,17 +48,31 @@ class TierCounters:
     load_failures: int = 0  # granted blocks that could not be loaded (then computed)
 
 
+@dataclass(frozen=True, slots=True)
+class BlockFormat:
+    """What every spilled block of this worker is: the model, the pool layout, its bytes."""
+
+    fingerprint: str
+    layout: str
+    payload_len: int
+
+
 class TierStore:
-    """The worker's tiers (today: the disk tier) behind one interface."""
+    """The worker's tiers (host memory, disk: either or both) behind one interface."""
 
     def __init__(
         self,
-        disk: DiskTier,
         block_size: int,
+        fmt: BlockFormat,
         *,
+        disk: DiskTier | None = None,
+        host: HostTier | None = None,
         max_backlog_bytes: int = DEFAULT_BACKLOG_BYTES,
     ) -> None:
+        assert disk is not None or host is not None, "a store of no tier"
         self.disk = disk
+        self.host = host
+        self.fmt = fmt
         self.block_size = block_size
         self.block_bytes = block_size * 4  # packed tokens of one block
         self.max_backlog_bytes = max_backlog_bytes
@@ -69,8 +84,9 @@ class TierStore:
         self._pending: dict[int, tuple[BlockMeta, bytes]] = {}
         self._backlog = 0
         self._queue: queue.SimpleQueue[tuple[BlockMeta, bytes] | None] = queue.SimpleQueue()
-        self._stored: list[BlockMeta] = []
-        self._dropped: list[int] = []
+        # Reports for the cache service: (block, medium).
+        self._stored: list[tuple[BlockMeta, str]] = []
+        self._dropped: list[tuple[int, str]] = []
         self._writer: threading.Thread | None = None
         self._readers = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-tier-load")
         # Called (on the writer thread) when the writer has caught up after writing blocks:
@@ -82,6 +98,9 @@ class TierStore:
     def start(self) -> list[BlockMeta]:
         """Scans the disk tier and starts the writer; returns what the tier holds (the
         manifest the cache service hears after every registration)."""
+        if self.disk is None:
+            self.read_rate = float("inf")  # host memory: loading always beats computing
+            return []
         metas = self.disk.scan()
         self.read_rate = measure_read_rate(self.disk.dir)
         log.info("disk tier reads back at %.0f MB/s", self.read_rate / 1e6)
@@ -97,9 +116,13 @@ class TierStore:
             self._writer = None
         self._readers.shutdown(wait=True)
 
-    def manifest(self) -> list[BlockMeta]:
-        """Every block the tiers hold now (what a registration is followed by)."""
-        return self.disk.metas()
+    def manifest(self) -> list[tuple[BlockMeta, str]]:
+        """Every block the tiers hold now, with its medium (what a registration is followed
+        by)."""
+        out = [(m, "disk") for m in self.disk.metas()] if self.disk is not None else []
+        if self.host is not None:
+            out += [(m, "host") for m in self.host.metas()]
+        return out
 
     # -- naming blocks ------------------------------------------------------------------------
 
@@ -120,9 +143,9 @@ class TierStore:
                     namespace=namespace,
                     tokens=tuple(tokens[pos * bs : (pos + 1) * bs]),
                     prefix_digest=digests[pos - first],
-                    fingerprint=self.disk.fingerprint,
-                    layout=self.disk.layout,
-                    payload_len=self.disk.payload_len,
+                    fingerprint=self.fmt.fingerprint,
+                    layout=self.fmt.layout,
+                    payload_len=self.fmt.payload_len,
                     checksum="",
                 )
             )
@@ -134,17 +157,28 @@ class TierStore:
         """Those of ``metas`` the tiers neither hold nor have queued; none while the writer
         is too far behind (counted as skipped)."""
         with self._lock:
-            new = [m for m in metas if m.key not in self._pending and m.key not in self.disk]
+            new = [m for m in metas if not self._holds(m.key)]
             if new and self._backlog >= self.max_backlog_bytes:
                 self.counters.skipped_blocks += len(new)
                 return []
             return new
 
+    def _holds(self, key: int) -> bool:
+        return (
+            key in self._pending
+            or (self.disk is not None and key in self.disk)
+            or (self.host is not None and key in self.host)
+        )
+
     def enqueue(self, metas: list[BlockMeta], payloads: list[bytes]) -> None:
-        """Queues blocks copied out of the pool for writing (the model thread calls it)."""
+        """Keeps blocks copied out of the pool: in host memory at once, and queued for the
+        disk writer (the model thread calls it)."""
         with self._lock:
             for meta, payload in zip(metas, payloads, strict=True):
-                if meta.key in self._pending:
+                if self.host is not None:
+                    self._stored.append((meta, "host"))
+                    self._dropped += [(k, "host") for k in self.host.put(meta, payload)]
+                if self.disk is None or meta.key in self._pending:
                     continue
                 self._pending[meta.key] = (meta, payload)
                 self._backlog += len(payload)
@@ -152,6 +186,7 @@ class TierStore:
             self.counters.spilled_blocks += len(metas)
 
     def _write_loop(self) -> None:
+        assert self.disk is not None
         while (item := self._queue.get()) is not None:
             meta, payload = item
             try:
@@ -163,7 +198,7 @@ class TierStore:
                 self._pending.pop(meta.key, None)
                 self._backlog -= len(payload)
                 if written:
-                    self._stored.append(meta)
+                    self._stored.append((meta, "disk"))
                 caught_up = written and not self._pending
             if caught_up and self.on_written is not None:
                 self.on_written()
@@ -193,7 +228,7 @@ class TierStore:
             if payload is None:
                 self.counters.load_failures += len(expected) - len(out)
                 with self._lock:
-                    self._dropped.append(meta.key)
+                    self._dropped += [(meta.key, m) for m in self.media]
                 break
             out.append(payload)
         self.counters.loaded_blocks += len(out)
@@ -206,7 +241,13 @@ class TierStore:
         """Whether granted blocks are loaded rather than computed, at the engine's measured
         prefill seconds per token (worker.tier.speed)."""
         return load_beats_compute(
-            self.disk.payload_len, self.read_rate, self.block_size, s_per_token
+            self.fmt.payload_len, self.read_rate, self.block_size, s_per_token
+        )
+
+    @property
+    def media(self) -> tuple[str, ...]:
+        return (("host",) if self.host is not None else ()) + (
+            ("disk",) if self.disk is not None else ()
         )
 
     def _load_one(self, expect: BlockMeta) -> bytes | None:
@@ -221,39 +262,48 @@ class TierStore:
                 expect.prefix_digest,
             )
             return payload if same else None
-        return self.disk.read(expect)
+        if self.host is not None and (held := self.host.get(expect)) is not None:
+            return held
+        return self.disk.read(expect) if self.disk is not None else None
 
     # -- the cache service --------------------------------------------------------------------
 
-    def take_reports(self) -> tuple[list[BlockMeta], list[int]]:
+    def take_reports(self) -> tuple[list[tuple[BlockMeta, str]], list[tuple[int, str]]]:
         """Blocks written and blocks dropped since the last call."""
         with self._lock:
             stored, self._stored = self._stored, []
             dropped, self._dropped = self._dropped, []
         return stored, dropped
 
-    def give_back(self, stored: list[BlockMeta], dropped: list[int]) -> None:
+    def give_back(
+        self, stored: list[tuple[BlockMeta, str]], dropped: list[tuple[int, str]]
+    ) -> None:
         """Reports that did not reach the service, for the next call."""
         with self._lock:
             self._stored[:0] = stored
             self._dropped[:0] = dropped
 
-    def evict(self, keys: list[int]) -> None:
-        """Deletes blocks the service dropped from the tier."""
-        self.disk.delete(keys)
+    def evict(self, blocks: list[tuple[int, str]]) -> None:
+        """Deletes blocks the service dropped from a tier: (key, medium)."""
+        for medium, tier in (("host", self.host), ("disk", self.disk)):
+            keys = [k for k, m in blocks if m == medium]
+            if keys and tier is not None:
+                tier.delete(keys)
 
     def stats(self) -> dict[str, int | float | bool | str]:
-        c = self.counters
+        c, disk = self.counters, self.disk
         return {
-            "dir": str(self.disk.dir),
-            "blocks": len(self.disk),
-            "capacity_blocks": self.disk.capacity_blocks,
+            "dir": str(disk.dir) if disk is not None else "",
+            "blocks": len(disk) if disk is not None else 0,
+            "capacity_blocks": disk.capacity_blocks if disk is not None else 0,
+            "host_blocks": len(self.host) if self.host is not None else 0,
+            "host_capacity_blocks": self.host.capacity_blocks if self.host is not None else 0,
             "spilled_blocks": c.spilled_blocks,
             "skipped_blocks": c.skipped_blocks,
             "loaded_blocks": c.loaded_blocks,
             "load_failures": c.load_failures,
-            "write_failures": self.disk.write_failures,
-            "bad_reads": self.disk.bad_reads,
+            "write_failures": disk.write_failures if disk is not None else 0,
+            "bad_reads": disk.bad_reads if disk is not None else 0,
             "backlog_bytes": self._backlog,
             "read_mb_s": round(self.read_rate / 1e6, 1),
         }
