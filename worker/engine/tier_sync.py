@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
 from worker.engine.lease import Lease, LeaseError, LeaseService, TierEntry
 from worker.engine.sequence import Sequence, Status
-from worker.tier.block_file import BlockMeta
+from worker.tier.block_file import BlockMeta, Payload
 
 if TYPE_CHECKING:  # built by the assembly (worker.server): it names blocks with kvserve_proto
     from worker.tier.store import TierStore
@@ -36,9 +37,9 @@ MANIFEST_CHUNK = 8192
 
 
 class PoolIO(Protocol):
-    def read_blocks(self, blocks: list[int]) -> list[bytes]: ...
+    def read_blocks(self, blocks: list[int]) -> list[Payload]: ...
 
-    def write_blocks(self, blocks: list[int], payloads: list[bytes]) -> None: ...
+    def write_blocks(self, blocks: list[int], payloads: list[Payload]) -> None: ...
 
 
 def _entry(meta: BlockMeta, medium: str) -> TierEntry:
@@ -174,13 +175,18 @@ class TierSync:
         stop = first + lease.tier_blocks
         try:
             expected = self.store.metas(seq.namespace, seq.token_slice(0, stop * bs), first, stop)
+            start = time.perf_counter()
             payloads = await asyncio.to_thread(self.store.load, expected)
+            took = time.perf_counter() - start
             async with self._step_lock:
                 if payloads and self._still_mine(seq, lease, first * bs):
                     blocks = [seq.block_table[p] for p in range(first, first + len(payloads))]
+                    start = time.perf_counter()
                     await asyncio.wrap_future(
                         self._on_model(self.pool.write_blocks, blocks, payloads)
                     )
+                    took += time.perf_counter() - start
+                    self.store.observe_load(sum(map(len, payloads)), took)
                     if self._still_mine(seq, lease, first * bs):
                         n = len(payloads) * bs
                         seq.num_computed += n

@@ -29,6 +29,10 @@ PREAMBLE = len(MAGIC) + _LEN.size
 MAX_HEADER = 1 << 20  # a block's tokens and names; anything longer is not ours
 
 
+# A block's bytes: ``bytes`` read from a file, or a view of the array the pool copied them to.
+Payload = bytes | memoryview
+
+
 class BadBlockFile(Exception):
     """The file is not a block this worker may use; the message says why."""
 
@@ -63,11 +67,12 @@ def prefix_digests(
     return out
 
 
-def checksum(payload: bytes | memoryview) -> str:
+def checksum(payload: Payload) -> str:
     return xxhash.xxh3_128_hexdigest(payload)
 
 
-def encode(meta: BlockMeta, payload: bytes) -> bytes:
+def encode_header(meta: BlockMeta) -> bytes:
+    """The file up to its payload (which follows as it is, unjoined: no copy of it)."""
     header = json.dumps(
         {
             "key": meta.key,
@@ -83,7 +88,7 @@ def encode(meta: BlockMeta, payload: bytes) -> bytes:
         },
         separators=(",", ":"),
     ).encode()
-    return b"".join((MAGIC, _LEN.pack(len(header)), header, payload))
+    return b"".join((MAGIC, _LEN.pack(len(header)), header))
 
 
 def decode_header(head: bytes) -> tuple[BlockMeta, int]:

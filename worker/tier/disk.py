@@ -28,9 +28,10 @@ import xxhash
 from worker.tier.block_file import (
     BadBlockFile,
     BlockMeta,
+    Payload,
     checksum,
     decode_header,
-    encode,
+    encode_header,
 )
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class DiskTier:
 
     # -- blocks -------------------------------------------------------------------------------
 
-    def write(self, meta: BlockMeta, payload: bytes) -> bool:
+    def write(self, meta: BlockMeta, payload: bytes | memoryview) -> bool:
         """Writes one block (atomically: a temporary file renamed into place). False when it
         was not written: the tier is full (its capacity, or the disk: then it stops trying
         for ``FULL_BACKOFF_S``) or the write failed."""
@@ -148,7 +149,8 @@ class DiskTier:
         tmp = path.with_name(path.name + TMP)
         try:
             with open(tmp, "wb") as f:
-                f.write(encode(meta, payload))
+                f.write(encode_header(meta))
+                f.write(payload)
             os.replace(tmp, path)
         except OSError as err:
             _unlink(tmp)
@@ -169,7 +171,7 @@ class DiskTier:
         self.writes += 1
         return True
 
-    def read(self, expect: BlockMeta) -> bytes | None:
+    def read(self, expect: BlockMeta) -> Payload | None:
         """The payload of block ``expect.key``, if the file is that block, whole and intact
         (every field of ``expect`` but the checksum, which the file's payload must match).
         A file that fails is deleted; None then, and when there is none."""
@@ -201,6 +203,25 @@ class DiskTier:
             self.delete([expect.key])
             return None
         return payload
+
+    def prefetch(self, keys: list[int]) -> None:
+        """Asks the kernel to read these blocks' files ahead (POSIX_FADV_WILLNEED), all at
+        once: the reads that follow find them in the page cache instead of waiting for the
+        disk one file at a time (an H100 host's disk: 646 MB/s loading, 1,436 reading one
+        file sequentially)."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for key in keys:
+            try:
+                fd = os.open(self.path(key), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
 
     def delete(self, keys: list[int]) -> None:
         for key in keys:

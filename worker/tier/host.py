@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from worker.tier.block_file import BlockMeta
+from worker.tier.block_file import BlockMeta, Payload
 
 MARGIN_BLOCKS = 64
 
@@ -23,7 +23,7 @@ class HostTier:
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity_blocks = capacity_blocks
         self._lock = threading.Lock()
-        self._blocks: OrderedDict[int, tuple[BlockMeta, bytes]] = OrderedDict()
+        self._blocks: OrderedDict[int, tuple[BlockMeta, Payload]] = OrderedDict()
 
     def __contains__(self, key: int) -> bool:
         return key in self._blocks
@@ -31,7 +31,7 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def put(self, meta: BlockMeta, payload: bytes) -> list[int]:
+    def put(self, meta: BlockMeta, payload: Payload) -> list[int]:
         """Keeps a block (the most recently used); returns the keys it had to drop itself."""
         with self._lock:
             self._blocks[meta.key] = (meta, payload)
@@ -41,7 +41,7 @@ class HostTier:
                 dropped.append(self._blocks.popitem(last=False)[0])
             return dropped
 
-    def get(self, expect: BlockMeta) -> bytes | None:
+    def get(self, expect: BlockMeta) -> Payload | None:
         """The payload of ``expect``'s block if held and it is that block (see disk.read)."""
         with self._lock:
             held = self._blocks.get(expect.key)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from kvserve_proto.block_keys import block_keys, namespace_key
 from kvserve_proto.packed_tokens import pack
-from worker.tier.block_file import BlockMeta, checksum, prefix_digests
+from worker.tier.block_file import BlockMeta, Payload, checksum, prefix_digests
 from worker.tier.disk import DiskTier
 from worker.tier.host import HostTier
 from worker.tier.speed import load_beats_compute, measure_read_rate
@@ -81,9 +81,9 @@ class TierStore:
         # average over the loads themselves).
         self.read_rate = 0.0
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[BlockMeta, bytes]] = {}
+        self._pending: dict[int, tuple[BlockMeta, Payload]] = {}
         self._backlog = 0
-        self._queue: queue.SimpleQueue[tuple[BlockMeta, bytes] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[BlockMeta, Payload] | None] = queue.SimpleQueue()
         # Reports for the cache service: (block, medium).
         self._stored: list[tuple[BlockMeta, str]] = []
         self._dropped: list[tuple[int, str]] = []
@@ -170,7 +170,7 @@ class TierStore:
             or (self.host is not None and key in self.host)
         )
 
-    def enqueue(self, metas: list[BlockMeta], payloads: list[bytes]) -> None:
+    def enqueue(self, metas: list[BlockMeta], payloads: list[Payload]) -> None:
         """Keeps blocks copied out of the pool: in host memory at once, and queued for the
         disk writer (the model thread calls it)."""
         with self._lock:
@@ -214,16 +214,16 @@ class TierStore:
 
     # -- loading ------------------------------------------------------------------------------
 
-    def load(self, expected: list[BlockMeta]) -> list[bytes]:
+    def load(self, expected: list[BlockMeta]) -> list[Payload]:
         """The payloads of the leading blocks of ``expected`` that load and check out, in
         order; blocking (call it off the event loop). The first that fails ends the run: it
         is dropped (and reported), and what comes after it is not used."""
         if not expected:
             return []
-        start = time.perf_counter()
-        found: list[bytes | None] = list(self._readers.map(self._load_one, expected))
-        took = time.perf_counter() - start
-        out: list[bytes] = []
+        if self.disk is not None:  # the kernel reads them all ahead while threads parse
+            self.disk.prefetch([m.key for m in expected])
+        found: list[Payload | None] = list(self._readers.map(self._load_one, expected))
+        out: list[Payload] = []
         for meta, payload in zip(expected, found, strict=True):
             if payload is None:
                 self.counters.load_failures += len(expected) - len(out)
@@ -232,10 +232,14 @@ class TierStore:
                 break
             out.append(payload)
         self.counters.loaded_blocks += len(out)
-        if len(out) >= 4 and took > 0:  # a rate worth averaging in
-            rate = sum(map(len, out)) / took
-            self.read_rate = rate if not self.read_rate else 0.5 * (self.read_rate + rate)
         return out
+
+    def observe_load(self, nbytes: int, seconds: float) -> None:
+        """A load's whole path, files to pool (the engine times it): averaged into the rate
+        that decides whether the next grant loads or computes."""
+        if nbytes >= 4 * self.fmt.payload_len and seconds > 0:
+            rate = nbytes / seconds
+            self.read_rate = rate if not self.read_rate else 0.5 * (self.read_rate + rate)
 
     def load_worth(self, s_per_token: float | None) -> bool:
         """Whether granted blocks are loaded rather than computed, at the engine's measured
@@ -250,7 +254,7 @@ class TierStore:
             ("disk",) if self.disk is not None else ()
         )
 
-    def _load_one(self, expect: BlockMeta) -> bytes | None:
+    def _load_one(self, expect: BlockMeta) -> Payload | None:
         with self._lock:
             queued = self._pending.get(expect.key)
         if queued is not None:
