@@ -117,7 +117,6 @@ class Engine:
                 executor.submit,
                 step_lock=self._step_lock,
                 wake_steps=self._work.set,
-                prefill_s_per_token=lambda: self.budget.s_per_token,
             )
         self.leases = LeaseSync(
             client,
@@ -226,6 +225,8 @@ class Engine:
         live = frozenset(s.lease.lease_id for s in self.scheduler.running if s.lease is not None)
         results, took = await self.executor.run(step, live)
         self.budget.observe(took)
+        if self.tiers is not None:
+            self.tiers.observe(took)
         if log.isEnabledFor(logging.DEBUG):
             self._log_step(step, took, time.perf_counter() - started)
         sampled = self._end_failed_rows(step, results)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from worker.engine.lease import Lease, LeaseError, LeaseService, TierEntry
 from worker.engine.sequence import Sequence, Status
+from worker.engine.step_budget import ForwardTime
 from worker.tier.block_file import BlockMeta, Payload
 
 if TYPE_CHECKING:  # built by the assembly (worker.server): it names blocks with kvserve_proto
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 # Reports go when the writer catches up, and at least this often (evictions a heartbeat
 # brought back are deleted then).
 REPORT_EVERY_S = 1.0
+# Prefill chunks at least this many blocks long say what a block costs to compute.
+MIN_CHUNK_BLOCKS = 4
 MANIFEST_CHUNK = 8192
 
 
@@ -40,6 +43,8 @@ class PoolIO(Protocol):
     def read_blocks(self, blocks: list[int]) -> list[Payload]: ...
 
     def write_blocks(self, blocks: list[int], payloads: list[Payload]) -> None: ...
+
+    def measure_write_rate(self) -> float: ...
 
 
 def _entry(meta: BlockMeta, medium: str) -> TierEntry:
@@ -56,7 +61,6 @@ class TierSync:
         *,
         step_lock: asyncio.Lock,
         wake_steps: Callable[[], None],
-        prefill_s_per_token: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.store = store
         self.client = client
@@ -65,13 +69,24 @@ class TierSync:
         self._on_model = on_model_thread
         self._step_lock = step_lock
         self._wake_steps = wake_steps
-        self._s_per_token = prefill_s_per_token
+        self._s_per_token: float | None = None  # prefill, on chunks of MIN_CHUNK_BLOCKS+
         self._task: asyncio.Task | None = None
         self._loads: set[asyncio.Task] = set()
         self._written = asyncio.Event()  # the store's writer caught up: report now
         self.loaded_tokens = 0
 
+    def observe(self, took: ForwardTime) -> None:
+        """A step's timings: prefill seconds a token, from chunks long enough to say it."""
+        if took.prefill_tokens >= MIN_CHUNK_BLOCKS * self.block_size:
+            per = took.prefill_s / took.prefill_tokens
+            old = self._s_per_token
+            self._s_per_token = per if old is None else 0.5 * (old + per)
+
     def start(self) -> None:
+        self._measure = asyncio.ensure_future(
+            asyncio.wrap_future(self._on_model(self.pool.measure_write_rate))
+        )
+        self._measure.add_done_callback(self._measured)
         loop = asyncio.get_running_loop()
 
         def written() -> None:
@@ -79,6 +94,10 @@ class TierSync:
 
         self.store.on_written = written
         self._task = asyncio.create_task(self._report_loop())
+
+    def _measured(self, done: asyncio.Future) -> None:
+        if not done.cancelled() and done.exception() is None:
+            self.store.set_pool_write_rate(done.result())
 
     async def stop(self) -> None:
         self.store.on_written = None
@@ -162,7 +181,7 @@ class TierSync:
     def load(self, seq: Sequence, lease: Lease) -> None:
         """Loads ``lease``'s tier blocks for ``seq`` (just admitted with it) in the background;
         the sequence does not step until they are in its blocks, or found missing."""
-        if not lease.tier_blocks or not self.store.load_worth(self._s_per_token()):
+        if not lease.tier_blocks or not self.store.load_worth(self._s_per_token):
             return
         seq.loading = lease
         task = asyncio.create_task(self._load(seq, lease))

@@ -20,6 +20,7 @@ Only the single thread that owns the model touches a pool.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -65,7 +66,7 @@ class KVPool:
         self._keys = [mx.zeros((s.n_kv_heads, *shape, s.k_head_dim), dtype) for s in layers]
         self._values = [mx.zeros((s.n_kv_heads, *shape, s.v_head_dim), dtype) for s in layers]
         self._heads = [mx.arange(s.n_kv_heads, dtype=mx.int32)[None, :, None] for s in layers]
-        self._staging: mx.array | None = None  # write_blocks' on a GPU, made at first use
+        self._staging: np.ndarray | None = None  # write_blocks' on a GPU, made at first use
         mx.eval(self._keys, self._values)
 
     @classmethod
@@ -254,28 +255,49 @@ class KVPool:
         mx.eval(self.arrays())
 
     def _write_uniform(self, blocks: list[int], payloads: Sequence[bytes | memoryview]) -> None:
-        """``write_blocks`` on a device with its own kernels (GPU): the payloads copied into
-        a staging array the device reads (kept between loads: fresh host memory cost its page
-        faults, 175 ms for 218 MB on an H100 host), then one scatter per layer's K and V, on
-        the device, ``STAGING_BLOCKS`` blocks at a time."""
+        """``write_blocks`` on a device with its own kernels (GPU): the payloads copied into a
+        host staging buffer kept between loads (fresh host memory cost its page faults: a
+        218 MB join took 175 ms on an H100 host; filling a device-readable buffer from the
+        host, its page migrations: 105 ms), one transfer of it, then one scatter per layer's
+        K and V on the device; ``STAGING_BLOCKS`` blocks at a time."""
         s, bs = self.layers[0], self.block_size
-        per = self.bytes_per_block
         if self._staging is None:
-            self._staging = mx.zeros((STAGING_BLOCKS, per), mx.uint8)
-            mx.eval(self._staging)
-        rows = np.array(self._staging, copy=False)
+            self._staging = np.empty((STAGING_BLOCKS, self.bytes_per_block), np.uint8)
+        rows = self._staging
         for at in range(0, len(blocks), STAGING_BLOCKS):
             chunk = blocks[at : at + STAGING_BLOCKS]
             n = len(chunk)
             for j, p in enumerate(payloads[at : at + n]):
                 rows[j] = np.frombuffer(p, np.uint8)
-            whole = self._staging[:n].view(self.dtype)
+            whole = mx.array(rows[:n]).view(self.dtype)
             whole = whole.reshape(n, self.num_layers, 2, s.n_kv_heads, bs, s.k_head_dim)
             ids = mx.array(chunk, dtype=mx.int32)
             for layer in range(self.num_layers):
                 self._keys[layer][:, ids] = whole[:, layer, 0].transpose(1, 0, 2, 3)
                 self._values[layer][:, ids] = whole[:, layer, 1].transpose(1, 0, 2, 3)
             mx.eval(self.arrays())  # the staging rows are free again
+
+    def measure_write_rate(self, blocks: int = 32) -> float:
+        """Bytes a second :meth:`write_blocks` moves into the pool, measured by writing
+        ``blocks`` blocks of zeros into the trash block (never read unmasked) on the path
+        a load takes here; on the model thread. The tiers weigh loading against computing
+        with it before any real load has been timed."""
+        zeros = [bytes(self.bytes_per_block)] * blocks
+        trash = [int(self.trash_block)] * blocks
+        write = (
+            self._write_blocks_in_place
+            if mx.default_device() == mx.cpu and self.dtype != mx.bfloat16
+            else self._write_uniform
+            if self._uniform
+            else None
+        )
+        if write is None:
+            return 0.0  # mixed layer shapes off the CPU: measured by the loads themselves
+        write(trash, zeros)  # first use: kernels, the staging buffer
+        start = time.perf_counter()
+        write(trash, zeros)
+        took = time.perf_counter() - start
+        return blocks * self.bytes_per_block / took if took > 0 else 0.0
 
     def _write_blocks_in_place(
         self, blocks: Sequence[int], payloads: Sequence[bytes | memoryview]

@@ -80,6 +80,7 @@ class TierStore:
         # Bytes a second the tier reads back (worker.tier.speed: probed at start, then an
         # average over the loads themselves).
         self.read_rate = 0.0
+        self._observed = False  # a real load has been timed (the rate is then its own)
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[BlockMeta, Payload]] = {}
         self._backlog = 0
@@ -234,12 +235,20 @@ class TierStore:
         self.counters.loaded_blocks += len(out)
         return out
 
+    def set_pool_write_rate(self, rate: float) -> None:
+        """Folds the pool's measured write rate (KVPool.measure_write_rate) into the start-up
+        estimate: a load reads the disk, then writes the pool."""
+        if rate > 0 and self.read_rate > 0 and not self._observed:
+            self.read_rate = 1 / (1 / self.read_rate + 1 / rate)
+            log.info("tier loads estimated at %.0f MB/s, files to pool", self.read_rate / 1e6)
+
     def observe_load(self, nbytes: int, seconds: float) -> None:
         """A load's whole path, files to pool (the engine times it): averaged into the rate
         that decides whether the next grant loads or computes."""
         if nbytes >= 4 * self.fmt.payload_len and seconds > 0:
             rate = nbytes / seconds
-            self.read_rate = rate if not self.read_rate else 0.5 * (self.read_rate + rate)
+            self.read_rate = rate if not self._observed else 0.5 * (self.read_rate + rate)
+            self._observed = True
 
     def load_worth(self, s_per_token: float | None) -> bool:
         """Whether granted blocks are loaded rather than computed, at the engine's measured
