@@ -80,6 +80,18 @@ class EngineLimits:
     """How long requests wait out an unreachable cache service (``LeasePolicy``)."""
 
 
+def _prefill_estimate(executor: ModelExecutor) -> float | None:
+    """A prefill token's cost before any is timed (worker.tier.speed), on the model thread."""
+    from mlx.utils import tree_flatten
+
+    from worker.tier.speed import matmul_flops, prefill_s_per_token
+
+    runner = cast(Any, executor.runner)
+    leaves = cast(list[tuple[str, Any]], tree_flatten(runner.model.parameters()))
+    params = sum(v.size for _, v in leaves)
+    return prefill_s_per_token(params, matmul_flops(runner.pool.dtype))
+
+
 class Engine:
     def __init__(
         self,
@@ -117,6 +129,7 @@ class Engine:
                 executor.submit,
                 step_lock=self._step_lock,
                 wake_steps=self._work.set,
+                estimate_prefill=lambda: _prefill_estimate(executor),
             )
         self.leases = LeaseSync(
             client,

@@ -61,7 +61,10 @@ class TierSync:
         *,
         step_lock: asyncio.Lock,
         wake_steps: Callable[[], None],
+        estimate_prefill: Callable[[], float | None] = lambda: None,
     ) -> None:
+        """``estimate_prefill``: run on the model thread at start, a prefill token's cost
+        before any prefill is timed (worker.tier.speed.prefill_s_per_token)."""
         self.store = store
         self.client = client
         self.pool = pool
@@ -70,6 +73,8 @@ class TierSync:
         self._step_lock = step_lock
         self._wake_steps = wake_steps
         self._s_per_token: float | None = None  # prefill, on chunks of MIN_CHUNK_BLOCKS+
+        self._estimate_prefill = estimate_prefill
+        self._timed = False  # _s_per_token is a timed prefill's, not the start's estimate
         self._task: asyncio.Task | None = None
         self._loads: set[asyncio.Task] = set()
         self._written = asyncio.Event()  # the store's writer caught up: report now
@@ -79,12 +84,13 @@ class TierSync:
         """A step's timings: prefill seconds a token, from chunks long enough to say it."""
         if took.prefill_tokens >= MIN_CHUNK_BLOCKS * self.block_size:
             per = took.prefill_s / took.prefill_tokens
-            old = self._s_per_token
+            old = self._s_per_token if self._timed else None
             self._s_per_token = per if old is None else 0.5 * (old + per)
+            self._timed = True
 
     def start(self) -> None:
         self._measure = asyncio.ensure_future(
-            asyncio.wrap_future(self._on_model(self.pool.measure_write_rate))
+            asyncio.wrap_future(self._on_model(self._measure_speeds))
         )
         self._measure.add_done_callback(self._measured)
         loop = asyncio.get_running_loop()
@@ -95,9 +101,22 @@ class TierSync:
         self.store.on_written = written
         self._task = asyncio.create_task(self._report_loop())
 
+    def _measure_speeds(self) -> tuple[float, float | None]:
+        return self.pool.measure_write_rate(), self._estimate_prefill()
+
     def _measured(self, done: asyncio.Future) -> None:
-        if not done.cancelled() and done.exception() is None:
-            self.store.set_pool_write_rate(done.result())
+        if done.cancelled() or done.exception() is not None:
+            log.warning("could not measure the tiers' speeds: %s", done)
+            return
+        write_rate, per_token = done.result()
+        self.store.set_pool_write_rate(write_rate)
+        if self._s_per_token is None and per_token is not None:
+            self._s_per_token = per_token
+            log.info(
+                "a block computes in at least %.2f ms here (matmul rate), loads in %.2f ms",
+                per_token * self.block_size * 1e3,
+                self.store.fmt.payload_len / max(self.store.read_rate, 1.0) * 1e3,
+            )
 
     async def stop(self) -> None:
         self.store.on_written = None

@@ -60,3 +60,28 @@ def load_beats_compute(
     if s_per_token is None:
         return True
     return bytes_per_block / read_rate < s_per_token * block_size
+
+
+def matmul_flops(dtype: object, n: int = 2048, repeats: int = 4) -> float:
+    """Floating-point operations a second this device's matmuls reach, in ``dtype``: timed on
+    ``repeats`` products of ``n x n`` matrices after one untimed (on the model thread)."""
+    import mlx.core as mx
+
+    a = mx.random.normal((n, n)).astype(dtype)  # type: ignore[arg-type]
+    mx.eval(a @ a)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        mx.eval(a @ a)
+    took = time.perf_counter() - start
+    return repeats * 2 * n**3 / took if took > 0 else 0.0
+
+
+def prefill_s_per_token(parameters: int, flops: float) -> float | None:
+    """A lower bound of a prefill token's cost before any prefill has been timed: 2 FLOPs a
+    parameter a token at the device's measured matmul rate (attention and everything else
+    only add to it, so it errs toward computing: on a CPU a block still computes ~30x slower
+    than it loads; on an H100 a 1B model's block computes in ~0.2 ms, a disk load takes
+    ~1.3 ms)."""
+    if parameters <= 0 or flops <= 0:
+        return None
+    return 2 * parameters / flops
