@@ -163,22 +163,22 @@ def trace(args: argparse.Namespace, model: str, vocab: int) -> None:
 def restart(args: argparse.Namespace, model: str, vocab: int) -> None:
     rng = random.Random(1)
     prompt = token_ids(rng, args.long_tokens, vocab)
-    # Run first in each start, so that neither measurement pays for first-use kernels (the
-    # prefill's, and after the restart the load's: it loads from the tier too).
-    warm_up = token_ids(rng, 1024, vocab)
+    # A prompt of its own first in each start, computed, so that neither measurement pays
+    # for first-use kernels (--no-warmup), and the worker has timed a prefill.
+    warm_ups = [token_ids(rng, 1024, vocab) for _ in range(2)]
     blocks = -(-(args.long_tokens + 64) // 32) + 48
     tier_dir = tempfile.mkdtemp(prefix="kv-tier-")
     print(f"\n## restart: a {args.long_tokens}-token prompt, pool {blocks} blocks")
     try:
         system = System(model, blocks, tier_dir)
         try:
-            asyncio.run(ask(system.address, warm_up, 4))
+            asyncio.run(ask(system.address, warm_ups[0], 4))
             cold, _ = asyncio.run(ask(system.address, prompt, 4))
         finally:
             system.stop()  # both processes: a full restart
         system = System(model, blocks, tier_dir)
         try:
-            asyncio.run(ask(system.address, warm_up, 4))
+            asyncio.run(ask(system.address, warm_ups[1], 4))
             before = asyncio.run(info(system.address)).prefilled_tokens
             warm, cached = asyncio.run(ask(system.address, prompt, 4))
             got = asyncio.run(info(system.address))
