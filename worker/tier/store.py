@@ -221,8 +221,6 @@ class TierStore:
         is dropped (and reported), and what comes after it is not used."""
         if not expected:
             return []
-        if self.disk is not None:  # the kernel reads them all ahead while threads parse
-            self.disk.prefetch([m.key for m in expected])
         found: list[Payload | None] = list(self._readers.map(self._load_one, expected))
         out: list[Payload] = []
         for meta, payload in zip(expected, found, strict=True):
