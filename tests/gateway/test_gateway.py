@@ -374,6 +374,11 @@ async def test_admin_pass_through(stack: Stack):
     assert evict.status_code == 200
     check = (await http.get("/admin/cache/check", headers=AUTH)).json()
     assert check["ok"] is True and check["pools_checked"] == 2
+    # A tier flush of a pool with no tier: the cache service's 400 passes through.
+    tier = await http.post("/admin/cache/flush", json={"pool": pool, "tier": "disk"}, headers=AUTH)
+    assert tier.status_code == 400 and "tier" in tier.text
+    bad = await http.post("/admin/cache/flush", json={"pool": pool, "tier": "tape"}, headers=AUTH)
+    assert bad.status_code == 400
     missing = await http.get("/admin/cache/tree?pool=nope", headers=AUTH)
     assert missing.status_code in (400, 404)
 
