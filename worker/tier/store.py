@@ -177,8 +177,10 @@ class TierStore:
         with self._lock:
             for meta, payload in zip(metas, payloads, strict=True):
                 if self.host is not None:
+                    # A copy of its own: a view would keep the whole array the pool's copy
+                    # gathered it in alive for as long as any one of its blocks is held.
                     self._stored.append((meta, "host"))
-                    self._dropped += [(k, "host") for k in self.host.put(meta, payload)]
+                    self._dropped += [(k, "host") for k in self.host.put(meta, bytes(payload))]
                 if self.disk is None or meta.key in self._pending:
                     continue
                 self._pending[meta.key] = (meta, payload)
