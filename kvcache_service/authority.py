@@ -429,6 +429,7 @@ class CacheAuthority:
         ev.stop()
         for pool in self.pools.values():
             pool.index.listener = None
+            pool.tiers.listener = None
         return True
 
     def events_snapshot(self, pool_id: PoolId | None) -> tuple[Cursor, list[Batch]]:
@@ -441,7 +442,8 @@ class CacheAuthority:
             if pool_id is None or pool.spec.pool_id == pool_id:
                 key = _pool_key(pool)
                 seq = self.events.pool_seq(key.pool_id)
-                out += snapshot(key, pool.index.runs(), cursor.seq, seq, now)
+                tiers = pool.tiers.entries_for_events()
+                out += snapshot(key, pool.index.runs(), cursor.seq, seq, now, tiers)
         return cursor, out
 
     def _record_pool(self, pool: PoolState, reason: ClearReason) -> None:
@@ -454,7 +456,9 @@ class CacheAuthority:
                 self._attach(pool)
 
     def _attach(self, pool: PoolState) -> None:
-        pool.index.listener = PoolRecorder(self.events, _pool_key(pool))
+        recorder = PoolRecorder(self.events, _pool_key(pool))
+        pool.index.listener = recorder
+        pool.tiers.listener = recorder
 
     # -- admin --------------------------------------------------------------------------------
 

@@ -35,6 +35,8 @@ from kvcache_service.event_types import (
     Removed,
     ResetReason,
     Stored,
+    TierRemoved,
+    TierStored,
 )
 from kvcache_service.ids import Namespace, PoolId, Tokens
 from kvcache_service.leases import AcquireRequest, Deferral, Grant, Reuse, SequenceUpdate
@@ -468,6 +470,18 @@ def _event(e: Event) -> pb.KVEvent:
         return pb.KVEvent(stored=stored)
     if isinstance(e, Removed):
         return pb.KVEvent(removed=pb.BlocksRemoved(blocks=e.blocks))
+    if isinstance(e, TierStored):
+        return pb.KVEvent(
+            tier_stored=pb.TierBlocksStored(
+                medium=WIRE_MEDIA[Medium(e.medium)],
+                namespace=e.namespace,
+                keys=e.keys,
+                parent_keys=e.parents,
+            )
+        )
+    if isinstance(e, TierRemoved):
+        medium = WIRE_MEDIA[Medium(e.medium)]
+        return pb.KVEvent(tier_removed=pb.TierBlocksRemoved(medium=medium, keys=e.keys))
     assert isinstance(e, Cleared)
     return pb.KVEvent(cleared=pb.PoolCleared(reason=CLEAR_REASONS[e.reason]))
 

@@ -41,7 +41,26 @@ class Cleared:
     reason: ClearReason
 
 
-Event = Stored | Removed | Cleared
+@dataclass(frozen=True, slots=True)
+class TierStored:
+    """Blocks entered a tier of the pool (tier_index.Medium's value), by key; ``parents`` the
+    key before each."""
+
+    medium: int
+    namespace: Namespace
+    keys: tuple[int, ...]
+    parents: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TierRemoved:
+    """Blocks left a tier of the pool."""
+
+    medium: int
+    keys: tuple[int, ...]
+
+
+Event = Stored | Removed | Cleared | TierStored | TierRemoved
 
 
 @dataclass(frozen=True, slots=True)

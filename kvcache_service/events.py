@@ -42,6 +42,8 @@ from kvcache_service.event_types import (
     Removed,
     ResetReason,
     Stored,
+    TierRemoved,
+    TierStored,
 )
 from kvcache_service.ids import BlockId, Namespace, PoolId
 from kvcache_service.tokens import TOKEN_BYTES
@@ -53,23 +55,42 @@ MAX_BATCH_BYTES = 1 << 20
 # What an event costs beyond its tokens and block ids (object headers, the batch's share).
 EVENT_OVERHEAD = 96
 BLOCK_ID_BYTES = 8
+TIER_KEY_BYTES = 8
 
 
 @dataclass(slots=True)
 class _Open:
     """A pool's batch while the step that writes it runs. Removals accumulate in one list
     (a flush removes blocks one call at a time) and become one event when something else
-    comes or the batch is sealed."""
+    comes or the batch is sealed; so do a tier's changes (a worker's report stores blocks one
+    at a time), one event per run of one medium (and namespace)."""
 
     key: PoolKey
     events: list[Event] = field(default_factory=list)
     removing: list[BlockId] = field(default_factory=list)
     cost: int = 0
+    # The tier run being gathered: ("stored", medium, namespace) or ("removed", medium, "").
+    tier_run: tuple[str, int, Namespace] | None = None
+    tier_keys: list[int] = field(default_factory=list)
+    tier_parents: list[int] = field(default_factory=list)
 
     def close_removals(self) -> None:
+        self.close_tier_run()
         if self.removing:
             self.events.append(Removed(tuple(self.removing)))
             self.removing = []
+
+    def close_tier_run(self) -> None:
+        run = self.tier_run
+        if run is None:
+            return
+        kind, medium, ns = run
+        keys = tuple(self.tier_keys)
+        if kind == "stored":
+            self.events.append(TierStored(medium, ns, keys, tuple(self.tier_parents)))
+        else:
+            self.events.append(TierRemoved(medium, keys))
+        self.tier_run, self.tier_keys, self.tier_parents = None, [], []
 
 
 class PoolRecorder:
@@ -97,6 +118,15 @@ class PoolRecorder:
     def removed(self, blocks: list[BlockId]) -> None:
         self._log.record_removed(self._key, blocks)
 
+    def tier_stored(self, medium: int, ns: Namespace, key: int, parent: int) -> None:
+        """A block entered a tier (``TierIndex.listener``)."""
+        self._log.record_tier(self._key, ("stored", medium, ns), key, parent)
+
+    def tier_removed(self, medium: int, keys: list[int]) -> None:
+        """Blocks left a tier (``TierIndex.listener``)."""
+        for key in keys:
+            self._log.record_tier(self._key, ("removed", medium, Namespace("")), key, 0)
+
 
 def _runs(
     ns: Namespace, parent: BlockId | None, blocks: list[BlockId], tokens: bytes, cb: int
@@ -119,6 +149,10 @@ def event_cost(event: Event) -> int:
         return EVENT_OVERHEAD + len(event.tokens) + BLOCK_ID_BYTES * len(event.blocks)
     if isinstance(event, Removed):
         return EVENT_OVERHEAD + BLOCK_ID_BYTES * len(event.blocks)
+    if isinstance(event, TierStored):
+        return EVENT_OVERHEAD + 2 * TIER_KEY_BYTES * len(event.keys)
+    if isinstance(event, TierRemoved):
+        return EVENT_OVERHEAD + TIER_KEY_BYTES * len(event.keys)
     return EVENT_OVERHEAD
 
 
@@ -174,15 +208,33 @@ class EventLog:
 
     def record(self, key: PoolKey, event: Stored | Cleared, cost: int) -> None:
         batch = self._batch(key)
-        if batch.cost + cost > MAX_BATCH_BYTES and (batch.events or batch.removing):
+        pending = batch.events or batch.removing or batch.tier_run is not None
+        if batch.cost + cost > MAX_BATCH_BYTES and pending:
             self._seal_one(key.pool_id)
             batch = self._batch(key)
         batch.close_removals()
         batch.events.append(event)
         batch.cost += cost
 
+    def record_tier(
+        self, key: PoolKey, run: tuple[str, int, Namespace], block: int, parent: int
+    ) -> None:
+        """One block of a tier's change: gathered into the run of its kind, medium and
+        namespace (a new run closes the last one)."""
+        batch = self._batch(key)
+        if batch.tier_run != run:
+            batch.close_tier_run()
+            batch.tier_run = run
+        batch.tier_keys.append(block)
+        if run[0] == "stored":
+            batch.tier_parents.append(parent)
+        batch.cost += 2 * TIER_KEY_BYTES
+        if batch.cost >= MAX_BATCH_BYTES:
+            self._seal_one(key.pool_id)
+
     def record_removed(self, key: PoolKey, blocks: list[BlockId]) -> None:
         batch = self._batch(key)
+        batch.close_tier_run()
         batch.removing += blocks
         batch.cost += BLOCK_ID_BYTES * len(blocks)
         if batch.cost >= MAX_BATCH_BYTES:
@@ -306,21 +358,41 @@ def snapshot(
     seq: int,
     pool_seq: int,
     now: float,
+    tiers: Iterable[tuple[int, Namespace, int, int]] = (),
 ) -> list[Batch]:
     """A pool's index as batches of stored events (``runs`` parents first, as
-    ``RadixIndex.runs`` gives them), each batch at the snapshot's position ``seq``; at least
-    one batch, which an empty index leaves without events."""
+    ``RadixIndex.runs`` gives them), then its tiers' blocks (``tiers``: medium, namespace,
+    key, parent key), each batch at the snapshot's position ``seq``; at least one batch,
+    which an empty index leaves without events."""
     cb = key.block_size * TOKEN_BYTES
     out: list[Batch] = []
     events: list[Event] = []
     cost = EVENT_OVERHEAD
+
+    def add(event: Event) -> None:
+        nonlocal events, cost
+        events.append(event)
+        cost += event_cost(event)
+        if cost >= MAX_BATCH_BYTES:
+            out.append(Batch(seq, key, pool_seq, now, tuple(events), cost))
+            events, cost = [], EVENT_OVERHEAD
+
     for ns, parent, blocks, tokens in runs:
         for run in _runs(ns, parent, blocks, tokens, cb):
-            events.append(run)
-            cost += event_cost(run)
-            if cost >= MAX_BATCH_BYTES:
-                out.append(Batch(seq, key, pool_seq, now, tuple(events), cost))
-                events, cost = [], EVENT_OVERHEAD
+            add(run)
+    step = MAX_BATCH_BYTES // 4 // (2 * TIER_KEY_BYTES)
+    group: tuple[int, Namespace] | None = None
+    keys: list[int] = []
+    parents: list[int] = []
+    for medium, tier_ns, k, parent_key in tiers:
+        if (medium, tier_ns) != group or len(keys) >= step:
+            if group is not None:
+                add(TierStored(group[0], group[1], tuple(keys), tuple(parents)))
+            group, keys, parents = (medium, tier_ns), [], []
+        keys.append(k)
+        parents.append(parent_key)
+    if group is not None:
+        add(TierStored(group[0], group[1], tuple(keys), tuple(parents)))
     if events or not out:
         out.append(Batch(seq, key, pool_seq, now, tuple(events), cost))
     return out

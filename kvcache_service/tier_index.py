@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from heapq import heapify, heappop, heappush
 from itertools import islice, pairwise
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from kvcache_service.errors import InvalidArgument
 from kvcache_service.ids import Namespace
@@ -78,6 +78,7 @@ class _Tier:
     """
 
     capacity: int
+    medium: Medium = Medium.DISK
     entries: OrderedDict[int, TierEntry] = field(default_factory=OrderedDict)
     children: dict[int, int] = field(default_factory=dict)
     leaves: list[tuple[int, int]] = field(default_factory=list)
@@ -98,6 +99,15 @@ def tier_capacities(specs: Iterable[tuple[Medium, int]]) -> dict[Medium, int]:
     return out
 
 
+class TierListener(Protocol):
+    """Hears of every block that enters or leaves a tier (``_store``, ``_remove``, ``clear``:
+    the only places an entry comes or goes)."""
+
+    def tier_stored(self, medium: int, ns: Namespace, key: int, parent: int) -> None: ...
+
+    def tier_removed(self, medium: int, keys: list[int]) -> None: ...
+
+
 class TierIndex:
     """Per medium a capacity in blocks and the blocks held: key -> (parent key, namespace,
     last use). A key may be held by several media at once.
@@ -111,7 +121,9 @@ class TierIndex:
 
     def __init__(self, tiers: Iterable[tuple[Medium, int]] = ()) -> None:
         """``tiers``: (medium, capacity in blocks), checked (``tier_capacities``)."""
-        self._tiers: dict[Medium, _Tier] = {m: _Tier(c) for m, c in tier_capacities(tiers).items()}
+        self._tiers: dict[Medium, _Tier] = {
+            m: _Tier(c, m) for m, c in tier_capacities(tiers).items()
+        }
         # Fastest first: the order loads and run() look in.
         self._fastest = [self._tiers[m] for m in TIER_MEDIA if m in self._tiers]
         self._clock = 0
@@ -119,6 +131,8 @@ class TierIndex:
         self._outbox: OrderedDict[tuple[int, Medium], None] = OrderedDict()
         # Namespaces as stored: one string each, not one per entry.
         self._names: dict[str, Namespace] = {}
+        # Told of every block that enters or leaves a tier (events.PoolRecorder: KV events).
+        self.listener: TierListener | None = None
 
     # -- what it holds ------------------------------------------------------------------------
 
@@ -233,12 +247,24 @@ class TierIndex:
         Returns how many."""
         tier = self._tier(medium)
         n = len(tier.entries)
+        if self.listener is not None and n:
+            self.listener.tier_removed(medium, list(tier.entries))
         self._outbox.update(dict.fromkeys(zip(tier.entries, [medium] * n, strict=True)))
         tier.counters.dropped += n
         tier.entries.clear()
         tier.children.clear()
         tier.leaves.clear()
         return n
+
+    def entries_for_events(self) -> list[tuple[int, Namespace, int, int]]:
+        """Every block held, as (medium, namespace, key, parent key), grouped by medium and
+        namespace: a KV-event snapshot's tier part."""
+        out = []
+        for medium, tier in self._tiers.items():
+            rows = [(int(medium), e.namespace, k, e.parent_key) for k, e in tier.entries.items()]
+            rows.sort(key=lambda r: r[1])
+            out += rows
+        return out
 
     def take_evicted(self, limit: int) -> list[tuple[int, Medium]]:
         """Up to ``limit`` of the blocks the service dropped, oldest first, taken out of the
@@ -258,6 +284,8 @@ class TierIndex:
         old = tier.entries.get(key)
         if old is None:
             tier.counters.stored += 1
+            if self.listener is not None:
+                self.listener.tier_stored(medium, ns, key, parent)
             if self._outbox:
                 self._outbox.pop((key, medium), None)  # stored again: the worker keeps it
             children = tier.children
@@ -302,6 +330,8 @@ class TierIndex:
 
     def _remove(self, tier: _Tier, key: int) -> None:
         entry = tier.entries.pop(key)
+        if self.listener is not None:
+            self.listener.tier_removed(tier.medium, [key])
         self._remove_child(tier, entry.parent_key)
 
     def _evict_over_capacity(self) -> None:

@@ -13,7 +13,15 @@ from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvcache_service.event_types import Batch, Cleared, ClearReason, Removed, Stored
+from kvcache_service.event_types import (
+    Batch,
+    Cleared,
+    ClearReason,
+    Removed,
+    Stored,
+    TierRemoved,
+    TierStored,
+)
 from kvcache_service.tokens import unpack
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 
@@ -25,6 +33,8 @@ class ReplicaPool:
     # block -> (namespace, parent block or None, its own token ids)
     blocks: dict[int, tuple[str, int | None, tuple[int, ...]]] = field(default_factory=dict)
     children: Counter[int] = field(default_factory=Counter)
+    # medium -> tier key -> (namespace, parent key)
+    tiers: dict[int, dict[int, tuple[str, int]]] = field(default_factory=dict)
 
     def store(self, ns: str, parent: int | None, blocks: list[int], tokens: tuple[int, ...]):
         bs = self.block_size
@@ -111,6 +121,17 @@ class Replica:
             assert pool is not None and pool.incarnation == key.incarnation, "an unknown pool"
             if isinstance(e, Stored):
                 pool.store(e.namespace, e.parent, list(e.blocks), unpack(e.tokens))
+            elif isinstance(e, TierStored):
+                held = pool.tiers.setdefault(e.medium, {})
+                assert len(e.keys) == len(e.parents)
+                for k, parent in zip(e.keys, e.parents, strict=True):
+                    assert k not in held, f"tier block {k} stored twice"
+                    held[k] = (e.namespace, parent)
+            elif isinstance(e, TierRemoved):
+                assert not snapshot
+                held = pool.tiers.get(e.medium, {})
+                for k in e.keys:
+                    assert held.pop(k, None) is not None, f"tier block {k} was not held"
             else:
                 assert isinstance(e, Removed) and not snapshot
                 pool.remove(list(e.blocks))
@@ -156,6 +177,17 @@ class Replica:
                 tokens = array("I")
                 tokens.frombytes(s.tokens)  # little-endian on the machines tests run on
                 pool.store(s.namespace, parent, list(s.blocks), tuple(tokens))
+            elif kind == "tier_stored":
+                t = e.tier_stored
+                held = pool.tiers.setdefault(t.medium, {})
+                for k, parent_key in zip(t.keys, t.parent_keys, strict=True):
+                    assert k not in held, f"tier block {k} stored twice"
+                    held[k] = (t.namespace, parent_key)
+            elif kind == "tier_removed":
+                assert not snapshot
+                held = pool.tiers.get(e.tier_removed.medium, {})
+                for k in e.tier_removed.keys:
+                    assert held.pop(k, None) is not None, f"tier block {k} was not held"
             else:
                 assert kind == "removed" and not snapshot
                 pool.remove(list(e.removed.blocks))

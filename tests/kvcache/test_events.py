@@ -21,6 +21,7 @@ from kvcache_service.events import MAX_BATCH_BYTES, EventLog
 from kvcache_service.ids import BlockId, Namespace, PoolId
 from kvcache_service.leases import AcquireRequest, Grant, SequenceUpdate
 from kvcache_service.pool import PoolSpec
+from kvcache_service.tier_index import Medium, TierBlock
 from kvcache_service.tokens import pack
 from tests.kvcache.event_replay import Replica
 from tests.kvcache.test_pool_model import (
@@ -341,3 +342,33 @@ def test_pool_key_and_log_are_plain_values() -> None:
     log = EventLog(lambda: 0.0, 1 << 20)
     assert not log.recording and log.first_seq == 1 and list(log.held()) == []
     assert PoolKey(PoolId("a"), 1, 4) == PoolKey(PoolId("a"), 1, 4)
+
+
+def test_tier_blocks_are_events_by_key_and_in_snapshots() -> None:
+    """A worker's tier reports, the capacity evictions they cause and a tier flush reach a
+    watcher as tier events (by block key and medium); a snapshot carries the tiers too."""
+    auth, _ = _authority()
+    auth.register_pool(PoolSpec(PoolId("a"), 16, 4, tiers=((Medium.DISK, 3),)))
+    inc = auth.pools[PoolId("a")].incarnation
+    auth.watch_events(lambda: None)
+    replica = _replica_of(auth)
+
+    def blocks(keys: list[int]) -> list[TierBlock]:
+        return [TierBlock(k, k - 1, Namespace("t"), Medium.DISK) for k in keys]
+
+    def held() -> dict[int, tuple[str, int]]:
+        for b in auth.events.after(replica.seq, 1 << 30):
+            replica.apply(b)
+        return replica.pools["a"].tiers.get(int(Medium.DISK), {})
+
+    auth.update_tiers(PoolId("a"), inc, blocks([11, 12, 13]), [])
+    auth.events.seal()
+    assert held() == {11: ("t", 10), 12: ("t", 11), 13: ("t", 12)}
+    auth.update_tiers(PoolId("a"), inc, blocks([21, 22]), [(12, Medium.DISK)])
+    auth.events.seal()
+    tier = auth.pools[PoolId("a")].tiers
+    assert set(held()) == set(tier.keys(Medium.DISK)) and len(held()) == 3
+    assert set(_replica_of(auth).pools["a"].tiers[int(Medium.DISK)]) == set(held())
+    auth.flush("a", Medium.DISK)
+    auth.events.seal()
+    assert held() == {}

@@ -16,6 +16,7 @@ import pytest
 
 from kvcache_service.config import ServiceConfig
 from kvcache_service.server import RunningService, running
+from kvcache_service.tier_index import Medium
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from tests.kvcache.event_replay import Replica
@@ -385,3 +386,34 @@ async def test_the_admin_cli_follows_the_events(
     assert "reset (no_cursor)" in out and "synced at batch" in out
     assert "stored [0, 1] at the root, 8 tokens: [1, 2, 3, 4, 5, 6, 7, 8]" in out
     assert "stored [2] after 1, 2 tokens: [9, 10]" in out
+
+
+async def test_tier_blocks_reach_a_watcher_by_key(driver: Driver) -> None:
+    """A worker's tier reports (and the capacity evictions they cause) over the wire: the
+    watcher holds what the tier index holds, by key and medium; a late watcher's snapshot
+    too."""
+    resp = await driver.kv.RegisterPool(
+        pb.RegisterPoolRequest(
+            pool_id="w1",
+            num_blocks=8,
+            block_size=BS,
+            tiers=[pb.TierSpec(medium=pb.MEDIUM_DISK, capacity_blocks=4)],
+        ),
+        metadata=SERVICE,
+    )
+    pool = pb.PoolRef(pool_id="w1", incarnation=resp.incarnation)
+    watch = Watch(driver.kv)
+    await watch.until(driver.end())
+    chain = [1000 + i for i in range(6)]  # a chain of 6 into a tier of 4: two go
+    stored = [
+        pb.TierBlock(key=k, parent_key=k - 1, namespace="t", medium=pb.MEDIUM_DISK) for k in chain
+    ]
+    await driver.kv.UpdateTiers(pb.UpdateTiersRequest(pool=pool, stored=stored), metadata=SERVICE)
+    await watch.until(driver.end())
+    held = set(driver.svc.authority.pools["w1"].tiers.keys(Medium.DISK))
+    assert set(watch.replica.pools["w1"].tiers[pb.MEDIUM_DISK]) == held and len(held) == 4
+    late = Watch(driver.kv)
+    await late.until(driver.end())
+    assert set(late.replica.pools["w1"].tiers[pb.MEDIUM_DISK]) == held
+    for w in (watch, late):
+        await w.close()

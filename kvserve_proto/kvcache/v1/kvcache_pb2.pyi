@@ -440,15 +440,39 @@ class PoolCleared(_message.Message):
     reason: PoolCleared.Reason
     def __init__(self, reason: _Optional[_Union[PoolCleared.Reason, str]] = ...) -> None: ...
 
+class TierBlocksStored(_message.Message):
+    __slots__ = ("medium", "namespace", "keys", "parent_keys")
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    medium: Medium
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    parent_keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, medium: _Optional[_Union[Medium, str]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[int]] = ..., parent_keys: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TierBlocksRemoved(_message.Message):
+    __slots__ = ("medium", "keys")
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    medium: Medium
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, medium: _Optional[_Union[Medium, str]] = ..., keys: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class KVEvent(_message.Message):
-    __slots__ = ("stored", "removed", "cleared")
+    __slots__ = ("stored", "removed", "cleared", "tier_stored", "tier_removed")
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     CLEARED_FIELD_NUMBER: _ClassVar[int]
+    TIER_STORED_FIELD_NUMBER: _ClassVar[int]
+    TIER_REMOVED_FIELD_NUMBER: _ClassVar[int]
     stored: BlocksStored
     removed: BlocksRemoved
     cleared: PoolCleared
-    def __init__(self, stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[PoolCleared, _Mapping]] = ...) -> None: ...
+    tier_stored: TierBlocksStored
+    tier_removed: TierBlocksRemoved
+    def __init__(self, stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[PoolCleared, _Mapping]] = ..., tier_stored: _Optional[_Union[TierBlocksStored, _Mapping]] = ..., tier_removed: _Optional[_Union[TierBlocksRemoved, _Mapping]] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
     __slots__ = ("cursor", "pool_id", "incarnation", "block_size", "pool_seq", "timestamp", "events")
