@@ -190,7 +190,7 @@ class DiskTier:
             meta, start = decode_header(data)
             self._check_meta(meta)
             _check_same(meta, expect)
-            payload = data[start:]
+            payload = memoryview(data)[start:]  # no copy of 1+ MB a block
             if len(payload) != meta.payload_len:
                 raise BadBlockFile(
                     f"{len(payload)} payload bytes, its header says {meta.payload_len}"
