@@ -14,6 +14,7 @@ from kvserve_model.sampling_limits import MAX_DRAFT_TOKENS
 
 ENV_PREFIX = "KVWORKER_"
 DEQUANTIZE = ("auto", "always", "never")
+TIER_LOAD = ("auto", "always", "never")
 # worker.model.attention.BACKENDS (not imported: this module loads before MLX may).
 ATTENTION = ("auto", "reference", "cpu", "cuda", "metal")
 
@@ -67,6 +68,9 @@ class WorkerConfig(ServerClientFlags):
     # The host-memory tier in GB, in front of the disk tier, where the device has memory of
     # its own (CUDA; ignored elsewhere, where the pool already is host memory). 0: none.
     host_offload_gb: float = 0.0
+    # Whether a grant's tier blocks load: "auto" when loading measures faster than computing
+    # (worker.tier.speed), "always", or "never" (the tier is kept, every prompt computes).
+    tier_load: str = "auto"
     # Speculative decoding (a request opts in): a small model with the same tokenizer for
     # "draft_model" speculation (empty: none; "ngram" needs none), and the drafts per step
     # for requests that name no number.
@@ -148,6 +152,8 @@ def check(c: WorkerConfig) -> str | None:
         return "--kv-memory-fraction must be in [0, 1] (0: the device's default)"
     if c.offload_gb < 0 or c.host_offload_gb < 0:
         return "--offload-gb and --host-offload-gb must be >= 0"
+    if c.tier_load not in TIER_LOAD:
+        return f"--tier-load must be one of {', '.join(TIER_LOAD)}"
     if c.offload_gb and not c.offload_dir:
         return "--offload-gb needs --offload-dir (where the disk tier's files go)"
     return None
@@ -185,6 +191,8 @@ SETTINGS = Settings(
         "offload_dir": "the disk tier: a directory every committed KV block is also written "
         "to; evicted blocks and prefixes from before a restart load back from it",
         "offload_gb": "the disk tier's size in GB (0: half the free space of its file system)",
+        "tier_load": "a grant's tier blocks load: auto (when measured faster than computing), "
+        "always or never",
         "host_offload_gb": "a host-memory tier of this many GB in front of the disk tier "
         "(GPUs with memory of their own; 0: none)",
         "draft_model": "a small model with the same tokenizer, for requests that ask for "

@@ -88,6 +88,7 @@ async def running(
         _engine_limits(config, executor, chosen, max_context),
         loaded.tokenizer,
         tiers,
+        config.tier_load,
     )
     health_servicer = _add_services(
         server, WorkerServicer(engine, worker_id, config.model, runner.kind, config.stream_interval)

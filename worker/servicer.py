@@ -275,15 +275,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         tiers = self.engine.tiers
         if tiers is None:
             return None
-        s = tiers.store.stats()
-        return pb.TierInfo(
-            dir=str(s["dir"]),
-            blocks=int(s["blocks"]),
-            capacity_blocks=int(s["capacity_blocks"]),
-            spilled_blocks=int(s["spilled_blocks"]),
-            skipped_blocks=int(s["skipped_blocks"]),
+        store, disk, c = tiers.store, tiers.store.disk, tiers.store.counters
+        info = pb.TierInfo(
+            spilled_blocks=c.spilled_blocks,
+            skipped_blocks=c.skipped_blocks,
             loaded_tokens=tiers.loaded_tokens,
-            load_failures=int(s["load_failures"]),
-            write_failures=int(s["write_failures"]),
-            read_mb_s=float(s["read_mb_s"]),
+            load_failures=c.load_failures,
+            read_mb_s=round(store.read_rate / 1e6, 1),
         )
+        if disk is not None:
+            info.dir = str(disk.dir)
+            info.blocks = len(disk)
+            info.capacity_blocks = disk.capacity_blocks
+            info.write_failures = disk.write_failures
+        return info

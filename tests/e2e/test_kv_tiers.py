@@ -46,6 +46,14 @@ def admin(base: str, method: str, path: str, **body) -> dict:
     return r.json()
 
 
+@pytest.fixture(autouse=True)
+def always_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers load granted blocks whatever loading measures against computing here (a
+    timing; these tests are about what loads, not when it pays). The launcher's children
+    inherit the environment."""
+    monkeypatch.setenv("KVWORKER_TIER_LOAD", "always")
+
+
 def test_a_full_restart_serves_a_long_prompt_from_the_disk_tier(tmp_path: Path) -> None:
     prompt = long_prompt(1, 1500)
     logs = KeptLines(5_000)

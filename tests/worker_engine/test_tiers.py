@@ -1,7 +1,8 @@
 """The disk tier through the real engine and a real cache service: blocks the pool dropped,
 and a whole system's restart, load back; output stays exactly the dense path's; a file that
 is corrupt, truncated or another model's is recomputed, never served; a full disk fails
-nothing."""
+nothing. Workers run with --tier-load always: whether loading beats computing is measured
+(a timing), and these tests are not about that."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ async def info(stub) -> pb.WorkerInfo:
 async def test_blocks_the_pool_dropped_load_back_from_disk(
     system: System, reference, tmp_path: Path
 ) -> None:
-    stub = await system.add_worker(offload_dir=str(tmp_path))
+    stub = await system.add_worker(offload_dir=str(tmp_path), tier_load="always")
     p = prompt(1, 100)  # 6 full blocks of 16 before the last prompt token
     first = await generate(stub, request(p, max_tokens=24, logprobs=1))
     await system.wait_idle()
@@ -78,13 +79,13 @@ async def test_a_restarted_system_serves_its_prefixes_from_the_disk_tier(
 ) -> None:
     p = prompt(2, 150)  # 9 full blocks before the last prompt token
     async with started_system(model) as system:
-        stub = await system.add_worker(offload_dir=str(tmp_path))
+        stub = await system.add_worker(offload_dir=str(tmp_path), tier_load="always")
         await generate(stub, request(p, max_tokens=8))
         await system.wait_idle()
         await wait_for_disk_blocks(system, 9)
     # Everything stopped: the cache service, the worker. A new system on the same directory.
     async with started_system(model) as system:
-        stub = await system.add_worker(offload_dir=str(tmp_path))
+        stub = await system.add_worker(offload_dir=str(tmp_path), tier_load="always")
         await wait_for_disk_blocks(system, 9)  # the manifest
         got = await generate(stub, request(p, max_tokens=16))
         assert got["tokens"] == reference(p, 16)[0]
@@ -107,7 +108,7 @@ async def test_corrupt_truncated_and_foreign_files_are_recomputed(
 ) -> None:
     p = prompt(3, 150)
     async with started_system(model) as system:
-        stub = await system.add_worker(offload_dir=str(tmp_path))
+        stub = await system.add_worker(offload_dir=str(tmp_path), tier_load="always")
         await generate(stub, request(p, max_tokens=8))
         await system.wait_idle()
         await wait_for_disk_blocks(system, 9)
@@ -122,7 +123,7 @@ async def test_corrupt_truncated_and_foreign_files_are_recomputed(
     foreign = files[3].read_bytes().replace(b'"fingerprint":"', b'"fingerprint":"x', 1)
     files[3].write_bytes(foreign)
     async with started_system(model) as system:
-        stub = await system.add_worker(offload_dir=str(tmp_path))
+        stub = await system.add_worker(offload_dir=str(tmp_path), tier_load="always")
         await asyncio.sleep(0.3)
         got = await generate(stub, request(p, max_tokens=16))
         assert got["tokens"] == reference(p, 16)[0]  # nothing wrong served
@@ -143,7 +144,7 @@ async def test_corrupt_truncated_and_foreign_files_are_recomputed(
 
 async def test_a_full_disk_fails_no_request(system: System, reference, tmp_path: Path) -> None:
     with small_filesystem(tmp_path / "small", "128k") as root:
-        stub = await system.add_worker(offload_dir=str(root), offload_gb=0.001)
+        stub = await system.add_worker(offload_dir=str(root), offload_gb=0.001, tier_load="always")
         for seed in range(4):
             p = prompt(10 + seed, 120)
             got = await generate(stub, request(p, max_tokens=8))
@@ -151,3 +152,19 @@ async def test_a_full_disk_fails_no_request(system: System, reference, tmp_path:
         await system.wait_idle()
         got = await info(stub)
         assert got.tier.write_failures >= 1  # the disk filled up; every request went on
+
+
+async def test_tier_load_never_keeps_the_tier_and_computes(
+    system: System, reference, tmp_path: Path
+) -> None:
+    stub = await system.add_worker(offload_dir=str(tmp_path), tier_load="never")
+    p = prompt(4, 100)
+    await generate(stub, request(p, max_tokens=8))
+    await system.wait_idle()
+    await wait_for_disk_blocks(system, 6)  # spilled all the same
+    await flush_pool(system)
+    again = await generate(stub, request(p, max_tokens=8))
+    assert again["tokens"] == reference(p, 8)[0]
+    assert again["last"].usage.cached_tokens == 0
+    assert (await info(stub)).tier.loaded_tokens == 0
+    await system.wait_idle()

@@ -101,6 +101,7 @@ class Engine:
         limits: EngineLimits,
         tokenizer: Any,
         tiers: TierStore | None = None,
+        tier_load: str = "auto",
     ) -> None:
         """``tiers``: the worker's disk tier (``--offload-dir``), started (scanned); None:
         none."""
@@ -130,6 +131,7 @@ class Engine:
                 step_lock=self._step_lock,
                 wake_steps=self._work.set,
                 estimate_prefill=lambda: _prefill_estimate(executor),
+                policy=tier_load,
             )
         self.leases = LeaseSync(
             client,

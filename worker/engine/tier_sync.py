@@ -62,9 +62,11 @@ class TierSync:
         step_lock: asyncio.Lock,
         wake_steps: Callable[[], None],
         estimate_prefill: Callable[[], float | None] = lambda: None,
+        policy: str = "auto",
     ) -> None:
         """``estimate_prefill``: run on the model thread at start, a prefill token's cost
-        before any prefill is timed (worker.tier.speed.prefill_s_per_token)."""
+        before any prefill is timed (worker.tier.speed.prefill_s_per_token). ``policy``: when
+        granted blocks load: "auto" (measured faster than computing), "always", "never"."""
         self.store = store
         self.client = client
         self.pool = pool
@@ -74,6 +76,7 @@ class TierSync:
         self._wake_steps = wake_steps
         self._s_per_token: float | None = None  # prefill, on chunks of MIN_CHUNK_BLOCKS+
         self._estimate_prefill = estimate_prefill
+        self.policy = policy
         self._timed = False  # _s_per_token is a timed prefill's, not the start's estimate
         self._floor = 0.0  # the start's estimate: a prefill token costs at least this
         self._shapes: set[int] = set()  # prefill chunk sizes seen (their first compiles)
@@ -211,7 +214,9 @@ class TierSync:
     def load(self, seq: Sequence, lease: Lease) -> None:
         """Loads ``lease``'s tier blocks for ``seq`` (just admitted with it) in the background;
         the sequence does not step until they are in its blocks, or found missing."""
-        if not lease.tier_blocks or not self.store.load_worth(self._s_per_token):
+        if not lease.tier_blocks or self.policy == "never":
+            return
+        if self.policy == "auto" and not self.store.load_worth(self._s_per_token):
             return
         seq.loading = lease
         task = asyncio.create_task(self._load(seq, lease))

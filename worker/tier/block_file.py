@@ -53,6 +53,15 @@ class BlockMeta:
     checksum: str  # xxh3-128 of the payload, hex
 
 
+def mismatch(meta: BlockMeta, expect: BlockMeta) -> str | None:
+    """The first field that says ``meta`` is not the block ``expect`` names (None: it is):
+    the key is a 64-bit name, the position, namespace, tokens and prefix digest its identity."""
+    for field in ("key", "position", "namespace", "tokens", "prefix_digest"):
+        if getattr(meta, field) != getattr(expect, field):
+            return field
+    return None
+
+
 def prefix_digests(
     namespace: str, tokens: bytes, first: int, stop: int, block_bytes: int
 ) -> list[str]:

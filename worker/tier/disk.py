@@ -32,6 +32,7 @@ from worker.tier.block_file import (
     checksum,
     decode_header,
     encode_header,
+    mismatch,
 )
 
 log = logging.getLogger(__name__)
@@ -189,7 +190,8 @@ class DiskTier:
         try:
             meta, start = decode_header(data)
             self._check_meta(meta)
-            _check_same(meta, expect)
+            if (field := mismatch(meta, expect)) is not None:
+                raise BadBlockFile(f"holds another block (its {field} differs)")
             payload = memoryview(data)[start:]  # no copy of 1+ MB a block
             if len(payload) != meta.payload_len:
                 raise BadBlockFile(
@@ -212,12 +214,6 @@ class DiskTier:
     def _forget(self, key: int) -> None:
         with self._lock:
             self._metas.pop(key, None)
-
-
-def _check_same(meta: BlockMeta, expect: BlockMeta) -> None:
-    for field in ("key", "position", "namespace", "tokens", "prefix_digest"):
-        if getattr(meta, field) != getattr(expect, field):
-            raise BadBlockFile(f"holds another block (its {field} differs)")
 
 
 def _unlink(path: str | Path) -> None:

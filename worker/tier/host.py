@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from worker.tier.block_file import BlockMeta, Payload
+from worker.tier.block_file import BlockMeta, Payload, mismatch
 
 MARGIN_BLOCKS = 64
 
@@ -50,13 +50,7 @@ class HostTier:
         if held is None:
             return None
         meta, payload = held
-        same = (meta.position, meta.namespace, meta.tokens, meta.prefix_digest) == (
-            expect.position,
-            expect.namespace,
-            expect.tokens,
-            expect.prefix_digest,
-        )
-        return payload if same else None
+        return payload if mismatch(meta, expect) is None else None
 
     def metas(self) -> list[BlockMeta]:
         with self._lock:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from kvserve_proto.block_keys import block_keys, namespace_key
 from kvserve_proto.packed_tokens import pack
-from worker.tier.block_file import BlockMeta, Payload, checksum, prefix_digests
+from worker.tier.block_file import BlockMeta, Payload, checksum, mismatch, prefix_digests
 from worker.tier.disk import DiskTier
 from worker.tier.host import HostTier
 from worker.tier.speed import load_beats_compute, measure_read_rate
@@ -268,13 +268,7 @@ class TierStore:
             queued = self._pending.get(expect.key)
         if queued is not None:
             meta, payload = queued
-            same = (meta.position, meta.namespace, meta.tokens, meta.prefix_digest) == (
-                expect.position,
-                expect.namespace,
-                expect.tokens,
-                expect.prefix_digest,
-            )
-            return payload if same else None
+            return payload if mismatch(meta, expect) is None else None
         if self.host is not None and (held := self.host.get(expect)) is not None:
             return held
         return self.disk.read(expect) if self.disk is not None else None
@@ -302,21 +296,3 @@ class TierStore:
             keys = [k for k, m in blocks if m == medium]
             if keys and tier is not None:
                 tier.delete(keys)
-
-    def stats(self) -> dict[str, int | float | bool | str]:
-        c, disk = self.counters, self.disk
-        return {
-            "dir": str(disk.dir) if disk is not None else "",
-            "blocks": len(disk) if disk is not None else 0,
-            "capacity_blocks": disk.capacity_blocks if disk is not None else 0,
-            "host_blocks": len(self.host) if self.host is not None else 0,
-            "host_capacity_blocks": self.host.capacity_blocks if self.host is not None else 0,
-            "spilled_blocks": c.spilled_blocks,
-            "skipped_blocks": c.skipped_blocks,
-            "loaded_blocks": c.loaded_blocks,
-            "load_failures": c.load_failures,
-            "write_failures": disk.write_failures if disk is not None else 0,
-            "bad_reads": disk.bad_reads if disk is not None else 0,
-            "backlog_bytes": self._backlog,
-            "read_mb_s": round(self.read_rate / 1e6, 1),
-        }
