@@ -42,6 +42,11 @@ class WorkerConfig(ServerClientFlags):
     # 0: the device's default (CPU 16 and 256, GPU 32 and 2048).
     max_batch_size: int = 0
     max_step_tokens: int = 0
+    # Beside decodes, a step may take this many times a decode-only step: prefill chunks shrink
+    # so that every decoding stream gets its next token within it (worker.engine.step_budget).
+    # 0 (the default): no latency cap, prefill chunks up to --max-step-tokens whatever decodes
+    # wait; the cap costs time to first token, on a CPU 3-4x.
+    itl_ratio: float = 0.0
     # Most requests held at once, running + waiting; beyond it Generate is RESOURCE_EXHAUSTED
     # and the gateway tries another worker. None: PENDING_PER_BATCH_SLOT x max_batch_size
     # (worker.device_defaults); 0: no limit.
@@ -134,6 +139,8 @@ def check(c: WorkerConfig) -> str | None:
     for name in ("num_blocks", "kv_memory_mb", "max_batch_size", "max_step_tokens"):
         if getattr(c, name) < 0:
             return f"--{name.replace('_', '-')} must be >= 0 (0: the device's default)"
+    if c.itl_ratio != 0 and c.itl_ratio <= 1:
+        return "--itl-ratio must be above 1 (a step's time in decode steps) or 0 (no cap)"
     if c.max_pending_requests is not None and c.max_pending_requests < 0:
         return "--max-pending-requests must be >= 0 (0: no limit)"
     if c.admission_timeout_s < 0 or c.cache_outage_timeout_s < 0:
@@ -178,6 +185,8 @@ SETTINGS = Settings(
         "kv_memory_fraction": "pool size as a fraction of the memory free after the weights",
         "max_batch_size": "sequences per engine step (0: 32)",
         "max_step_tokens": "tokens per step (0: 256 on CPU, 2048 on a GPU)",
+        "itl_ratio": "beside decodes, a step takes at most this many decode-only steps: "
+        "prefill chunks shrink to fit (0: no cap, the default)",
         "max_pending_requests": "most requests held, running + waiting (default: 8 x batch; "
         "0: no limit)",
         "admission_timeout_s": "the longest a request waits for room in the pool (0: no limit)",

@@ -254,6 +254,7 @@ def _engine_limits(
         draft_model=config.draft_model if executor.draft is not None else "",
         admission_timeout_s=config.admission_timeout_s,
         cache_outage_timeout_s=config.cache_outage_timeout_s,
+        itl_ratio=config.itl_ratio,
     )
 
 

@@ -76,6 +76,16 @@ def test_matches_float64_attention(seed, window):
     np.testing.assert_allclose(got, reference(*case), atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_any_thread_count_computes_the_same(threads):
+    """The start-up choice may run the kernel on one thread (``CpuBackend.choose_decode``):
+    each (sequence, head) task is computed whole by one thread, so the result is the same."""
+    case = random_case(np.random.default_rng(5), True)
+    want = np.array(cpu_decode.paged_decode_attention(*case))
+    got = np.array(cpu_decode.paged_decode_attention(*case, threads=threads))
+    np.testing.assert_array_equal(got, want)
+
+
 def test_reads_only_its_own_blocks():
     """Keys past a sequence's end, in its padding and in other sequences' blocks are never
     read: poisoning them with NaN changes nothing."""

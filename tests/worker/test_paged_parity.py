@@ -35,6 +35,7 @@ from tests.worker.helpers import (
     tiny_model,
 )
 from worker.model.attention import AttentionOptions, cpu, cpu_decode
+from worker.model.attention.cpu import decide_decode
 from worker.model.forward_batch import SeqInput
 from worker.model.runner import ModelRunner
 
@@ -290,6 +291,64 @@ def test_the_decode_attention_choice_is_measured(model):
     assert runner.attention.pool_path in ("blocks", "gather")
     reference = _runner(model, attention=AttentionOptions(backend="reference"))
     assert reference.choose_decode_attention().path == "reference"
+
+
+def test_the_decision_rule_takes_a_clear_win_only() -> None:
+    """``decide_decode`` on measured seconds: a path must be more than 10% faster to displace
+    the one before it, the kernel's one thread to displace every core (a BLAS whose threads
+    spin after a product slows a kernel that wants their cores: OpenBLAS)."""
+    ms = 1e-3
+    assert decide_decode({"blocks": 10 * ms, "gather": 9.5 * ms}, 2).path == "blocks"
+    assert decide_decode({"blocks": 10 * ms, "gather": 8 * ms}, 2).path == "gather"
+    times = {"blocks": 10 * ms, "gather": 12 * ms, "kernel": 5 * ms, "kernel-1": 4.8 * ms}
+    choice = decide_decode(times, 2)
+    assert (choice.path, choice.kernel_threads, choice.kernel_s) == ("kernel", 2, 5 * ms)
+    assert choice.kernel_other_s == 4.8 * ms and "on 2 threads" in choice.describe()
+    times["kernel-1"] = 3 * ms  # the spinning-BLAS case: one thread clearly faster
+    choice = decide_decode(times, 2)
+    assert (choice.path, choice.kernel_threads, choice.kernel_s) == ("kernel", 1, 3 * ms)
+    assert "kernel on 1 thread" in choice.describe()
+    times.update(kernel=20 * ms, **{"kernel-1": 9.5 * ms})  # neither beats blocks by 10%
+    choice = decide_decode(times, 2)
+    assert choice.path == "blocks" and choice.kernel_threads == 1
+    assert decide_decode({"blocks": 1.0, "gather": 2.0, "kernel": 0.5}, 1).kernel_threads == 1
+
+
+@cpu_only
+def test_the_kernel_runs_on_the_threads_it_was_chosen_on(model, monkeypatch):
+    """Whatever the measurement, the threads chosen are the threads the kernel gets, and
+    the decodes still match the dense path."""
+    if not cpu_decode.available():
+        pytest.skip("numba is not installed")
+    seen: list[int] = []
+    real = cpu_decode.paged_decode_attention
+
+    def spy(*args, threads=0, **kwargs):
+        seen.append(threads)
+        return real(*args, threads=threads, **kwargs)
+
+    monkeypatch.setattr(cpu_decode, "paged_decode_attention", spy)
+    runner = _runner(model)
+    runner.choose_decode_attention(batch=2, context=16, repeats=1)
+    measured = set(seen)
+    assert 0 in measured and (1 in measured) == (cpu_decode.max_threads() > 1)
+    runner.attention.decode_path, runner.attention.kernel_threads = "kernel", 1
+    seen.clear()
+    rng = np.random.default_rng(3)
+    true = prompts(rng, 14, 35, 22)  # 9, 30 and 17 prompt tokens, then 5 decodes each
+    dense = [DenseSeq(model, t).logits_all for t in true]
+    tables = [_blocks(0, 10), _blocks(10, 10), _blocks(20, 10)]
+    pos = [9, 30, 17]
+    runner.forward_all([SeqInput(t[:p], tb, 0) for t, p, tb in zip(true, pos, tables, strict=True)])
+    worst = 0.0
+    for _ in range(5):
+        inputs = [SeqInput([t[p]], tb, p) for t, p, tb in zip(true, pos, tables, strict=True)]
+        for i, logits in enumerate(runner.forward_all(inputs)):
+            worst = max(worst, max_diff(logits, dense[i][pos[i] : pos[i] + 1]))
+            pos[i] += 1
+    # Every decode the kernel served ran on one thread (gemma2 computes its own attention).
+    assert set(seen) <= {1} and (bool(seen) or model.model_type == "gemma2")
+    assert worst <= TOL
 
 
 @cpu_only

@@ -82,6 +82,23 @@ def test_the_step_time_budget_caps_prefill_not_decodes(tokenizer) -> None:
     assert step is not None and step.num_tokens == 64
 
 
+def test_the_latency_cap_holds_only_beside_decodes(tokenizer) -> None:
+    s = Scheduler(max_batch_size=8, max_step_tokens=64, max_context=4096)
+    long_a = make_seq(tokenizer, 100, 1.0, 8)
+    s.running.append(long_a)
+    step = s.schedule(prefill_tokens=64, beside_decodes=16)  # nothing decodes: all 64
+    assert step is not None and [len(i.token_ids) for i in step.items] == [64]
+    decoding = make_seq(tokenizer, 10, 0.0, 2)
+    decoding.num_computed = 9
+    s.running.insert(0, decoding)
+    step = s.schedule(prefill_tokens=64, beside_decodes=16)
+    assert step is not None
+    assert [(i.seq.request_id, len(i.token_ids)) for i in step.items] == [
+        ("r0.0", 1),
+        ("r1.0", 16),
+    ]
+
+
 def test_a_sequence_without_room_waits_for_its_extension(tokenizer) -> None:
     s = Scheduler(max_batch_size=8, max_step_tokens=64, max_context=4096)
     seq = make_seq(tokenizer, 16, 0.0, 1)

@@ -78,6 +78,9 @@ class EngineLimits:
     """The longest a request waits for room in the pool; 0: no limit (``LeasePolicy``)."""
     cache_outage_timeout_s: float = 0.0
     """How long requests wait out an unreachable cache service (``LeasePolicy``)."""
+    itl_ratio: float = 0.0
+    """Beside decodes, a step takes at most this many decode-only steps' time
+    (``worker.engine.step_budget``); 0: prefill chunks up to ``max_step_tokens`` regardless."""
 
 
 def _prefill_estimate(executor: ModelExecutor) -> float | None:
@@ -116,7 +119,9 @@ class Engine:
         self.scheduler = Scheduler(
             limits.max_batch_size, limits.max_step_tokens, limits.max_context, self.final.keep
         )
-        self.budget = StepBudget(limits.max_step_tokens, min_tokens=self.block_size)
+        self.budget = StepBudget(
+            limits.max_step_tokens, min_tokens=self.block_size, itl_ratio=limits.itl_ratio
+        )
         self.stats = EngineStats()
         self._work = asyncio.Event()
         self._step_lock = asyncio.Lock()
@@ -224,7 +229,9 @@ class Engine:
         while True:
             async with self._step_lock:
                 self.leases.extend_ahead()
-                step = self.scheduler.schedule(self.budget.prefill_tokens())
+                step = self.scheduler.schedule(
+                    self.budget.prefill_tokens(), self.budget.prefill_tokens_beside_decodes()
+                )
                 if step is not None:
                     try:
                         await self._run_step(step)

@@ -64,15 +64,21 @@ class Scheduler:
         self.waiting.remove(seq)
         self.running.append(seq)
 
-    def schedule(self, prefill_tokens: int | None = None) -> Step | None:
+    def schedule(
+        self, prefill_tokens: int | None = None, beside_decodes: int | None = None
+    ) -> Step | None:
         """The next step: decodes first (one token each, with its drafts if it speculates),
         then prefill chunks, oldest request first. `prefill_tokens` caps its padded prefill
-        tokens below the step budget (the engine's step-time budget: no step may outlast a
-        fraction of the lease TTL)."""
+        tokens below the step budget, and `beside_decodes` where the step decodes too (the
+        engine's ``worker.engine.step_budget``: no step may outlast a fraction of the lease
+        TTL, and, with ``--itl-ratio``, decoding sequences wait for at most one bounded
+        prefill forward)."""
         items: list[Scheduled] = []
         budget = self._schedule_decodes(items, self.max_step_tokens)
         if prefill_tokens is not None:
             budget = min(budget, prefill_tokens)
+        if items and beside_decodes is not None:
+            budget = min(budget, beside_decodes)
         self._schedule_prefill_chunks(items, budget)
         if not items:
             return None

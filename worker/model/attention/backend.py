@@ -137,14 +137,27 @@ class DecodeChoice:
     blocks_s: float = 0.0
     gather_s: float = 0.0
     kernel_s: float = 0.0  # 0: the compiled kernel was not a candidate
+    kernel_threads: int = 0
+    """Threads the kernel measured ``kernel_s`` on (and runs on, where it is the path)."""
+    kernel_other_s: float = 0.0
+    """The kernel on its other thread count (one, or every core): 0 where not measured."""
 
     def describe(self) -> str:
         if not self.blocks_s:
             return f"decode attention: {self.path}"
-        kernel = f", compiled kernel {self.kernel_s * 1e3:.1f} ms" if self.kernel_s else ""
+        kernel = ""
+        if self.kernel_s:
+            kernel = f", compiled kernel {self.kernel_s * 1e3:.1f} ms on {self.kernel_threads}"
+            kernel += " thread" if self.kernel_threads == 1 else " threads"
+        if self.kernel_other_s:
+            kernel += f" ({self.kernel_other_s * 1e3:.1f} ms on the other count)"
+        path = self.path
+        if path == "kernel":
+            path += f" on {self.kernel_threads} thread" + ("s" if self.kernel_threads > 1 else "")
         return (
-            f"decode attention: {self.path} (one layer at a batch-32 decode: blocks "
-            f"{self.blocks_s * 1e3:.1f} ms, gather + SDPA {self.gather_s * 1e3:.1f} ms{kernel})"
+            f"decode attention: {path} (one layer's projections and attention at a batch-32 "
+            f"decode: blocks {self.blocks_s * 1e3:.1f} ms, gather + SDPA "
+            f"{self.gather_s * 1e3:.1f} ms{kernel})"
         )
 
 

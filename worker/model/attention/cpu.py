@@ -156,6 +156,30 @@ def gathered_attention(
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 
+def decide_decode(took: dict[str, float], most_threads: int) -> DecodeChoice:
+    """The decode path from one layer's measured seconds each way (``blocks``, ``gather``,
+    ``kernel`` on ``most_threads``, ``kernel-1`` on one; the kernel's where measured): block-
+    table attention unless gathering is more than 10% faster; the kernel where it is more than
+    10% faster than the better of the two, on one thread where that is more than 10% faster
+    than on every core. The margins keep a near tie choosing the same from one start to the
+    next."""
+    blocks, gather = took["blocks"], took["gather"]
+    pool_path = _pool_path(blocks, gather)
+    best = blocks if pool_path == "blocks" else gather
+    if "kernel" not in took:
+        return DecodeChoice(pool_path, blocks, gather)
+    kernel_s, threads, other_s = took["kernel"], most_threads, took.get("kernel-1", 0.0)
+    if other_s and other_s < GATHER_MARGIN * kernel_s:
+        kernel_s, threads, other_s = other_s, 1, kernel_s
+    path = "kernel" if kernel_s < GATHER_MARGIN * best else pool_path
+    return DecodeChoice(path, blocks, gather, kernel_s, threads, other_s)
+
+
+def _pool_path(blocks_s: float, gather_s: float) -> str:
+    """Of the MLX paths, block-table attention unless gathering is more than 10% faster."""
+    return "blocks" if gather_s > GATHER_MARGIN * blocks_s else "gather"
+
+
 class CpuBackend(AttentionBackend):
     """Decodes by ``decode_path`` (``"blocks"`` until :meth:`choose_decode` measures), split
     over ``streams`` MLX CPU streams (0: one per available core, at most 8); prefill chunks
@@ -172,6 +196,9 @@ class CpuBackend(AttentionBackend):
         self.pool_path = "blocks"
         """The faster of ``"blocks"`` and ``"gather"``: what a decode the kernel does not
         serve takes."""
+        self.kernel_threads = 0
+        """Threads the kernel runs on (0: every core it may use, ``cpu_decode.max_threads``);
+        measured by :meth:`choose_decode`."""
         self.streams: tuple[mx.Stream, ...] = ()
 
     def prepare(self, model: nn.Module, pool: KVPool) -> None:
@@ -197,6 +224,7 @@ class CpuBackend(AttentionBackend):
                     call.scale,
                     window,
                     batch.query_lens,
+                    threads=self.kernel_threads,
                 )
         heads = pool_k.shape[0]
         rows = batch.block_rows(heads, pool_k.shape[1])
@@ -220,19 +248,29 @@ class CpuBackend(AttentionBackend):
     def choose_decode(
         self, model: nn.Module, pool: KVPool, batch: int = 32, context: int = 1024, repeats: int = 7
     ) -> DecodeChoice:
-        """Times one layer's decode attention every way on this machine and keeps the fastest.
+        """Times one layer's decode every way on this machine and keeps the fastest.
 
         Block-table attention (``mx.gather_mm``) is one small GEMM per (sequence, head, block):
         with a single-threaded BLAS it matches a dense cache, but a multithreaded one (BLIS
         ``-mt``, which the BLAS choice takes on AMD CPUs) pays a thread hand-off per GEMM, and
         there gathering the blocks a few sequences at a time and running SDPA on them
-        (:func:`gathered_attention`) was faster. The BLAS is chosen at start by measurement
-        (``kvserve_model.blas``); so is this, at a decode shape of ``batch`` sequences of
-        ``context`` tokens with the model's heads (fewer where the pool is smaller), and
-        gathers only where that is more than 10% faster. The compiled kernel
+        (:func:`gathered_attention`) was faster. The compiled kernel
         (``attention.cpu_decode``, where numba imports and the pool is fp32) reads blocks in
-        place without either cost, and is taken where it is more than 10% faster than the
-        better of the two (batch 32 x 1,024 below: 366 ms a step).
+        place without either cost, on every core or on one.
+
+        Each way is timed between the layer's projections, as a decode runs it (queries from
+        a GEMM, the output into one), not alone: a BLAS's threads keep their cores after a
+        product, and what runs next competes with them. OpenBLAS's pthreads spin there: the
+        kernel on two threads after a GEMM took 3.9 ms where each alone took 0.5 and 0.8
+        (2-core Xeon, OpenBLAS 0.3.21), and whole decode steps ran 1.5x slower than mlx-lm's
+        dense path; on one thread the kernel matched it. AOCL-BLIS leaves its cores free.
+
+        The BLAS is chosen at start by measurement (``kvserve_model.blas``); so is this, at a
+        decode shape of ``batch`` sequences of ``context`` tokens with the model's heads (fewer
+        where the pool is smaller). Block-table attention is the default; gathering is taken
+        only where it is more than 10% faster, the kernel only where it is more than 10% faster
+        than the better of the two, and on one thread only where that is more than 10% faster
+        than on every core: a near tie keeps the same choice from one start to the next.
 
         Measured at the CPU's default batch, where decode throughput is decided (2-core AMD
         EPYC, AOCL-BLIS-mt, 110M llama, context 1,024, whole decode steps, glibc keeping freed
@@ -246,50 +284,77 @@ class CpuBackend(AttentionBackend):
                 mx.eval(f())
                 times[name].append(time.perf_counter() - start)
         took = {name: statistics.median(t[1:]) for name, t in times.items()}
-        # Block-table attention is the measured default; another path must be clearly faster.
-        blocks = took["gather"] > GATHER_MARGIN * took["blocks"]
-        best = took["blocks"] if blocks else took["gather"]
-        kernel = "kernel" in took and took["kernel"] < GATHER_MARGIN * best
-        self.pool_path = "blocks" if blocks else "gather"
-        self.decode_path = "kernel" if kernel else self.pool_path
-        return DecodeChoice(
-            self.decode_path, took["blocks"], took["gather"], took.get("kernel", 0.0)
-        )
+        choice = decide_decode(took, cpu_decode.max_threads())
+        self.decode_path = choice.path
+        self.pool_path = _pool_path(choice.blocks_s, choice.gather_s)
+        self.kernel_threads = choice.kernel_threads if choice.path == "kernel" else 0
+        return choice
 
     def _decode_ways(
         self, model: nn.Module, pool: KVPool, batch: int, context: int
     ) -> dict[str, Callable[[], mx.array]]:
-        """One layer's decode attention at the measuring shape, each way it can run here."""
+        """One layer's decode at the measuring shape, each way its attention can run here:
+        the queries projected from the hidden state by a GEMM, the attention's output
+        projected back by another (see :meth:`choose_decode`)."""
         k, v = pool.layer_arrays(0)
         heads, per_head, bs, dim = k.shape
         n = max(1, min(context // bs, (per_head - 1) // batch))
         batch = max(1, min(batch, (per_head - 1) // n))
-        rep = max(1, getattr(getattr(model, "args", None), "num_attention_heads", heads) // heads)
-        q = mx.random.normal((batch, heads * rep, 1, dim), key=mx.random.key(0)).astype(k.dtype)
+        args = getattr(model, "args", None)
+        hq = heads * max(1, getattr(args, "num_attention_heads", heads) // heads)
+        hidden = getattr(args, "hidden_size", hq * dim)
+        keys = mx.random.split(mx.random.key(0), 3)
+        x = mx.random.normal((batch, hidden), key=keys[0]).astype(k.dtype)
+        w_in = (mx.random.normal((hidden, hq * dim), key=keys[1]) * hidden**-0.5).astype(k.dtype)
+        w_out = (mx.random.normal((hq * dim, hidden), key=keys[2]) * hidden**-0.5).astype(k.dtype)
+        mx.eval(x, w_in, w_out)
         order = np.random.default_rng(0).permutation(per_head - 1)[: batch * n].tolist()
         decodes = [SeqInput([0], order[i * n : (i + 1) * n], n * bs - 1) for i in range(batch)]
         rows = ForwardBatch(decodes, bs, pool.num_blocks).block_rows(heads, per_head)
         scale = dim**-0.5
         tables = np.array([d.block_table for d in decodes], dtype=np.int32)
         ends = np.full(batch, n * bs, dtype=np.int64)
+
+        def layer(attend: Callable[[mx.array], mx.array]) -> Callable[[], mx.array]:
+            def run() -> mx.array:
+                q = (x @ w_in).reshape(batch, hq, 1, dim)
+                return attend(q).reshape(batch, hq * dim) @ w_out
+
+            return run
+
         ways: dict[str, Callable[[], mx.array]] = {
-            "blocks": lambda: block_table_attention(q, k, v, rows, scale, None, self.streams),
-            "gather": lambda: gathered_attention(q, k, v, rows, scale, None, self.streams),
+            "blocks": layer(
+                lambda q: block_table_attention(q, k, v, rows, scale, None, self.streams)
+            ),
+            "gather": layer(lambda q: gathered_attention(q, k, v, rows, scale, None, self.streams)),
         }
 
-        def kernel() -> mx.array:
-            return cpu_decode.paged_decode_attention(q, k, v, tables, ends, scale)
+        def kernel(threads: int) -> Callable[[], mx.array]:
+            return layer(
+                lambda q: cpu_decode.paged_decode_attention(
+                    q, k, v, tables, ends, scale, threads=threads
+                )
+            )
 
-        if self.kernel_allowed and cpu_decode.available() and cpu_decode.supports(q, k, v):
+        if (
+            self.kernel_allowed
+            and cpu_decode.available()
+            and cpu_decode.supports(mx.zeros((1, hq, 1, dim), k.dtype), k, v)
+        ):
             try:  # compiles it (or loads it from the cache): a failure only leaves it out
-                mx.eval(kernel())
-                ways["kernel"] = kernel
+                mx.eval(kernel(0)())
+                ways["kernel"] = kernel(0)
+                if cpu_decode.max_threads() > 1:
+                    ways["kernel-1"] = kernel(1)
             except Exception:
                 log.warning("the compiled CPU decode kernel failed: not used", exc_info=True)
         return ways
 
     def describe(self) -> str:
-        return f"attention: cpu (decodes: {self.decode_path}, {len(self.streams) or 1} streams)"
+        path = self.decode_path
+        if path == "kernel" and self.kernel_threads:
+            path += f" on {self.kernel_threads} thread" + ("s" if self.kernel_threads > 1 else "")
+        return f"attention: cpu (decodes: {path}, {len(self.streams) or 1} streams)"
 
 
 def _cores() -> int:

@@ -42,9 +42,9 @@ _lock = threading.Lock()  # numba's workqueue threading layer takes one caller a
 
 
 def _thread_count(pool: int) -> int:
-    """Threads for the kernel: the cores this process may run on (a cpuset or ``taskset``
-    leaves fewer than the machine has, and numba counts the machine's), within numba's pool,
-    capped like the BLAS by ``KVSERVE_BLAS_THREADS`` where an operator set it."""
+    """Threads for the kernel by default: the cores this process may run on (a cpuset or
+    ``taskset`` leaves fewer than the machine has, and numba counts the machine's), within
+    numba's pool, capped like the BLAS by ``KVSERVE_BLAS_THREADS`` where an operator set it."""
     affinity = getattr(os, "sched_getaffinity", None)
     cores = len(affinity(0)) if affinity else os.cpu_count() or 1
     cap = os.environ.get(THREADS_ENV, "")
@@ -66,7 +66,7 @@ def _compiled() -> Any:
         log.info("numba is unavailable: CPU decodes take MLX's paths", exc_info=True)
         return None
 
-    threads = _thread_count(int(getattr(numba.config, "NUMBA_NUM_THREADS", 1)))
+    most = _thread_count(int(getattr(numba.config, "NUMBA_NUM_THREADS", 1)))
 
     @njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc", "contract"})
     def kernel(q, pool_k, pool_v, tables, ends, q_lens, window, scale, out):
@@ -132,9 +132,10 @@ def _compiled() -> Any:
                 for d in range(dim):
                     out[b, h * rep + rr, i, d] = acc[r, d] / total[r]
 
-    def run(*args: Any) -> None:
-        if numba.get_num_threads() != threads:  # numba's count is per calling thread
-            numba.set_num_threads(threads)
+    def run(*args: Any, threads: int = 0) -> None:
+        want = min(threads, most) if threads > 0 else most
+        if numba.get_num_threads() != want:  # numba's count is per calling thread
+            numba.set_num_threads(want)
         kernel(*args)
 
     return run
@@ -143,6 +144,15 @@ def _compiled() -> Any:
 def available() -> bool:
     """Whether this process can take the kernel: numba imports."""
     return _compiled() is not None
+
+
+def max_threads() -> int:
+    """The most threads the kernel runs on here (its default); 0 where numba is unavailable."""
+    if _compiled() is None:
+        return 0
+    import numba
+
+    return _thread_count(int(getattr(numba.config, "NUMBA_NUM_THREADS", 1)))
 
 
 def supports(queries: mx.array, pool_k: mx.array, pool_v: mx.array) -> bool:
@@ -170,6 +180,7 @@ def paged_decode_attention(
     scale: float,
     window: int | None = None,
     query_lens: np.ndarray | None = None,
+    threads: int = 0,
 ) -> mx.array:
     """Attention of a few queries a sequence, ``queries`` ``[B, Hq, Nq, D]`` (a decode, or a
     decode with its speculative drafts), over its pool blocks.
@@ -182,7 +193,8 @@ def paged_decode_attention(
     last, as ``ForwardBatch.mask`` pads them), and sees every key up to its position, or with
     ``window`` the last ``window``. Evaluates the queries and the pool (the layer's graph up to
     here) and returns ``[B, Hq, Nq, D]`` in the queries' dtype. Block ids are not checked: they
-    must index the pool (``ForwardBatch`` checks them)."""
+    must index the pool (``ForwardBatch`` checks them). ``threads``: how many threads the
+    kernel runs on (0: :func:`max_threads`; ``CpuBackend.choose_decode`` measures which)."""
     kernel = _compiled()
     if kernel is None:
         raise RuntimeError("the CPU decode kernel needs numba")
@@ -211,6 +223,7 @@ def paged_decode_attention(
             window or 0,
             np.float32(scale),
             out,
+            threads=threads,
         )
     del k_view, v_view
     return mx.array(out).astype(queries.dtype)
