@@ -53,8 +53,9 @@ choosing (``blas_probe``), and this process (here: re-executing on the choice, a
 it); this module's names include the other two's, so callers import from here alone.
 
 MLX is imported only inside functions (``_gpu_available``, ``matmul_seconds``), so importing
-this module loads none; the launcher's ``fast_blas_env`` call still asks MLX whether a GPU is
-there. Both live here, the one file allowed to import MLX (tests/test_import_rules.py).
+this module loads none; ``fast_blas_env`` (the launcher's, the benchmarks') asks a child
+process whether MLX has a GPU, so a launcher holds no MLX (~35 MB of its RSS). Both live here,
+the one file allowed to import MLX (tests/test_import_rules.py).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def fast_blas_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     library runs here, on macOS, on a GPU, or when disabled.
     """
     env = dict(os.environ if base is None else base)
-    if env.get(DISABLE_ENV) == "0" or _gpu_available():
+    if env.get(DISABLE_ENV) == "0" or _gpu_available(in_process="mlx.core" in sys.modules):
         return env
     selection = select_blas(env)
     line = summary(selection)
@@ -165,7 +166,20 @@ def _reexec_argv() -> list[str] | None:
     return [sys.executable, *orig[1:]]
 
 
-def _gpu_available() -> bool:
+def _gpu_available(in_process: bool = True) -> bool:
+    """Whether MLX has a GPU here: asked in this process, or (``in_process`` False: a
+    launcher that should not hold MLX) in a child, ~50 ms."""
+    if not in_process:
+        import subprocess
+
+        code = "import mlx.core as mx; print(int(mx.is_available(mx.gpu)))"
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+            )
+        except (OSError, subprocess.SubprocessError):
+            return False
+        return done.returncode == 0 and done.stdout.strip() == "1"
     try:
         import mlx.core as mx
 

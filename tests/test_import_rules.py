@@ -262,6 +262,19 @@ def test_the_shared_package_and_the_launcher_load_no_mlx_and_no_service() -> Non
     assert not loaded & {*MLX, "worker", "gateway", "kvcache_service", "kvserve_proto"}
 
 
+def test_the_launcher_holds_no_mlx_after_choosing_the_blas_and_the_model() -> None:
+    """What the launcher runs before it starts the services (the BLAS for its children, the
+    model resolved) loads no MLX: whether MLX has a GPU is asked in a child process."""
+    loaded = _loaded_after(
+        "from kvserve_model.blas import fast_blas_env\n"
+        "from kvserve_model.resolve import resolve_model\n"
+        "fast_blas_env()\n"
+        "resolve_model('kvserve-tiny-llama')"
+    )
+    assert "kvserve_model" in loaded
+    assert not loaded & {*MLX}
+
+
 def test_the_engine_and_the_model_path_load_no_rpc_and_no_edge() -> None:
     """Whatever path their imports take: the engine's loop and the model's runners load no gRPC,
     no protos and nothing of the worker's edge or assembly (it is the assembly that builds the
