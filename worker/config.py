@@ -104,7 +104,7 @@ class WorkerConfig(ServerClientFlags):
     # GPU; "metal" (the decode kernel's untested Metal twin) only when asked.
     attention: str = "auto"
     # cpu: MLX streams a decode's attention is split over (0: one per core, at most 8), and
-    # whether the numba decode kernel may be measured and taken at start.
+    # whether the compiled decode kernel may be measured and taken at start.
     attention_streams: int = 0
     cpu_decode_kernel: bool = True
     # cuda: prefill chunks through the block-table prefill kernel (off: gather then cuDNN),
@@ -217,7 +217,7 @@ SETTINGS = Settings(
         "(untested)",
         "attention_streams": "cpu: MLX streams decode attention is split over (0: one per core)",
         "cpu_decode_kernel": Flag(
-            "cpu: keep the numba decode kernel out of the start-up choice", off_only=True
+            "cpu: keep the compiled decode kernel out of the start-up choice", off_only=True
         ),
         "prefill_kernel": Flag("cuda: prefill through gather then cuDNN only", off_only=True),
         "compile_decodes": Flag("cuda: run decode forwards uncompiled", off_only=True),

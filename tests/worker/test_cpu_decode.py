@@ -6,7 +6,10 @@ ratios 1-8, sliding windows (narrower and wider than the context). And what it r
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -139,3 +142,67 @@ def test_its_threads_follow_the_cores_this_process_may_use(monkeypatch):
     assert cpu_decode._thread_count(2) == 2  # never more than numba's pool
     monkeypatch.setenv("KVSERVE_BLAS_THREADS", "1")  # an operator's cap, as for the BLAS
     assert cpu_decode._thread_count(64) == 1
+
+
+def test_the_c_build_is_made_once_and_needs_no_llvm(tmp_path, monkeypatch):
+    """The kernel is built from C with the system's compiler into the cache (once: a second
+    build finds the file), and a process that runs it loads neither numba nor LLVM (159 MiB
+    of a worker's memory, measured)."""
+    from worker.model.attention import c_kernel
+
+    if c_kernel.compiler() is None:
+        pytest.skip("no C compiler here: the kernel is numba's")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = c_kernel.build(cpu_decode.SOURCE)
+    assert built is not None and built.parent == tmp_path / "kvserve" / "kernels"
+    stamp = built.stat().st_mtime_ns
+    assert c_kernel.build(cpu_decode.SOURCE) == built and built.stat().st_mtime_ns == stamp
+    assert not list(built.parent.glob(".*"))  # no temporary file left behind
+    code = (
+        "import sys, numpy as np, mlx.core as mx\n"
+        "from worker.model.attention import cpu_decode\n"
+        "q = mx.ones((2, 4, 1, 8)); pool = mx.ones((2, 3, 4, 8))\n"
+        "out = cpu_decode.paged_decode_attention("
+        "q, pool, pool, np.array([[0], [1]], np.int32), np.array([3, 4]), 1.0)\n"
+        "assert np.allclose(np.array(out), 1.0)\n"
+        "print(cpu_decode.implementation(), 'numba' in sys.modules, 'llvmlite' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != cpu_decode.KERNEL_ENV}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["c", "False", "False"]
+
+
+def test_without_a_compiler_numba_serves(monkeypatch):
+    from worker.model.attention import c_kernel
+
+    monkeypatch.setattr(c_kernel, "compiler", lambda: None)
+    monkeypatch.delenv(cpu_decode.KERNEL_ENV, raising=False)
+    for f in (cpu_decode._compiled, cpu_decode._c_compiled):
+        f.cache_clear()
+    try:
+        assert cpu_decode._c_compiled() is None
+        if importlib.util.find_spec("numba") is None:
+            assert not cpu_decode.available()
+        else:
+            assert cpu_decode.implementation() == "numba"
+            case = random_case(np.random.default_rng(2), False)
+            got = np.array(cpu_decode.paged_decode_attention(*case))
+            np.testing.assert_allclose(got, reference(*case), atol=2e-5, rtol=0)
+    finally:
+        for f in (cpu_decode._compiled, cpu_decode._c_compiled):
+            f.cache_clear()
+
+
+def test_a_build_that_fails_is_no_kernel(tmp_path, monkeypatch):
+    from worker.model.attention import c_kernel
+
+    if c_kernel.compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    broken = tmp_path / "broken.c"
+    broken.write_text("int f( {\n")
+    assert c_kernel.build(broken) is None and c_kernel.load(broken) is None
+    assert not list((tmp_path / "kvserve" / "kernels").iterdir())

@@ -9,7 +9,8 @@ which is fastest depends on the BLAS the worker runs on (``kvserve_model.blas``)
   streams (one per core);
 - ``"gather"``: :func:`gathered_attention`, the blocks gathered a few sequences at a time into
   contiguous K/V for SDPA (a multithreaded BLAS pays a hand-off per small GEMM of the first);
-- ``"kernel"``: a numba kernel that walks the block tables in place (``attention.cpu_decode``).
+- ``"kernel"``: a compiled kernel (C, or numba's build of it) that walks the block tables in
+  place (``attention.cpu_decode``).
 
 Prefill chunks go to ``attention.cpu_prefill`` (MLX's CPU ``exp`` is ~15x slower than numpy's);
 what neither serves takes the reference path. One file: the backend and the two MLX decode
@@ -183,7 +184,7 @@ def _pool_path(blocks_s: float, gather_s: float) -> str:
 class CpuBackend(AttentionBackend):
     """Decodes by ``decode_path`` (``"blocks"`` until :meth:`choose_decode` measures), split
     over ``streams`` MLX CPU streams (0: one per available core, at most 8); prefill chunks
-    with numpy's softmax. ``kernel_allowed``: whether the numba kernel may be a candidate."""
+    with numpy's softmax. ``kernel_allowed``: whether the compiled kernel may be a candidate."""
 
     name = "cpu"
 
@@ -255,7 +256,7 @@ class CpuBackend(AttentionBackend):
         ``-mt``, which the BLAS choice takes on AMD CPUs) pays a thread hand-off per GEMM, and
         there gathering the blocks a few sequences at a time and running SDPA on them
         (:func:`gathered_attention`) was faster. The compiled kernel
-        (``attention.cpu_decode``, where numba imports and the pool is fp32) reads blocks in
+        (``attention.cpu_decode``, where a C compiler or numba builds it and the pool is fp32) reads blocks in
         place without either cost, on every core or on one.
 
         Each way is timed between the layer's projections, as a decode runs it (queries from

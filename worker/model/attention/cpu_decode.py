@@ -7,8 +7,11 @@ gathering the blocks into a contiguous copy for SDPA (``attention.cpu.gathered_a
 moves every key and value twice. At a batch-32 decode of a 110M llama (context 256, 2-core
 EPYC) one layer's attention took ~15 ms either way, against ~5 ms for SDPA on a dense cache.
 
-This module's kernel is compiled by numba (LLVM, for the CPU it runs on, at first use; cached
-on disk) and reads the pool's memory in place through MLX's buffer protocol: one task per
+This module's kernel is C (``paged_decode_cpu.c``), built once per machine with the system's
+compiler and loaded with ctypes (``attention.c_kernel``); where no compiler builds it, the same
+algorithm compiled by numba (LLVM, at first use; cached on disk), which keeps LLVM in the
+worker (159 MiB of resident memory). Either reads the pool's memory in place through MLX's
+buffer protocol: one task per
 (sequence, KV head), spread over the cores; each walks the sequence's blocks through its block
 table and keeps a running max, sum and output per query head of the group (online softmax, fp32,
 as SDPA accumulates), so grouped-query heads read each K/V vector once. The layer's graph is
@@ -19,15 +22,18 @@ Served: up to 17 queries a sequence (a decode, or a decode with its speculative 
 verify forward is then as cheap in memory traffic as a decode), fp32 pools (the CPU runs
 models in fp32), an optional sliding window. Anything else (prefill chunks) takes the MLX
 paths. The CPU backend (``attention.cpu.CpuBackend.choose_decode``) measures it against them
-at start; ``--no-cpu-decode-kernel`` keeps a worker off it (numba is then never imported).
+at start; ``--no-cpu-decode-kernel`` keeps a worker off it (nothing is built or imported
+then). ``KVSERVE_CPU_DECODE_KERNEL=c|numba`` forces one build of it (tests, measurements).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -39,6 +45,9 @@ log = logging.getLogger(__name__)
 
 MAX_QUERIES = 17  # a decode and up to 16 speculative drafts; longer calls are prefill
 _lock = threading.Lock()  # numba's workqueue threading layer takes one caller at a time
+SOURCE = Path(__file__).with_name("paged_decode_cpu.c")
+KERNEL_ENV = "KVSERVE_CPU_DECODE_KERNEL"  # "c" or "numba": that build only (default: c first)
+C_MAX_THREADS = 64  # the C kernel's own bound (MAX_THREADS there)
 
 
 def _thread_count(pool: int) -> int:
@@ -55,8 +64,73 @@ def _thread_count(pool: int) -> int:
 
 @functools.cache
 def _compiled() -> Any:
-    """The kernel, compiled on first use, as a call that runs it on :func:`_thread_count`
-    threads (None where numba cannot be imported). One long function on purpose: the kernel
+    """The kernel as a call ``run(q, pool_k, pool_v, tables, ends, q_lens, window, scale, out,
+    threads=0)``: the C build where a compiler makes one, else numba's, else None."""
+    which = os.environ.get(KERNEL_ENV, "")
+    if which != "numba":
+        kernel = _c_compiled()
+        if kernel is not None or which == "c":
+            return kernel
+    return _numba_compiled()
+
+
+def implementation() -> str:
+    """``"c"``, ``"numba"``, or ``""`` where neither runs here."""
+    kernel = _compiled()
+    return "" if kernel is None else kernel.implementation
+
+
+@functools.cache
+def _c_compiled() -> Any:
+    """The C build of the kernel (``attention.c_kernel``), None where it cannot be had."""
+    from worker.model.attention import c_kernel
+
+    lib = c_kernel.load(SOURCE)
+    if lib is None:
+        return None
+    fn = lib.paged_decode
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr] * 7 + [i64] * 9 + [ctypes.c_float, i64]
+    fn.restype = ctypes.c_int
+    most = _thread_count(C_MAX_THREADS)
+
+    def run(q, pool_k, pool_v, tables, ends, q_lens, window, scale, out, threads: int = 0) -> None:
+        # Plain pointers: every array is C-contiguous (the caller makes them so).
+        batch, hq, nq, dim = q.shape
+        heads, blocks, bs, _ = pool_k.shape
+        status = fn(
+            q.ctypes.data,
+            pool_k.ctypes.data,
+            pool_v.ctypes.data,
+            tables.ctypes.data,
+            ends.ctypes.data,
+            q_lens.ctypes.data,
+            out.ctypes.data,
+            batch,
+            hq,
+            nq,
+            dim,
+            heads,
+            blocks,
+            bs,
+            tables.shape[1],
+            window,
+            scale,
+            min(threads, most) if threads > 0 else most,
+        )
+        if status != 0:
+            raise MemoryError("the CPU decode kernel could not allocate its scratch or threads")
+
+    run.implementation = "c"  # type: ignore[attr-defined]
+    run.most = most  # type: ignore[attr-defined]
+    return run
+
+
+@functools.cache
+def _numba_compiled() -> Any:
+    """The kernel compiled by numba on first use, as a call that runs it on
+    :func:`_thread_count` threads (None where numba cannot be imported). One long function on
+    purpose: the kernel
     is defined inside it so that numba is imported only here, and a numba kernel is one
     function (each call out of it is a call numba must compile and cannot inline freely)."""
     try:
@@ -138,21 +212,20 @@ def _compiled() -> Any:
             numba.set_num_threads(want)
         kernel(*args)
 
+    run.implementation = "numba"  # type: ignore[attr-defined]
+    run.most = most  # type: ignore[attr-defined]
     return run
 
 
 def available() -> bool:
-    """Whether this process can take the kernel: numba imports."""
+    """Whether this process can take the kernel: built from C, or numba imports."""
     return _compiled() is not None
 
 
 def max_threads() -> int:
-    """The most threads the kernel runs on here (its default); 0 where numba is unavailable."""
-    if _compiled() is None:
-        return 0
-    import numba
-
-    return _thread_count(int(getattr(numba.config, "NUMBA_NUM_THREADS", 1)))
+    """The most threads the kernel runs on here (its default); 0 where it is unavailable."""
+    kernel = _compiled()
+    return 0 if kernel is None else int(kernel.most)
 
 
 def supports(queries: mx.array, pool_k: mx.array, pool_v: mx.array) -> bool:
@@ -197,7 +270,7 @@ def paged_decode_attention(
     kernel runs on (0: :func:`max_threads`; ``CpuBackend.choose_decode`` measures which)."""
     kernel = _compiled()
     if kernel is None:
-        raise RuntimeError("the CPU decode kernel needs numba")
+        raise RuntimeError("the CPU decode kernel needs a C compiler or numba")
     if window is not None and window <= 0:
         raise ValueError(f"window must be positive, got {window}")
     b, hq, nq, d = queries.shape
@@ -211,7 +284,8 @@ def paged_decode_attention(
     )
     out = np.empty((b, hq, nq, d), dtype=np.float32)
     # Views of MLX's buffers, not copies; dropped before anything writes the pool again.
-    k_view, v_view = np.asarray(pool_k), np.asarray(pool_v)
+    k_view = np.ascontiguousarray(np.asarray(pool_k))  # as they are: the pool is contiguous
+    v_view = np.ascontiguousarray(np.asarray(pool_v))
     with _lock:
         kernel(
             np.ascontiguousarray(np.asarray(q32)),
