@@ -14,10 +14,11 @@ import glob
 import os
 import struct
 import sys
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvserve_model.model_cache import user_cache_dir
 
 LIB_ENV = "KVSERVE_BLAS_LIB"
 THREADS_ENV = "KVSERVE_BLAS_THREADS"
@@ -126,14 +127,7 @@ def _gfortran_shim_dirs() -> tuple[str, ...] | None:
 
 def cache_dir() -> Path:
     """Where the libgfortran shim and the probes' cached choices live (per user)."""
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve" / "blas"
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        return base
-    except OSError:
-        fallback = Path(tempfile.gettempdir()) / f"kvserve-blas-{os.getuid()}"
-        fallback.mkdir(parents=True, exist_ok=True)
-        return fallback
+    return user_cache_dir("blas")
 
 
 def _with_dependencies(name: str, path: str, threads_var: str = "") -> BlasLibrary | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +22,20 @@ def models_dir() -> Path:
         return Path(explicit).expanduser()
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return cache / "kvserve" / "models"
+
+
+def user_cache_dir(name: str) -> Path:
+    """``$XDG_CACHE_HOME/kvserve/<name>`` (``~/.cache``), made if missing; a per-user
+    temporary directory where it cannot be (a read-only home): the BLAS choice, the CPU
+    kernel's build."""
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve" / name
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        return base
+    except OSError:
+        fallback = Path(tempfile.gettempdir()) / f"kvserve-{name}-{os.getuid()}"
+        fallback.mkdir(parents=True, exist_ok=True)
+        return fallback
 
 
 def build_once(

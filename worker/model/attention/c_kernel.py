@@ -24,6 +24,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from kvserve_model.model_cache import user_cache_dir
+
 log = logging.getLogger(__name__)
 
 # Flags: vectorized dot products need reassociation; no -ffast-math as a whole, because the
@@ -51,14 +53,7 @@ def compiler() -> str | None:
 
 
 def cache_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve" / "kernels"
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        return base
-    except OSError:
-        fallback = Path(tempfile.gettempdir()) / f"kvserve-kernels-{os.getuid()}"
-        fallback.mkdir(parents=True, exist_ok=True)
-        return fallback
+    return user_cache_dir("kernels")
 
 
 def _cpu() -> str:
