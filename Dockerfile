@@ -10,6 +10,13 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /app
 
+# A C compiler: the worker builds its CPU decode-attention kernel with it at first start
+# (worker/model/attention/c_kernel.py, for the CPU it runs on). Without one it falls back to
+# numba's build of the kernel, which keeps LLVM in the worker (~159 MiB of its memory).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # Dependencies first, so that code edits do not reinstall them: empty stand-in packages let
 # `pip install .` resolve the dependencies from pyproject.toml alone (they include the BLAS
 # libraries the worker probes and preloads: docs/blas.md).
