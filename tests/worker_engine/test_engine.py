@@ -464,3 +464,28 @@ async def test_the_debug_log_accounts_for_every_step(model, caplog) -> None:
     # 40 tokens in 16-token chunks, then the second request's uncached tail; the decodes
     assert prefilled > 40 and max(int(s.group(2)) for s in steps) <= 16  # type: ignore[union-attr]
     assert all(float(s.group(3)) > 0 for s in steps)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("itl_ratio", [0.0, 1.01])
+async def test_the_itl_ratio_bounds_prefill_beside_decodes(model, caplog, itl_ratio) -> None:
+    """``--itl-ratio`` reaches the engine's step budget: while a request decodes, a long prompt
+    that arrives prefills in chunks bounded by the decode step's time (here barely any time
+    beside it: one block a step), where without it the chunks take the whole step budget. The
+    output is the same either way."""
+    caplog.set_level(logging.DEBUG, "worker.engine")
+    async with started_system(model) as system:
+        stub = await system.add_worker(max_step_tokens=64, itl_ratio=itl_ratio)
+        decoding = asyncio.ensure_future(generate(stub, request(prompt(91, 8), max_tokens=80)))
+        while not any("decoding" in r.getMessage() for r in caplog.records):
+            await asyncio.sleep(0.01)  # the first request is decoding
+        long = await generate(stub, request(prompt(92, 200), max_tokens=2))
+        assert len((await decoding)["tokens"]) == 80 and len(long["tokens"]) == 2
+        await system.wait_idle()
+    step = re.compile(r"step \d+: \d+ rows, \d+ prefilling (\d+) tokens.*, [1-9]\d* decoding")
+    mixed = [int(m.group(1)) for r in caplog.records if (m := step.match(r.getMessage()))]
+    mixed = [n for n in mixed if n > 0]
+    assert mixed, "the long prompt prefilled beside the decode"
+    if itl_ratio:
+        assert max(mixed) == BS  # one block a step: the floor
+    else:
+        assert max(mixed) > BS  # the whole budget (64 less the decode)
