@@ -1,0 +1,117 @@
+"""A worker group (tensor parallel, issue 36) on this CPU: two ranks over MLX's ring backend on
+loopback, the tiny model sharded with mlx-lm's shard(), each rank's pool holding its KV heads;
+rank 0 drives the other through ``worker.model.group``. Greedy tokens identical to one process
+(fp32), logits within float tolerance."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvserve_model.tiny_model import TINY_MODEL_NAME
+from tests.worker.group_rank import BLOCK_SIZE, NUM_BLOCKS, scenario
+from worker.errors import UnsupportedModelError
+from worker.model import group as groups
+from worker.model.loader import load_model
+from worker.model.runner import ModelRunner
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    mx.default_device() == mx.gpu, reason="the ring backend's CPU group; GPUs use NCCL"
+)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _run_group(tmp_path: Path, size: int = 2) -> list[dict]:
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(size)]))
+    procs = []
+    for rank in range(size):
+        env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hosts)}
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.worker.group_rank"],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs
+
+
+def test_two_ranks_decode_what_one_process_decodes(tmp_path):
+    lead, follower = _run_group(tmp_path)
+    single = scenario(
+        ModelRunner.create(
+            load_model(TINY_MODEL_NAME).model, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS
+        )
+    )
+    assert lead["size"] == 2 and lead["kv_heads"] == 2  # the tiny model's 4 KV heads, halved
+    assert follower["calls"] == 1 + 1 + 12 + 1  # prefill, copy on write, decodes, verify
+    assert lead["tokens"] == single["tokens"]
+    np.testing.assert_allclose(lead["logits"], single["logits"], atol=1e-4, rtol=0)
+    for got, want in zip(lead["verify"], single["verify"], strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_a_model_that_cannot_be_sharded_is_refused_in_one_line():
+    class Group:
+        def size(self) -> int:
+            return 3
+
+    model = load_model(TINY_MODEL_NAME).model  # 8 heads, 4 KV heads: not over 3 ranks
+    with pytest.raises(UnsupportedModelError, match="8 attention heads do not divide over 3"):
+        groups.shard_model(model, Group())  # type: ignore[arg-type]
+
+    class NoShard:
+        model_type = "someformer"
+
+    with pytest.raises(UnsupportedModelError, match="someformer: mlx-lm has no shard"):
+        groups.shard_model(NoShard(), Group())  # type: ignore[arg-type]
+
+
+def test_the_lookahead_is_refused_in_a_group():
+    class Quiet(groups.Channel):
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def send(self, message: object) -> None:
+            self.sent.append(message)
+
+    channel = Quiet()
+    runner = groups.GroupRunner.__new__(groups.GroupRunner)
+    runner._runner, runner._channel, runner.group_size = None, channel, 2
+    with pytest.raises(ValueError, match="no forward on lazy tokens"):
+        runner.forward_async([], mx.array([1]))
+    assert channel.sent == []
