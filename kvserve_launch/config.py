@@ -48,6 +48,9 @@ class LaunchConfig(ServerClientFlags):
     offload_gb: float = 0.0
     # A host-memory tier per worker (GB; GPUs with memory of their own). 0: none.
     host_offload_gb: float = 0.0
+    # Each worker a group of this many ranks, the model sharded over them (docs/tensor-parallel.md);
+    # 1: one process a worker.
+    tensor_parallel: int = 1
     startup_timeout_s: float = 300.0
     # A child that dies is restarted after this, doubling each time up to 30 s
     # (kvserve_launch.supervisor); more than max_restarts deaths of one child within
@@ -89,6 +92,10 @@ def check(c: LaunchConfig) -> str | None:
         return "--workers must be at least 1"
     if c.cache_shards < 1:
         return "--cache-shards must be at least 1"
+    if c.tensor_parallel < 1:
+        return "--tensor-parallel must be at least 1"
+    if c.tensor_parallel > 1 and c.offload_dir:
+        return "--offload-dir does not run with --tensor-parallel > 1 yet"
     if c.num_blocks < 0 or c.block_size < 0:
         return "--num-blocks and --block-size must not be negative"
     if c.host_offload_gb < 0 or c.offload_gb < 0 or (c.offload_gb and not c.offload_dir):
@@ -142,6 +149,8 @@ SETTINGS = Settings(
         "DIR/worker-i, so evicted prefixes and those from before a restart load back",
         "offload_gb": "each worker's disk tier size in GB (0: half the free disk space)",
         "host_offload_gb": "each worker's host-memory tier in GB, in front of the disk (GPUs)",
+        "tensor_parallel": "each worker a group of this many ranks (processes; one GPU each), "
+        "the model sharded over them, one pool",
         "startup_timeout_s": "how long each process may take to get ready",
         "restart_backoff_s": "a child that dies restarts after this, doubling up to 30 s",
         "max_restarts": "restarts of one child within --restart-window-s before giving up",

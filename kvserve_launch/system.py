@@ -146,6 +146,8 @@ def worker_command(
             argv += ["--offload-gb", f"{cfg.offload_gb:g}"]
     if cfg.host_offload_gb:
         argv += ["--host-offload-gb", f"{cfg.host_offload_gb:g}"]
+    if cfg.tensor_parallel > 1:
+        argv += ["--tensor-parallel", str(cfg.tensor_parallel)]
     return argv + tls_flags(cfg)
 
 

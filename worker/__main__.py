@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import AsyncIterator
 
 from kvserve_launch.run import Service, run_until_signal
@@ -34,6 +35,11 @@ def start(config: WorkerConfig) -> Service:
     blas = ensure_fast_blas()  # may re-exec this process with LD_PRELOAD set
     # On a GPU the CPU BLAS is not on the model's path: say so, and measure nothing.
     log.info(describe(blas, measure_gflops() if blas.library or not blas.fast else None))
+    if config.tensor_parallel > 1 and "MLX_RANK" not in os.environ:
+        # After any re-exec: the other ranks of the group, started once (docs/tensor-parallel.md).
+        from worker.group_launch import start_followers
+
+        start_followers(config.tensor_parallel, config.group_backend, sys.argv[1:])
     return serving(config, start_precompile(config))
 
 
@@ -62,5 +68,10 @@ async def serving(
 
 if __name__ == "__main__":
     cfg = WorkerConfig.from_args()
+    if cfg.tensor_parallel > 1 and os.environ.get("MLX_RANK", "0") != "0":
+        # A rank other than 0 of a group that mlx.launch started: it follows rank 0.
+        from worker.follower import main as follow
+
+        os._exit(follow())
     # exit_hard: MLX sometimes aborts in its C++ static destructors at exit (kvserve_launch.run).
     run_until_signal("worker", cfg.log_level, lambda: start(cfg), exit_hard=True)

@@ -17,6 +17,7 @@ DEQUANTIZE = ("auto", "always", "never")
 TIER_LOAD = ("auto", "always", "never")
 # worker.model.attention.BACKENDS (not imported: this module loads before MLX may).
 ATTENTION = ("auto", "reference", "cpu", "cuda", "metal")
+GROUP_BACKENDS = ("any", "ring", "nccl", "mpi", "jaccl")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,12 @@ class WorkerConfig(ServerClientFlags):
     compile_decodes: bool = True
     precompile: bool = True
     cuda_sorted_gather: bool = False
+    # Tensor parallel (docs/tensor-parallel.md): the model sharded over this many ranks on this
+    # machine (mlx-lm's shard(); one pool, each rank holding its KV heads' slice), rank 0 this
+    # process, the others started by it; 1: one process. The backend of mx.distributed: "any"
+    # (NCCL on NVIDIA GPUs, else the ring over loopback TCP), or one by name.
+    tensor_parallel: int = 1
+    group_backend: str = "any"
     # TLS and log_level: ServerClientFlags. The gRPC port serves TLS with tls_cert/tls_key; the
     # same pair is the worker's client certificate when it dials the cache service over TLS
     # (verified against tls_ca).
@@ -161,6 +168,12 @@ def check(c: WorkerConfig) -> str | None:
         return "--offload-gb and --host-offload-gb must be >= 0"
     if c.tier_load not in TIER_LOAD:
         return f"--tier-load must be one of {', '.join(TIER_LOAD)}"
+    if c.tensor_parallel < 1:
+        return "--tensor-parallel must be >= 1"
+    if c.tensor_parallel > 1 and c.offload_dir:
+        return "--offload-dir does not run in a worker group yet (--tensor-parallel > 1)"
+    if c.group_backend not in GROUP_BACKENDS:
+        return f"--group-backend must be one of {', '.join(GROUP_BACKENDS)}"
     if c.offload_gb and not c.offload_dir:
         return "--offload-gb needs --offload-dir (where the disk tier's files go)"
     return None
@@ -225,6 +238,9 @@ SETTINGS = Settings(
             "cuda: build the self-check's kernels in the worker, not in a child", off_only=True
         ),
         "cuda_sorted_gather": "cuda: keep MLX's sorted expert gathers (an MLX that fixed them)",
+        "tensor_parallel": "shard the model over this many ranks on this machine (one pool; "
+        "rank 0 is this process, it starts the others)",
+        "group_backend": "mx.distributed backend of a worker group: any, ring, nccl, mpi or jaccl",
         **tls_help(
             cert="PEM certificate: with --tls-key, the gRPC port serves TLS",
             ca="PEM CA bundle: reach the cache service over TLS, verified against it",

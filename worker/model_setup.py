@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import Any, cast
 
 from kvserve_launch.startup import ModelUnavailable, setting
 from kvserve_model.context import context_length
@@ -33,6 +35,7 @@ from worker.model import mlx_fixes
 from worker.model.attention import AttentionOptions
 from worker.model.dense_runner import DenseRunner, check_dense_parity, estimate_state
 from worker.model.draft import DraftModel
+from worker.model.group import Channel, GroupRunner, build_message, init_group, shard_model
 from worker.model.kv_pool import bytes_per_block
 from worker.model.loader import LoadedModel, load_model
 from worker.model.runner import ModelRunner
@@ -77,19 +80,41 @@ def build_executor(
     def build() -> Runner:
         if kernels_ready is not None:
             kernels_ready()
+        group = _join_group(config, loaded)
         try:
             spec = probe(loaded.model)
         except RecurrentStateError as e:
+            if group is not None:
+                raise UnsupportedModelError(
+                    f"a model with recurrent state runs on one rank, not a group ({e})"
+                ) from e
             log.info("not pageable (%s): serving with one dense mlx-lm cache per sequence", e)
             runner, limits = _dense_runner(config, loaded)
         else:
-            runner, limits = _paged_runner(config, loaded, spec)
+            runner, limits = _paged_runner(config, loaded, spec, group)
         chosen.append(limits)
         return runner
 
     executor = ModelExecutor(build, _draft_builder(config, loaded))
-    executor.lookahead = config.decode_lookahead
+    # A group's other ranks cannot run a forward on tokens not sampled yet.
+    executor.lookahead = config.decode_lookahead and config.tensor_parallel == 1
     return executor, chosen[0]
+
+
+def _join_group(config: WorkerConfig, loaded: LoadedModel) -> Channel | None:
+    """With ``--tensor-parallel N``: this process joins its group as rank 0 (the other ranks
+    were started by ``worker.group_launch``) and shards the model; None for one process."""
+    if config.tensor_parallel == 1:
+        return None
+    group = init_group(os.environ.get("KVSERVE_GROUP_BACKEND", config.group_backend))
+    if group.size() != config.tensor_parallel or group.rank() != 0:
+        raise UnsupportedModelError(
+            f"--tensor-parallel {config.tensor_parallel}: this process is rank {group.rank()} "
+            f"of {group.size()} (rank 0 of {config.tensor_parallel} expected)"
+        )
+    shard_model(loaded.model, group)
+    log.info("model sharded over %d ranks (mlx-lm's shard())", group.size())
+    return Channel(group)
 
 
 def _with_scratch(config: WorkerConfig, loaded: LoadedModel, limits: WorkerLimits) -> WorkerLimits:
@@ -108,30 +133,39 @@ def _with_scratch(config: WorkerConfig, loaded: LoadedModel, limits: WorkerLimit
 
 
 def _paged_runner(
-    config: WorkerConfig, loaded: LoadedModel, spec: ModelSpec
+    config: WorkerConfig, loaded: LoadedModel, spec: ModelSpec, group: Channel | None = None
 ) -> tuple[Runner, WorkerLimits]:
-    """The paged runner over a pool sized for ``spec``'s K/V, self-checked (model thread)."""
+    """The paged runner over a pool sized for ``spec``'s K/V, self-checked (model thread); in
+    a group (``group``: its channel, on rank 0) every rank builds the same and is checked
+    with it."""
     per_block = bytes_per_block(spec.layers, config.block_size, spec.dtype)
     device = device_kind()
     limits = _with_scratch(
         config, loaded, choose_limits(device, free_memory(device), per_block, config)
     )
     log.info("%s", limits.describe(config.block_size, per_block))
-    runner = ModelRunner.create(
-        loaded.model,
-        block_size=config.block_size,
-        num_blocks=limits.num_blocks + limits.scratch_blocks,
-        attention=attention_options(config),
-    )
+    built: dict[str, Any] = {
+        "block_size": config.block_size,
+        "num_blocks": limits.num_blocks + limits.scratch_blocks,
+        "attention": attention_options(config),
+    }
+    plain = ModelRunner.create(loaded.model, **built)
+    runner: Any = plain
+    if group is not None:  # the other ranks build theirs from this message
+        group.send(build_message(str(loaded.path), config.dequantize, **built))
+        runner = GroupRunner(plain, group)
     log.info("%s", runner.describe())
     log.info("%s", runner.choose_decode_attention().describe())
     if config.self_check:
         # Before registering: no lease exists yet, so the pool's blocks are free to write.
         # After the decode path is chosen: the check runs the path the worker will serve.
-        result = check_paged_parity(loaded.model, runner=runner)
+        if group is not None:
+            result = runner.self_check()
+        else:
+            result = check_paged_parity(loaded.model, runner=plain)
         log.info("%s", result.describe())
         result.raise_if_failed()
-    return runner, limits
+    return cast(Runner, runner), limits
 
 
 def _dense_runner(config: WorkerConfig, loaded: LoadedModel) -> tuple[Runner, WorkerLimits]:

@@ -48,6 +48,7 @@ MIRRORED = frozenset(
     }
 )
 STOP = "stop"
+SELF_CHECK = "self_check"
 
 
 def init_group(backend: str = "any") -> mx.distributed.Group:
@@ -142,6 +143,14 @@ class GroupRunner:
     def describe(self) -> str:
         return f"{self._runner.describe()}, tensor parallel over {self.group_size} ranks"
 
+    def self_check(self) -> Any:
+        """The start-up self-check (``worker.model.self_check``) on every rank at once: its
+        dense mlx-lm forwards all-reduce too, so the other ranks run the same check."""
+        from worker.model.self_check import check_paged_parity
+
+        self._channel.send((SELF_CHECK, (), {}))
+        return check_paged_parity(self._runner.model, runner=self._runner)
+
     def stop(self) -> None:
         """Ends the other ranks' :func:`follow` loops."""
         self._channel.send((STOP, (), {}))
@@ -155,6 +164,12 @@ def follow(runner: Any, channel: Channel) -> int:
         name, args, kwargs = channel.receive()
         if name == STOP:
             return calls
+        if name == SELF_CHECK:
+            from worker.model.self_check import check_paged_parity
+
+            check_paged_parity(runner.model, runner=runner)
+            calls += 1
+            continue
         if name not in MIRRORED:
             raise RuntimeError(f"rank 0 sent a call a group does not mirror: {name}")
         out = getattr(runner, name)(*args, **kwargs)
@@ -163,9 +178,10 @@ def follow(runner: Any, channel: Channel) -> int:
         calls += 1
 
 
-def build_message(model: str, **runner: Any) -> dict[str, Any]:
-    """What rank 0 sends first: the model to load and how to build the runner."""
-    return {"model": model, "runner": runner}
+def build_message(model: str, dequantize: str = "auto", **runner: Any) -> dict[str, Any]:
+    """What rank 0 sends first: the model to load (as ``load_model`` takes it) and how to
+    build the runner (``ModelRunner.create``'s keywords)."""
+    return {"model": model, "dequantize": dequantize, "runner": runner}
 
 
 def serve_follower(channel: Channel, build: Callable[[dict[str, Any]], Any] | None = None) -> int:
@@ -183,6 +199,6 @@ def build_runner(message: dict[str, Any]) -> Any:
     from worker.model.loader import load_model
     from worker.model.runner import ModelRunner
 
-    loaded = load_model(message["model"])
+    loaded = load_model(message["model"], dequantize=message.get("dequantize", "auto"))
     shard_model(loaded.model, init_group())
     return ModelRunner.create(loaded.model, **message["runner"])

@@ -1,0 +1,105 @@
+"""A worker group as real processes (issue 36): the launcher's ``--tensor-parallel 2`` starts a
+worker that starts its second rank (``python -m worker.follower``) over MLX's ring backend on
+loopback; the group registers one pool and serves what one process serves, token for token
+(fp32, greedy); a rank that dies takes the worker down, which says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import mlx.core as mx
+import pytest
+
+from kvserve_launch.process import KeptLines
+from tests.e2e.conftest import ADMIN_TOKEN, started_system
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(mx.default_device() == mx.gpu, reason="the CPU ring group; GPUs: NCCL"),
+]
+
+SHARED = "You are a helpful assistant who answers in one short line. " * 3
+PROMPTS = [SHARED + q for q in ("Name a color.", "Count to three.", "Say hi.", "Why?")]
+
+
+def _complete(base: str, prompt: str) -> dict:
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _serve(tensor_parallel: int, logs: KeptLines) -> tuple[list[str], list[dict], dict]:
+    """Four concurrent greedy completions sharing a prefix, then the first again (a cache hit);
+    their texts, usages, and the pool's stats."""
+    fixture = started_system(logs, workers=1, tensor_parallel=tensor_parallel)
+    system = next(fixture)
+    base = f"http://{system.http_address}"
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda p: _complete(base, p), PROMPTS))
+        answers.append(_complete(base, PROMPTS[0]))
+        stats = httpx.get(
+            f"{base}/admin/dashboard/stats",
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            timeout=30,
+        ).json()
+        return [a["choices"][0]["text"] for a in answers], [a["usage"] for a in answers], stats
+    finally:
+        fixture.close()
+
+
+def test_a_two_rank_worker_serves_what_one_process_serves():
+    logs = KeptLines(20_000)
+    texts, usages, stats = _serve(2, logs)
+    lines = logs.dump()
+    assert "worker group: 2 ranks over ring; this process is rank 0" in lines, lines[-3000:]
+    assert "worker group: rank 1 of 2 joined" in lines
+    assert "tensor parallel over 2 ranks" in lines
+    assert "self-check passed" in lines
+    pools = json.dumps(stats)
+    assert pools.count("worker-0") >= 1  # one pool for the group
+    one_texts, one_usages, _ = _serve(1, KeptLines(20_000))
+    assert texts == one_texts
+    assert usages[-1]["prompt_tokens_details"]["cached_tokens"] > 0  # the group reuses blocks
+    assert [u["completion_tokens"] for u in usages] == [u["completion_tokens"] for u in one_usages]
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_a_rank_that_dies_takes_the_worker_down():
+    logs = KeptLines(20_000)
+    fixture = started_system(logs, workers=1, tensor_parallel=2)
+    system = next(fixture)
+    try:
+        worker = system.workers[0].process
+        assert worker is not None
+        followers = [p for p in _children(worker.pid) if "worker.follower" in _cmdline(p)]
+        assert len(followers) == 1, logs.dump()[-3000:]
+        os.kill(followers[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while worker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert worker.poll() == 1, logs.dump()[-3000:]
+        assert "rank 1 exited" in logs.dump()
+    finally:
+        fixture.close()

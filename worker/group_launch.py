@@ -1,0 +1,132 @@
+"""Starting a worker group on one machine (``--tensor-parallel N``): this process becomes rank 0
+and starts ranks 1..N-1 as ``python -m worker.follower`` children, with the environment
+``mx.distributed`` reads (what ``mlx.launch`` would set), and watches them: a rank that dies
+takes the group down (``docs/tensor-parallel.md``).
+
+The ring backend (CPU processes, loopback TCP) gets a hosts file of free loopback ports; NCCL
+(NVIDIA GPUs) a rendezvous address and port, and one GPU a rank (``CUDA_VISIBLE_DEVICES``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+# How often rank 0 looks at its followers, and a follower at rank 0.
+WATCH_S = 0.5
+
+
+def resolve_backend(backend: str) -> str:
+    """``any``: NCCL where MLX runs on an NVIDIA GPU, else the ring."""
+    if backend != "any":
+        return backend
+    from worker.model.device import cuda_available
+
+    return "nccl" if cuda_available() else "ring"
+
+
+@dataclass
+class Followers:
+    """Ranks 1..N-1, started by rank 0."""
+
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    stopping: bool = False
+
+    def watch(self) -> None:
+        """A daemon thread: a follower that exits (not while stopping) ends this process, so
+        its leases expire and whatever supervises the worker restarts the group."""
+
+        def loop() -> None:
+            while not self.stopping:
+                for rank, p in enumerate(self.procs, start=1):
+                    code = p.poll()
+                    if code is not None and not self.stopping:
+                        log.error("worker group: rank %d exited (%s): the group stops", rank, code)
+                        logging.shutdown()
+                        os._exit(1)
+                time.sleep(WATCH_S)
+
+        threading.Thread(target=loop, name="group-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        self.stopping = True
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def start_followers(size: int, backend: str, argv: list[str]) -> Followers:
+    """Sets this process up as rank 0 of a group of ``size`` over ``backend`` (its environment)
+    and starts the other ranks as ``python -m worker.follower`` with ``argv`` (the worker's own
+    flags: the same model and settings). Returns them, watched."""
+    env = group_env(size, resolve_backend(backend))
+    os.environ.update(env[0])
+    followers = Followers()
+    for rank in range(1, size):
+        child_env = {**os.environ, **env[rank]}
+        followers.procs.append(
+            subprocess.Popen([sys.executable, "-m", "worker.follower", *argv], env=child_env)
+        )
+    followers.watch()
+    backend_name = env[0]["KVSERVE_GROUP_BACKEND"]
+    log.info("worker group: %d ranks over %s; this process is rank 0", size, backend_name)
+    return followers
+
+
+def group_env(size: int, backend: str) -> list[dict[str, str]]:
+    """Each rank's environment for ``mx.distributed.init`` over ``backend`` on this machine."""
+    base = {"MLX_WORLD_SIZE": str(size), "KVSERVE_GROUP_BACKEND": backend}
+    if backend == "ring":
+        ports = _free_ports(size)
+        fd, path = tempfile.mkstemp(prefix="kvserve-group-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump([[f"127.0.0.1:{p}"] for p in ports], f)
+        base["MLX_HOSTFILE"] = path
+        return [{**base, "MLX_RANK": str(r)} for r in range(size)]
+    if backend == "nccl":
+        port = _free_ports(1)[0]
+        base |= {"NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": str(port), "NCCL_NVLS_ENABLE": "0"}
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        gpus = visible.split(",") if visible else [str(r) for r in range(size)]
+        if len(gpus) < size:
+            raise ValueError(f"--tensor-parallel {size} needs {size} GPUs, {len(gpus)} visible")
+        return [{**base, "MLX_RANK": str(r), "CUDA_VISIBLE_DEVICES": gpus[r]} for r in range(size)]
+    raise ValueError(f"a worker group on one machine runs over ring or nccl, not {backend}")
+
+
+def watch_leader(parent: int) -> None:
+    """On a follower: a daemon thread that ends this process once rank 0 (``parent``) is
+    gone (its collectives would otherwise wait forever)."""
+
+    def loop() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCH_S)
+        os._exit(1)
+
+    threading.Thread(target=loop, name="leader-watch", daemon=True).start()
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
