@@ -133,11 +133,15 @@ class Decoder:
         self.runner.compile_decodes = compiled
         times = []
         for i in range(warm + steps):
+            if i == warm:
+                before = mx.get_active_memory()
+                mx.reset_peak_memory()
             t0 = time.perf_counter()
             self.runner.forward(seqs)
             mx.synchronize()
             if i >= warm:
                 times.append(time.perf_counter() - t0)
+        self.peak = (mx.get_peak_memory() - before) / 1e9
         return statistics.median(times) * 1e3
 
     def split_ms(self, seqs: list[SeqInput], compiled: bool, steps: int) -> dict[str, float]:
@@ -159,21 +163,30 @@ class Decoder:
                 parts[k].append(v)
         return {k: statistics.median(v) for k, v in parts.items()}
 
-    def pipelined_ms(self, seqs: list[SeqInput], compiled: bool, steps: int) -> float:
-        """Steps back to back, each built and launched while the device runs the one before
-        (as the executor's lookahead does; the next step's tokens are not waited for), ms a
-        step: about max(host, device)."""
+    def pipelined_ms(
+        self, seqs: list[SeqInput], compiled: bool, steps: int, launch_after: bool = False
+    ) -> tuple[float, float]:
+        """Steps back to back, each built while the device runs the one before (as the
+        executor's lookahead does; the next step's tokens are not waited for): launched at
+        once, or (``launch_after``) once the one before has finished. Returns ms a step and
+        the peak device memory above the memory in use before, GB (a pool array the step
+        cannot write in place is copied: a layer's K or V is ``pool.nbytes / 2 / layers``)."""
         self.runner.compile_decodes = compiled
         pool = self.runner.pool
         sync_eval(*pool.arrays())
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
         t0 = time.perf_counter()
-        outs = []
+        prev: mx.array | None = None
         for _ in range(steps):
             last = self.runner._last_logits(seqs)
+            if launch_after and prev is not None:
+                sync_eval(prev)
             mx.async_eval(last, *pool.arrays())
-            outs.append(last)
-        sync_eval(*outs, *pool.arrays())
-        return (time.perf_counter() - t0) / steps * 1e3
+            prev = last
+        sync_eval(*pool.arrays())
+        ms = (time.perf_counter() - t0) / steps * 1e3
+        return ms, (mx.get_peak_memory() - before) / 1e9
 
 
 def attention_ms(dec: Decoder, seqs: list[SeqInput], heads: int, dim: int, repeats: int) -> float:
@@ -253,6 +266,55 @@ def bandwidths(nbytes: int) -> dict[str, tuple[float, int]]:
     return out
 
 
+def kernel_times(dec: Decoder, seqs: list[SeqInput], warm: int) -> None:
+    """One step (compiled where the runner compiles decodes) after ``warm``, the only thing
+    between the driver's ``cuProfilerStart`` and ``cuProfilerStop``: what ``ncu
+    --profile-from-start off`` times, kernel by kernel."""
+    import ctypes
+
+    dec.forward_ms(seqs, dec.runner.compile_decodes, 1, warm)
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuProfilerStart()
+    dec.runner.forward(seqs)
+    mx.synchronize()
+    cuda.cuProfilerStop()
+    print("one step profiled", flush=True)
+
+
+def ncu_summary(path: str) -> None:
+    """Kernel count and summed ``gpu__time_duration`` of an ncu CSV, by kind of kernel."""
+    import csv
+
+    with open(path) as f:
+        lines = [ln for ln in f if ln.startswith('"')]
+    total: dict[str, list[float]] = {}
+    for r in csv.DictReader(lines):
+        if r.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        unit = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0}
+        ms = float(r["Metric Value"].replace(",", "")) * unit.get(r["Metric Unit"], 1e-6)
+        total.setdefault(r["Kernel Name"].split("(")[0].split("<")[0][:60], []).append(ms)
+    kinds: dict[str, list[float]] = {}
+    for kernel, times in total.items():
+        low = kernel.lower()
+        kind = (
+            "attention (kvserve_paged_attention)"
+            if "kvserve_paged" in low
+            else "matmul (gemm/gemv)"
+            if any(w in low for w in ("gemm", "gemv", "xmma", "cutlass", "cublas", "matmul"))
+            else "other (norms, RoPE, elementwise, writes, copies)"
+        )
+        kinds.setdefault(kind, []).extend(times)
+    whole = sum(sum(t) for t in kinds.values())
+    print(f"{sum(len(t) for t in kinds.values())} kernels, {whole:.3f} ms on the device\n")
+    print("| kernels | count | ms | share |\n|---|---|---|---|")
+    for kind, times in sorted(kinds.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| {kind} | {len(times)} | {sum(times):.3f} | {sum(times) / whole:.0%} |")
+    print("\n| kernel | count | ms |\n|---|---|---|")
+    for kernel, times in sorted(total.items(), key=lambda kv: -sum(kv[1]))[:15]:
+        print(f"| `{kernel}` | {len(times)} | {sum(times):.3f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_gpu_model_args(ap)
@@ -263,7 +325,17 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=5, help="untimed steps first")
     ap.add_argument("--copy-mb", type=int, default=4096, help="bytes of the bandwidth tests")
     ap.add_argument("--no-dense", action="store_true", help="skip mlx-lm's dense decode")
+    ap.add_argument(
+        "--kernel-times",
+        action="store_true",
+        help="only one compiled step at the long context between cuProfilerStart and Stop, "
+        "for `ncu --profile-from-start off` (the summary: --ncu-summary)",
+    )
+    ap.add_argument("--ncu-summary", metavar="CSV", help="sum an ncu CSV's kernel times, by kind")
     args = ap.parse_args()
+    if args.ncu_summary:
+        ncu_summary(args.ncu_summary)
+        return
     started = time.perf_counter()
     cuda = devices.cuda_available()
     if not cuda:  # a dry run: the kernel's output shapes, lazily, in place of the kernel
@@ -277,6 +349,9 @@ def main() -> None:
         tiny = load_model(str(tiny_path)).model
     dec = Decoder(model, b, long_ctx)
     runner = dec.runner
+    if args.kernel_times:
+        kernel_times(dec, dec.seqs(long_ctx), args.warm)
+        return
     compiles = runner.compile_decodes
     modes = [("uncompiled", False)] + ([("compiled", True)] if compiles else [])
     env = " ".join(f"{k}={os.environ.get(k)}" for k in MLX_ENV)
@@ -299,21 +374,26 @@ def main() -> None:
     step_ms: dict[str, float] = {}
     for mode, compiled in modes:
         step_ms[mode] = dec.forward_ms(long_seqs, compiled, args.steps, args.warm)
-        row(f"step, {mode}, {b} x ~{long_ctx:,}", step_ms[mode], long_bytes)
+        row(f"step, {mode}, {b} x ~{long_ctx:,} (peak +{dec.peak:.2f} GB)", step_ms[mode],
+            long_bytes)  # fmt: skip
     for mode, compiled in modes:
         split = dec.split_ms(long_seqs, compiled, args.steps)
         for part, ms in split.items():
             row(f"  {mode}: {part}", ms)
-        row(f"  {mode}: steps back to back", dec.pipelined_ms(long_seqs, compiled, args.steps),
-            long_bytes)  # fmt: skip
+        for launch_after in (False, True):
+            ms, peak = dec.pipelined_ms(long_seqs, compiled, args.steps, launch_after)
+            when = "once the one before finished" if launch_after else "at once"
+            row(f"  {mode}: next step built during this one, launched {when} "
+                f"(peak +{peak:.2f} GB)", ms, long_bytes)  # fmt: skip
     for mode, compiled in modes:
         dec.forward_ms(short_seqs, compiled, 1, args.warm)  # first shapes of the short context
         row(f"step, {mode}, {b} x ~{short_ctx}", dec.forward_ms(short_seqs, compiled, args.steps, 0),
             short_bytes)  # fmt: skip
         split = dec.split_ms(short_seqs, compiled, args.steps)
         row(f"  {mode} at ~{short_ctx}: build", split["build"])
-        row(f"  {mode} at ~{short_ctx}: steps back to back",
-            dec.pipelined_ms(short_seqs, compiled, args.steps), short_bytes)  # fmt: skip
+        ms, peak = dec.pipelined_ms(short_seqs, compiled, args.steps)
+        row(f"  {mode} at ~{short_ctx}: next step launched at once (peak +{peak:.2f} GB)", ms,
+            short_bytes)  # fmt: skip
 
     # 3. The attention kernel alone, every layer.
     spec = runner.spec.layers[0]

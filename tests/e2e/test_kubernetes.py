@@ -51,7 +51,7 @@ from tests.tls_certs import _make_ca, _make_leaf
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("base", "tls")
+OVERLAYS = ("base", "tls", "tensor-parallel")
 DEPLOY_DOC = ROOT / "docs" / "deploy.md"
 # The oldest version the manifests promise (Kubernetes' own gRPC probes are GA from 1.27)
 # and a recent one.
