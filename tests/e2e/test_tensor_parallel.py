@@ -30,16 +30,16 @@ SHARED = "You are a helpful assistant who answers in one short line. " * 3
 PROMPTS = [SHARED + q for q in ("Name a color.", "Count to three.", "Say hi.", "Why?")]
 
 
-def _complete(base: str, prompt: str) -> dict:
-    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+def _complete(base: str, prompt: str, **extra: object) -> dict:
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **extra}
     r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def _serve(tensor_parallel: int, logs: KeptLines) -> tuple[list[str], list[dict], dict]:
-    """Four concurrent greedy completions sharing a prefix, then the first again (a cache hit);
-    their texts, usages, and the pool's stats."""
+    """Four concurrent greedy completions sharing a prefix, then the first again (a cache hit),
+    then one decoded speculatively; their texts, usages, and the pool's stats."""
     fixture = started_system(logs, workers=1, tensor_parallel=tensor_parallel)
     system = next(fixture)
     base = f"http://{system.http_address}"
@@ -47,6 +47,8 @@ def _serve(tensor_parallel: int, logs: KeptLines) -> tuple[list[str], list[dict]
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda p: _complete(base, p), PROMPTS))
         answers.append(_complete(base, PROMPTS[0]))
+        # Speculative decoding by prompt lookup: the verify forwards run on both ranks too.
+        answers.append(_complete(base, PROMPTS[1] + " " + PROMPTS[1], speculative="ngram"))
         stats = httpx.get(
             f"{base}/admin/dashboard/stats",
             headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
@@ -69,7 +71,7 @@ def test_a_two_rank_worker_serves_what_one_process_serves():
     assert pools.count("worker-0") >= 1  # one pool for the group
     one_texts, one_usages, _ = _serve(1, KeptLines(20_000))
     assert texts == one_texts
-    assert usages[-1]["prompt_tokens_details"]["cached_tokens"] > 0  # the group reuses blocks
+    assert usages[4]["prompt_tokens_details"]["cached_tokens"] > 0  # the group reuses blocks
     assert [u["completion_tokens"] for u in usages] == [u["completion_tokens"] for u in one_usages]
 
 

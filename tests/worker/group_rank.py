@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvserve_model.tiny_model import TINY_MODEL_NAME
+from worker.errors import BatchError
 from worker.model.forward_batch import SeqInput
 from worker.model.group import (
     Channel,
@@ -49,6 +50,11 @@ def scenario(runner) -> dict:
         for i, x in enumerate(mx.argmax(logits, axis=-1).tolist()):
             tokens[i].append(int(x))
             pos[i] += 1
+    try:  # a bad batch is refused on every rank before any collective; the group goes on
+        runner.forward([SeqInput([1], [NUM_BLOCKS + 5], 0)])
+        refused = False
+    except BatchError:
+        refused = True
     verify = runner.forward_all(
         [SeqInput(t[-3:], tb, p - 2) for t, tb, p in zip(tokens, tables, pos, strict=True)]
     )
@@ -56,6 +62,7 @@ def scenario(runner) -> dict:
         "tokens": tokens,
         "logits": np.array(logits).tolist(),
         "verify": [np.array(v).tolist() for v in verify],
+        "refused": refused,
     }
 
 

@@ -78,7 +78,9 @@ def test_two_ranks_decode_what_one_process_decodes(tmp_path):
         )
     )
     assert lead["size"] == 2 and lead["kv_heads"] == 2  # the tiny model's 4 KV heads, halved
-    assert follower["calls"] == 1 + 1 + 12 + 1  # prefill, copy on write, decodes, verify
+    # prefill, copy on write, decodes, a refused batch, verify
+    assert follower["calls"] == 1 + 1 + 12 + 1 + 1
+    assert lead["refused"] and single["refused"]
     assert lead["tokens"] == single["tokens"]
     np.testing.assert_allclose(lead["logits"], single["logits"], atol=1e-4, rtol=0)
     for got, want in zip(lead["verify"], single["verify"], strict=True):

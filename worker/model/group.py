@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from worker.errors import UnsupportedModelError
+from worker.errors import BatchError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -172,9 +172,14 @@ def follow(runner: Any, channel: Channel) -> int:
             continue
         if name not in MIRRORED:
             raise RuntimeError(f"rank 0 sent a call a group does not mirror: {name}")
-        out = getattr(runner, name)(*args, **kwargs)
-        if isinstance(out, mx.array):
-            mx.eval(out)
+        try:
+            out = getattr(runner, name)(*args, **kwargs)
+            if isinstance(out, mx.array):
+                mx.eval(out)
+        except BatchError as e:
+            # Refused before any collective, on rank 0 too (the same inputs, the same checks):
+            # rank 0 fails that step and the group goes on.
+            log.warning("worker group: a %s refused on this rank as on rank 0: %s", name, e)
         calls += 1
 
 
