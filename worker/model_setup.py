@@ -16,7 +16,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from kvserve_launch.startup import ModelUnavailable, setting
 from kvserve_model.context import context_length
@@ -35,13 +35,16 @@ from worker.model import mlx_fixes
 from worker.model.attention import AttentionOptions
 from worker.model.dense_runner import DenseRunner, check_dense_parity, estimate_state
 from worker.model.draft import DraftModel
-from worker.model.group import Channel, GroupRunner, build_message, init_group, shard_model
+from worker.model.group import Channel, GroupRunner, build_message, init_group, sharding
 from worker.model.kv_pool import bytes_per_block
 from worker.model.loader import LoadedModel, load_model
 from worker.model.runner import ModelRunner
 from worker.model.self_check import check_paged_parity
 from worker.model.spec import ModelSpec, probe
 from worker.warmup_plan import scratch_blocks
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
 
 log = logging.getLogger(__name__)
 
@@ -101,18 +104,30 @@ def build_executor(
     return executor, chosen[0]
 
 
-def _join_group(config: WorkerConfig, loaded: LoadedModel) -> Channel | None:
-    """With ``--tensor-parallel N``: this process joins its group as rank 0 (the other ranks
-    were started by ``worker.group_launch``) and shards the model; None for one process."""
+def group_sharding(config: WorkerConfig) -> Callable[[nn.Module], None] | None:
+    """For ``load_model``: with ``--tensor-parallel N``, join the group (as rank 0: the other
+    ranks were started by ``worker.group_launch``) and shard the model as it loads; None for
+    one process."""
     if config.tensor_parallel == 1:
         return None
-    group = init_group(os.environ.get("KVSERVE_GROUP_BACKEND", config.group_backend))
+    return sharding(group_backend(config))
+
+
+def group_backend(config: WorkerConfig) -> str:
+    return os.environ.get("KVSERVE_GROUP_BACKEND", config.group_backend)
+
+
+def _join_group(config: WorkerConfig, loaded: LoadedModel) -> Channel | None:
+    """With ``--tensor-parallel N``: the group this process is rank 0 of, its model sharded as
+    it loaded (``group_sharding``); None for one process."""
+    if config.tensor_parallel == 1:
+        return None
+    group = init_group(group_backend(config))
     if group.size() != config.tensor_parallel or group.rank() != 0:
         raise UnsupportedModelError(
             f"--tensor-parallel {config.tensor_parallel}: this process is rank {group.rank()} "
             f"of {group.size()} (rank 0 of {config.tensor_parallel} expected)"
         )
-    shard_model(loaded.model, group)
     log.info("model sharded over %d ranks (mlx-lm's shard())", group.size())
     return Channel(group)
 

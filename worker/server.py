@@ -36,7 +36,7 @@ from worker.lease_client import LeaseClient
 from worker.model.device import cuda_available
 from worker.model.loader import LoadedModel, load_model
 from worker.model.spec import LayerSpec
-from worker.model_setup import build_executor, model_errors_as_startup_errors
+from worker.model_setup import build_executor, group_sharding, model_errors_as_startup_errors
 from worker.servicer import WorkerServicer
 from worker.tier.disk import DiskTier
 from worker.tier.host import HostTier
@@ -70,7 +70,9 @@ async def running(
     StartupError (``kvserve_launch.startup``) for a model it cannot serve or a port it cannot
     bind. ``kernels_ready``: see :func:`build_executor`."""
     with model_errors_as_startup_errors(config.model):
-        loaded = loaded or load_model(config.model, dequantize=config.dequantize)
+        loaded = loaded or load_model(
+            config.model, dequantize=config.dequantize, shard=group_sharding(config)
+        )
         executor, chosen = build_executor(config, loaded, kernels_ready)
     runner = executor.runner
     server, port = _bound_server(config)

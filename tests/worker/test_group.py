@@ -117,3 +117,29 @@ def test_the_lookahead_is_refused_in_a_group():
     with pytest.raises(ValueError, match="no forward on lazy tokens"):
         runner.forward_async([], mx.array([1]))
     assert channel.sent == []
+
+
+def test_a_rank_loads_only_its_share_of_the_weights():
+    """The weights load lazily and are sharded before anything is evaluated: a rank of two
+    holds half of every layer's projections (the embedding, tied to the head, whole)."""
+    from mlx.utils import tree_flatten
+
+    class Rank1of2:
+        def size(self) -> int:
+            return 2
+
+        def rank(self) -> int:
+            return 1
+
+    def count(model) -> int:
+        return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+    full = load_model(TINY_MODEL_NAME).model
+    part = load_model(
+        TINY_MODEL_NAME,
+        shard=lambda m: groups.shard_model(m, Rank1of2()),  # type: ignore[arg-type]
+    ).model
+    embedding = full.model.embed_tokens.weight.size
+    assert count(part) - embedding == pytest.approx((count(full) - embedding) / 2, rel=0.01)
+    layer = part.model.layers[0].self_attn
+    assert (layer.n_heads, layer.n_kv_heads) == (4, 2)  # 8 and 4 heads, halved

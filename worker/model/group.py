@@ -57,9 +57,20 @@ def init_group(backend: str = "any") -> mx.distributed.Group:
     return mx.distributed.init(strict=False, backend=backend)
 
 
+def sharding(backend: str = "any") -> Callable[[nn.Module], None]:
+    """For ``load_model(shard=...)``: joins this process's group and shards the model over it
+    (before its weights are evaluated: a rank loads only its share)."""
+
+    def shard(model: nn.Module) -> None:
+        shard_model(model, init_group(backend))
+
+    return shard
+
+
 def shard_model(model: nn.Module, group: mx.distributed.Group) -> None:
     """Shard ``model`` over ``group`` with mlx-lm's own ``shard()``; a family without it, or
-    whose heads do not divide by the group's size, is refused in one line."""
+    whose heads do not divide by the group's size, is refused in one line. Lazy: the caller
+    evaluates the parameters (each rank's share only)."""
     n = group.size()
     if n == 1:
         return
@@ -77,7 +88,6 @@ def shard_model(model: nn.Module, group: mx.distributed.Group) -> None:
                 f"{kind}: {count} {what} do not divide over {n} ranks (each rank holds a share)"
             )
     model.shard(group)
-    mx.eval(model.parameters())
 
 
 class Channel:
@@ -204,6 +214,7 @@ def build_runner(message: dict[str, Any]) -> Any:
     from worker.model.loader import load_model
     from worker.model.runner import ModelRunner
 
-    loaded = load_model(message["model"], dequantize=message.get("dequantize", "auto"))
-    shard_model(loaded.model, init_group())
+    loaded = load_model(
+        message["model"], dequantize=message.get("dequantize", "auto"), shard=sharding()
+    )
     return ModelRunner.create(loaded.model, **message["runner"])

@@ -40,7 +40,7 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -75,17 +75,27 @@ class LoadedModel:
     config: dict[str, Any]
 
 
-def load_model(name_or_path: str | None = None, *, dequantize: str = "auto") -> LoadedModel:
+def load_model(
+    name_or_path: str | None = None,
+    *,
+    dequantize: str = "auto",
+    shard: Callable[[nn.Module], None] | None = None,
+) -> LoadedModel:
     """Resolve and load a model with ``mlx_lm.load``, dequantized where :func:`should_dequantize`
     says, its floating parameters in :func:`compute_dtype`; check it once if it was converted
-    from GGUF (see the module docstring)."""
+    from GGUF (see the module docstring).
+
+    ``shard``: a worker group's (``worker.model.group.shard_model`` over this rank's group). The
+    weights are then loaded lazily and sharded before anything is evaluated, so a rank holds
+    only its share (a model larger than one device loads), and the GGUF check waits for a load
+    that is not sharded (its generation would all-reduce on one rank only)."""
     import mlx_lm
 
     t0 = time.perf_counter()
     path = resolve_model(name_or_path, log=log.info)
     t1 = time.perf_counter()
     try:
-        loaded = mlx_lm.load(str(path), return_config=True)
+        loaded = mlx_lm.load(str(path), return_config=True, lazy=shard is not None)
         model, tokenizer, config = cast(tuple[nn.Module, Any, dict[str, Any]], loaded)
     except Exception as e:
         raise ModelLoadError(f"mlx_lm.load({str(path)!r}) failed: {e}") from e
@@ -98,10 +108,12 @@ def load_model(name_or_path: str | None = None, *, dequantize: str = "auto") -> 
 
         model = dequantize_model(model)
         log.info("dequantized the weights to %s: the CPU runs them on BLAS", dtype)
+    if shard is not None:
+        shard(model)
     mx.eval(model.parameters())
     # transformers warns past model_max_length; the model's own context is the limit.
     tokenizer._tokenizer.model_max_length = context_length(config)
-    if (check := pending_check(path)) is not None:
+    if shard is None and (check := pending_check(path)) is not None:
         check_converted(model, tokenizer, path, check)
     fingerprint = model_fingerprint(path)
     log.info(
