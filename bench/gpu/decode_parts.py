@@ -10,8 +10,10 @@ GPU benchmarks (``bench_models.make_model``), under the worker process's MLX set
    of random values), uncompiled and compiled (``worker.model.compiled_decode``, where the
    runner compiles decodes), medians after warm-up; and the same steps split into building the
    graph (host: ``ForwardBatch``, Python and MLX op construction, as ``host_build.py`` measures
-   it), launching it (``mx.async_eval`` returning) and waiting for the device, and run
-   back to back without a wait (the next step built while the device runs this one);
+   it), launching it (``mx.async_eval`` returning) and waiting for the device; and run
+   back to back, the next step built while the device runs this one and launched at once or
+   once this one finished, with the peak device memory (a pool write not done in place
+   copies the pool);
 2. the same step at ``--short`` tokens of context: about the weights-bound part;
 3. the decode attention kernel alone (``attention.gpu_decode``) for every layer at the long
    context, the layers' calls chained and evaluated once, and its K/V bandwidth;
@@ -23,6 +25,11 @@ GPU benchmarks (``bench_models.make_model``), under the worker process's MLX set
 The floor is the weights (all but the embedding table, of which ``--batch`` rows are read) and
 the K/V of every sequence's context, once, over the device's bandwidth: its datasheet figure
 (H200 4.8 TB/s, H100 3.35) and the best measured in 6.
+
+The device's own time, kernel by kernel: ``--kernel-times`` runs one step between
+``cuProfilerStart`` and ``cuProfilerStop`` for ``ncu --profile-from-start off --metrics
+gpu__time_duration.sum --csv --log-file ncu.csv``, and ``--ncu-summary ncu.csv`` sums it by
+kind (attention, matmuls, the rest); the commands: ``docs/gpu-decode-parts.md``.
 
 Usage (GPU machine): ``python3 bench/gpu/decode_parts.py``; a CPU dry run:
 ``--layers 2 --hidden 128 --dtype float32 --context 256`` (no kernel there: part 3 runs a
@@ -301,8 +308,8 @@ def ncu_summary(path: str) -> None:
             "attention (kvserve_paged_attention)"
             if "kvserve_paged" in low
             else "matmul (gemm/gemv)"
-            if any(w in low for w in ("gemm", "gemv", "xmma", "cutlass", "cublas", "matmul"))
-            else "other (norms, RoPE, elementwise, writes, copies)"
+            if any(w in low for w in ("gemm", "gemv", "xmma", "cutlass", "cublas", "nvjet"))
+            else "other (norms, RoPE, elementwise, pool writes, embedding)"
         )
         kinds.setdefault(kind, []).extend(times)
     whole = sum(sum(t) for t in kinds.values())
