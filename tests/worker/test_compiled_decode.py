@@ -138,6 +138,40 @@ def test_the_pool_is_written_in_place(kernel_calls):
     assert addresses() == before
 
 
+def test_a_lookahead_forward_is_built_early_and_launched_after(kernel_calls):
+    """The lookahead's way (``worker.engine.lookahead.start``): the next forward built on the
+    lazy greedy tokens while this one computes, launched once they are in; its logits are the
+    plain forward's and the pool is still written in place (on a GPU, launching it at once
+    copied every layer's pool: docs/gpu-decode-parts.md)."""
+    model = tiny_model("llama")
+    runner = ModelRunner.create(model, block_size=BS, num_blocks=64)
+    twin = ModelRunner.create(model, block_size=BS, num_blocks=64)
+    twin.compile_decodes = False
+    paged, _, _ = _prefilled(model, runner, (5, 9))
+    plain, _, _ = _prefilled(model, twin, (5, 9))
+
+    def addresses() -> list[int]:
+        return [np.asarray(a).__array_interface__["data"][0] for a in runner.pool.arrays()]
+
+    before = addresses()
+    for s in (*paged, *plain):
+        s.push(7)
+    inputs = [s.take() for s in paged]
+    logits = runner.forward_async(inputs)
+    tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+    nxt = [SeqInput([0], s.block_table, s.start + 1, s.seq_key) for s in inputs]
+    ahead = runner.forward_async(nxt, tokens, launch=False)
+    ids = np.asarray(tokens).tolist()
+    runner.launch(ahead)
+    mx.eval(ahead)
+    twin.forward([s.take() for s in plain])
+    for s, t in zip(plain, ids, strict=True):
+        s.push(t)
+    want = twin.forward([s.take() for s in plain])
+    assert max_diff(ahead, want) <= TOL
+    assert addresses() == before
+
+
 def test_a_model_that_cannot_be_traced_decodes_uncompiled(kernel_calls, monkeypatch, caplog):
     """A forward that needs a host value (here every attention asks ``cache.size()``) fails
     its first trace: the runner warns once, decodes uncompiled from then on, and nothing

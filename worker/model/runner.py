@@ -143,18 +143,28 @@ class ModelRunner:
         mx.eval(last, *self.pool.arrays())
         return last
 
-    def forward_async(self, seqs: Sequence[SeqInput], tokens: mx.array | None = None) -> mx.array:
+    def forward_async(
+        self, seqs: Sequence[SeqInput], tokens: mx.array | None = None, launch: bool = True
+    ) -> mx.array:
         """Like :meth:`forward`, but the evaluation is started, not awaited: the logits come
         back lazy, computing. ``tokens`` (``[B]``, lazy ids: one decode token a sequence)
         replace the ``token_ids`` of ``seqs`` (then placeholders, unchecked): a forward built
-        on a step's sampled tokens before they are known (``ModelExecutor``'s lookahead)."""
+        on a step's sampled tokens before they are known (``ModelExecutor``'s lookahead).
+        ``launch`` False: built only; :meth:`launch` starts it (once the forward before it has
+        finished: launched while that one still holds the pool's buffers, its writes copy the
+        whole pool instead of writing in place)."""
         if len(self._groups(seqs)) > 1:
             if tokens is not None:
                 raise BatchError("a forward on lazy tokens runs as one group")
             return self.forward(seqs)
         last = self._last_logits(seqs, tokens)
-        mx.async_eval(last, *self.pool.arrays())
+        if launch:
+            self.launch(last)
         return last
+
+    def launch(self, logits: mx.array) -> None:
+        """Starts evaluating a forward :meth:`forward_async` built with ``launch=False``."""
+        mx.async_eval(logits, *self.pool.arrays())
 
     def _last_logits(self, seqs: Sequence[SeqInput], tokens: mx.array | None = None) -> mx.array:
         """One group's forward, lazy: fp32 logits at each sequence's last new token."""
