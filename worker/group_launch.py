@@ -92,14 +92,14 @@ def group_env(size: int, backend: str) -> list[dict[str, str]]:
     """Each rank's environment for ``mx.distributed.init`` over ``backend`` on this machine."""
     base = {"MLX_WORLD_SIZE": str(size), "KVSERVE_GROUP_BACKEND": backend}
     if backend == "ring":
-        ports = _free_ports(size)
+        ports = free_ports(size)
         fd, path = tempfile.mkstemp(prefix="kvserve-group-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump([[f"127.0.0.1:{p}"] for p in ports], f)
         base["MLX_HOSTFILE"] = path
         return [{**base, "MLX_RANK": str(r)} for r in range(size)]
     if backend == "nccl":
-        port = _free_ports(1)[0]
+        port = free_ports(1)[0]
         base |= {"NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": str(port), "NCCL_NVLS_ENABLE": "0"}
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         gpus = visible.split(",") if visible else [str(r) for r in range(size)]
@@ -121,7 +121,9 @@ def watch_leader(parent: int) -> None:
     threading.Thread(target=loop, name="leader-watch", daemon=True).start()
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """``n`` loopback ports free now (a rank binds them next; another process could take one
+    in between: the group then fails to form, and the worker restarts)."""
     socks = [socket.socket() for _ in range(n)]
     try:
         for s in socks:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 from kvserve_model.tiny_model import TINY_MODEL_NAME
 from tests.worker.group_rank import BLOCK_SIZE, NUM_BLOCKS, scenario
 from worker.errors import UnsupportedModelError
+from worker.group_launch import free_ports
 from worker.model import group as groups
 from worker.model.loader import load_model
 from worker.model.runner import ModelRunner
@@ -30,20 +30,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _run_group(tmp_path: Path, size: int = 2) -> list[dict]:
     hosts = tmp_path / "hosts.json"
-    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(size)]))
+    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(size)]))
     procs = []
     for rank in range(size):
         env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hosts)}
