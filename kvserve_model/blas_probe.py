@@ -158,9 +158,9 @@ def _clean(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k != REEXEC_MARKER}
 
 
-def _cpu_fingerprint() -> str:
+def cpu_fingerprint() -> str:
     """The CPU model and its feature flags: a new machine (or a VM moved to another host
-    CPU) means a new choice."""
+    CPU) means a new choice (of a BLAS; of the CPU decode kernel's ``-march=native`` build)."""
     model = flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -176,7 +176,7 @@ def _cpu_fingerprint() -> str:
 
 
 def _cache_key(libs: Sequence[BlasLibrary], env: Mapping[str, str]) -> str:
-    parts = [str(PROBE_VERSION), sys.executable, _cpu_fingerprint(), env.get(PROBE_PREFIX_ENV, "")]
+    parts = [str(PROBE_VERSION), sys.executable, cpu_fingerprint(), env.get(PROBE_PREFIX_ENV, "")]
     for lib in libs:
         try:
             st = os.stat(lib.path)

@@ -475,11 +475,11 @@ async def test_the_itl_ratio_bounds_prefill_beside_decodes(model, caplog, itl_ra
     caplog.set_level(logging.DEBUG, "worker.engine")
     async with started_system(model) as system:
         stub = await system.add_worker(max_step_tokens=64, itl_ratio=itl_ratio)
-        decoding = asyncio.ensure_future(generate(stub, request(prompt(91, 8), max_tokens=80)))
+        decoding = asyncio.ensure_future(generate(stub, request(prompt(91, 8), max_tokens=160)))
         while not any("decoding" in r.getMessage() for r in caplog.records):
             await asyncio.sleep(0.01)  # the first request is decoding
         long = await generate(stub, request(prompt(92, 200), max_tokens=2))
-        assert len((await decoding)["tokens"]) == 80 and len(long["tokens"]) == 2
+        assert len((await decoding)["tokens"]) == 160 and len(long["tokens"]) == 2
         await system.wait_idle()
     step = re.compile(r"step \d+: \d+ rows, \d+ prefilling (\d+) tokens.*, [1-9]\d* decoding")
     mixed = [int(m.group(1)) for r in caplog.records if (m := step.match(r.getMessage()))]

@@ -18,12 +18,12 @@ import ctypes
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
+from kvserve_model.blas_probe import cpu_fingerprint
 from kvserve_model.model_cache import user_cache_dir
 
 log = logging.getLogger(__name__)
@@ -56,20 +56,6 @@ def cache_dir() -> Path:
     return user_cache_dir("kernels")
 
 
-def _cpu() -> str:
-    """What names this CPU for ``-march=native``: its model and feature flags."""
-    parts = [platform.machine(), platform.processor()]
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags", "Features", "CPU part")):
-                parts.append(line)
-                if len(parts) > 5:
-                    break
-    except OSError:
-        pass
-    return "\n".join(parts)
-
-
 def _version(cc: str) -> str:
     try:
         done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
@@ -88,7 +74,9 @@ def build(source: Path) -> Path | None:
     text = source.read_bytes()
     for flags in ((*FLAGS, *NATIVE), FLAGS):
         key = hashlib.sha256(
-            b"\0".join([text, " ".join(flags).encode(), _version(cc).encode(), _cpu().encode()])
+            b"\0".join(
+                [text, " ".join(flags).encode(), _version(cc).encode(), cpu_fingerprint().encode()]
+            )
         ).hexdigest()[:20]
         target = cache_dir() / f"{source.stem}-{key}.so"
         if target.exists():
