@@ -130,6 +130,10 @@ class EventIndex:
                 copy.store(s.namespace, parent, s.blocks, s.tokens)
             elif kind == "removed":
                 copy.remove(e.removed.blocks)
+            elif kind == "tier_stored":
+                copy.tier_store(e.tier_stored.medium, e.tier_stored.keys)
+            elif kind == "tier_removed":
+                copy.tier_remove(e.tier_removed.medium, e.tier_removed.keys)
 
     def _new_copy(self, src: Source, b: pb.KVEventBatch) -> PoolCopy:
         copy = self.pools[b.pool_id] = PoolCopy(b.incarnation, b.block_size)
@@ -140,13 +144,14 @@ class EventIndex:
     # -- answering ----------------------------------------------------------------------------
 
     def cached_tokens(self, pool_id: str, ns: str, prompt: bytes) -> int | None:
-        """The pool's cached prefix of ``prompt``; None when its copy is missing or its
-        source is not in sync (ask Route)."""
+        """The prompt tokens the pool would not compute (its cached prefix, and what its
+        tiers would load after it), as Route's ``cached_tokens + tier_tokens``; None when its
+        copy is missing or its source is not in sync (ask Route)."""
         copy = self.pools.get(pool_id)
         address = self._source_of.get(pool_id)
         if copy is None or address is None or self.sources[address].phase != "live":
             return None
-        return copy.cached_tokens(ns, prompt)
+        return sum(copy.route_tokens(ns, prompt))
 
     def routes(
         self, namespace: str, prompt_token_ids: Sequence[int], known: Iterable[PoolRoute]

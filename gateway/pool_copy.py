@@ -3,7 +3,10 @@
 :class:`PoolCopy` holds the pool's blocks as (namespace, parent block) -> children by their
 tokens, and answers how many leading tokens of a prompt the pool holds, walking it the way the
 cache service's ``RadixIndex.match`` walks its tree: whole blocks, then the best partial match
-among the children that share the next token. ``gateway.event_index`` keeps one per pool.
+among the children that share the next token. It also holds the keys of the blocks the pool's
+worker keeps in its tiers (host memory, disk: docs/kv-tiers.md), and counts the run of them
+that would follow the match and load instead of computing, as the service's ``Route`` does
+(``PoolState.match_tokens``). ``gateway.event_index`` keeps one per pool.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from itertools import islice
 
+from kvserve_proto.block_keys import block_keys, namespace_key
 from kvserve_proto.packed_tokens import TOKEN_BYTES
 
 # Siblings a partial (sub-block) match compares, as the cache service's PARTIAL_SCAN_LIMIT.
@@ -48,6 +52,8 @@ class PoolCopy:
         self._children: dict[Parent, dict[bytes, int]] = {}
         self._by_first: dict[tuple[Parent, bytes], dict[bytes, int]] = {}
         self._blocks: dict[int, tuple[Parent, bytes]] = {}
+        self._keys: dict[int, int] = {}  # block -> its key (kvserve_proto.block_keys)
+        self._tiers: dict[int, set[int]] = {}  # medium -> the keys its tier holds
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -56,6 +62,7 @@ class PoolCopy:
         cb = self.chunk_bytes
         if parent is not None and parent not in self._blocks:
             raise Desync(f"block {blocks[0]} stored under block {parent}, which is not held")
+        seed = namespace_key(ns) if parent is None else self._keys.get(parent)
         for i, b in enumerate(blocks):
             if b in self._blocks:
                 raise Desync(f"block {b} stored twice")
@@ -64,6 +71,10 @@ class PoolCopy:
             self._blocks[b] = (key, toks)
             self._children.setdefault(key, {})[toks] = b
             self._by_first.setdefault((key, toks[:TOKEN_BYTES]), {})[toks] = b
+            if seed is not None and len(toks) == cb:  # a tail has no key (nothing under it)
+                seed = self._keys[b] = block_keys(seed, toks, 0, cb)[0]
+            else:
+                seed = None
             parent = b
 
     def remove(self, blocks: Iterable[int]) -> None:
@@ -72,12 +83,28 @@ class PoolCopy:
             if entry is None:
                 raise Desync(f"block {b} removed but not held")
             key, toks = entry
+            self._keys.pop(b, None)
             _drop(self._children, key, toks)
             _drop(self._by_first, (key, toks[:TOKEN_BYTES]), toks)
+
+    def tier_store(self, medium: int, keys: Iterable[int]) -> None:
+        self._tiers.setdefault(medium, set()).update(keys)
+
+    def tier_remove(self, medium: int, keys: Iterable[int]) -> None:
+        held = self._tiers.get(medium)
+        if held is not None:
+            held.difference_update(keys)
 
     def cached_tokens(self, ns: str, prompt: bytes) -> int:
         """Leading tokens of ``prompt`` (packed) an acquire would reuse: what ``Route`` says
         (at least one prompt token is always computed)."""
+        return self.route_tokens(ns, prompt)[0]
+
+    def route_tokens(self, ns: str, prompt: bytes) -> tuple[int, int]:
+        """(cached tokens, tier tokens) of ``prompt`` (packed), as ``Route`` answers them: the
+        pool's match, then the run of blocks after its whole blocks that the tiers hold (a
+        partial match into the first of them dropped: the whole block loads), stopping short
+        of the prompt's last token."""
         cb = self.chunk_bytes
         parent: int | None = None
         pos = 0
@@ -95,7 +122,28 @@ class PoolCopy:
                 best = max(_common_tokens(key, t) for t in islice(group, PARTIAL_SCAN_LIMIT))
                 pos += best * TOKEN_BYTES
             break
-        return max(0, min(pos // TOKEN_BYTES, len(prompt) // TOKEN_BYTES - 1))
+        n = len(prompt) // TOKEN_BYTES
+        cached = max(0, min(pos // TOKEN_BYTES, n - 1))
+        full = cached // self.block_size
+        limit = (n - 1) // self.block_size - full
+        held = [t for t in self._tiers.values() if t]
+        if limit <= 0 or not held:
+            return cached, 0
+        # The key of block ``full - 1``: the walk's last whole block's, kept at its store.
+        seed = namespace_key(ns) if parent is None else self._keys.get(parent)
+        if seed is None or full != pos // cb:
+            seed = self._seed_at(ns, prompt, full)
+        run = 0
+        for k in block_keys(seed, prompt, full, cb, full + limit):
+            if not any(k in t for t in held):
+                break
+            run += 1
+        return (full * self.block_size if run else cached), run * self.block_size
+
+    def _seed_at(self, ns: str, prompt: bytes, full: int) -> int:
+        """The key of the prompt's block ``full - 1`` (the namespace's for block 0)."""
+        keys = block_keys(namespace_key(ns), prompt, 0, self.chunk_bytes, full)
+        return keys[-1] if full else namespace_key(ns)
 
 
 def _drop(groups: dict, key: object, toks: bytes) -> None:

@@ -13,14 +13,20 @@ blocks); the replay socket has a thread of its own.
 What a pool's events say:
 
 - ``BlockStored`` for full blocks only (a partial tail block is published when it fills), each
-  with a stable 63-bit hash chained from its parent's (:func:`block_hash`: the same prefix in
-  the same namespace hashes alike in every pool and after every restart), its ``token_ids``,
-  ``block_size`` and ``medium``; the namespace (vLLM's cache salt) rides in the hash and, for
-  a chain's first block, in ``extra_keys``, so salted blocks never match unsalted ones at a
-  consumer that recomputes keys from tokens;
+  with its ``token_ids``, ``block_size`` and ``medium`` and a 63-bit hash: the block's key
+  (``kvserve_proto.block_keys``: xxh3-64 chained from its parent's key, seeded by the
+  namespace's) with the top bit cleared, so the same prefix in the same namespace hashes alike
+  in every pool, after every restart, and in every tier; the namespace (vLLM's cache salt)
+  also rides, for a chain's first block, in ``extra_keys``, so salted blocks never match
+  unsalted ones at a consumer that recomputes keys from tokens;
 - ``BlockRemoved`` for blocks that leave the index (eviction, flush);
-- ``AllBlocksCleared`` when a pool registers (a new incarnation starts empty) or is forgotten,
-  and for every pool when the publisher starts over from a snapshot.
+- for the pool's tiers, as vLLM's offloading connector sends them: ``BlockStored`` with
+  ``medium`` ``"CPU"`` (host memory) or ``"DISK"``, the blocks' hashes (the same a block had
+  or will have in the pool), no ``token_ids`` and no parent (the service keeps no tokens of
+  tier blocks; a router resolves the hashes it saw stored in the pool, as llm-d does for
+  location-only events), and ``BlockRemoved`` with the tier's medium when they leave it;
+- ``AllBlocksCleared`` when a pool registers (a new incarnation starts empty, tiers too) or
+  is forgotten, and for every pool when the publisher starts over from a snapshot.
 
 Payloads are maps (``{"type": "BlockStored", "block_hashes": ...}``: vLLM since mid-2026) or,
 with ``"encoding": "array"``, the older positional arrays (``["BlockStored", [...], ...]``).
@@ -41,14 +47,15 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
-import xxhash
 import zmq
 
-from kvcache_service.event_types import Batch, Cleared, Removed, Stored
+from kvcache_service.event_types import Batch, Cleared, Removed, Stored, TierRemoved, TierStored
 from kvcache_service.events import FellBehind
 from kvcache_service.ids import BlockId, PoolId
 from kvcache_service.kv_events_config import KvEventsConfig
+from kvcache_service.tier_index import Medium
 from kvserve_launch.startup import StartupError
+from kvserve_proto.block_keys import block_keys, namespace_key
 
 if TYPE_CHECKING:
     from kvcache_service.authority import CacheAuthority
@@ -57,21 +64,25 @@ log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 READ_BATCHES = 256  # batches read from the log at once
-HASH_SEED = 0x6B7673657276  # "kvserv": kvserve's block hashes (another scheme, another seed)
+HASH_MASK = (1 << 63) - 1  # signed (Dynamo) and unsigned (llm-d) 64-bit readers agree
+# vLLM's names of the tiers beside the engine's own (its offloading connector says "CPU").
+TIER_MEDIA = {int(Medium.HOST): "CPU", int(Medium.DISK): "DISK"}
 
 
-def block_hash(parent: int | None, token_ids: Iterable[int], namespace: str) -> int:
-    """A block's hash: xxh3-64 (seeded with :data:`HASH_SEED`) over its parent's hash (or
-    none), its namespace and its token ids as little-endian uint32, the top bit cleared so that
-    consumers reading signed (Dynamo) and unsigned (llm-d) 64-bit integers read the same value.
-    (blake2b took 0.92 us a block here, xxh3 0.19: a 2,048-token prompt has 64.)"""
-    return _hash(parent, _le_bytes(array("I", token_ids).tobytes()), namespace.encode())
+def block_hash(parent_key: int | None, token_ids: Iterable[int], namespace: str) -> int:
+    """A block's published hash: its key (``kvserve_proto.block_keys``: xxh3-64 of its token
+    ids as little-endian uint32, seeded by the key of the block before it, or by the
+    namespace's key for a chain's first block) with the top bit cleared. ``parent_key`` is
+    the parent's full key (:func:`block_key`), not its published hash."""
+    return block_key(parent_key, token_ids, namespace) & HASH_MASK
 
 
-def _hash(parent: int | None, tokens_le: bytes, ns: bytes) -> int:
-    head = b"\x00" * 9 if parent is None else b"\x01" + parent.to_bytes(8, "little")
-    data = head + len(ns).to_bytes(4, "little") + ns + tokens_le
-    return xxhash.xxh3_64_intdigest(data, seed=HASH_SEED) & ((1 << 63) - 1)
+def block_key(parent_key: int | None, token_ids: Iterable[int], namespace: str) -> int:
+    """A block's full 64-bit key, as the service, the workers and their tiers name it."""
+    seed = namespace_key(namespace) if parent_key is None else parent_key
+    tokens = _le_bytes(array("I", token_ids).tobytes())
+    (key,) = block_keys(seed, tokens, 0, len(tokens))
+    return key
 
 
 def _le_bytes(native: bytes) -> bytes:
@@ -91,13 +102,13 @@ class Uint32Array(bytes):
 
 
 class PoolTranslator:
-    """One pool incarnation's log batches as vLLM events: the hash of every published block,
-    so that a removal names it and a child names its parent."""
+    """One pool incarnation's log batches as vLLM events: the key of every published block, so
+    that a removal names it and a child chains from it."""
 
     def __init__(self, block_size: int, medium: str) -> None:
         self.block_size = block_size
         self.medium = medium
-        self.hashes: dict[BlockId, int] = {}
+        self.keys: dict[BlockId, int] = {}  # full 64-bit keys: a child's seed
         self.skipped = 0  # runs whose parent was never published (should not happen)
 
     def events(self, batch: Batch) -> list[dict[str, Any]]:
@@ -108,51 +119,66 @@ class PoolTranslator:
                 if stored is not None:
                     out.append(stored)
             elif isinstance(event, Removed):
-                gone = [self.hashes.pop(b) for b in event.blocks if b in self.hashes]
+                gone = [self.keys.pop(b) & HASH_MASK for b in event.blocks if b in self.keys]
                 if gone:
                     out.append(
                         {"type": "BlockRemoved", "block_hashes": gone, "medium": self.medium}
                     )
             elif isinstance(event, Cleared):
-                self.hashes.clear()
+                self.keys.clear()
                 out.append({"type": "AllBlocksCleared"})
+            elif isinstance(event, TierStored):
+                out.append(
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [k & HASH_MASK for k in event.keys],
+                        "parent_block_hash": None,
+                        "token_ids": [],
+                        "block_size": self.block_size,
+                        "lora_id": None,
+                        "medium": TIER_MEDIA[event.medium],
+                        "lora_name": None,
+                    }
+                )
+            elif isinstance(event, TierRemoved):
+                out.append(
+                    {
+                        "type": "BlockRemoved",
+                        "block_hashes": [k & HASH_MASK for k in event.keys],
+                        "medium": TIER_MEDIA[event.medium],
+                    }
+                )
         return out
 
     def _stored(self, event: Stored) -> dict[str, Any] | None:
         bs = self.block_size
-        parent = None if event.parent is None else self.hashes.get(event.parent)
-        if event.parent is not None and parent is None:
+        ns = str(event.namespace)
+        if event.parent is None:
+            seed = namespace_key(ns)
+        elif (held := self.keys.get(event.parent)) is not None:
+            seed = held
+        else:
             self.skipped += 1
             return None
         tokens = _le_bytes(event.tokens)  # the service's in-process (native) packing
         width = 4 * bs
-        ns = str(event.namespace)
-        # _hash, inlined: this loop runs for every block the index takes in.
-        ns_bytes = ns.encode()
-        ns_part = len(ns_bytes).to_bytes(4, "little") + ns_bytes
-        head = b"\x00" * 9 if parent is None else b"\x01" + parent.to_bytes(8, "little")
         full = min(len(event.blocks), len(tokens) // width)  # a tail waits until it is full
-        hashes: list[int] = []
-        digest, seed, mask = xxhash.xxh3_64_intdigest, HASH_SEED, (1 << 63) - 1
-        for i in range(full):
-            h = digest(head + ns_part + tokens[i * width : (i + 1) * width], seed=seed) & mask
-            hashes.append(h)
-            head = b"\x01" + h.to_bytes(8, "little")
-        if not hashes:
+        keys = block_keys(seed, tokens, 0, width, stop=full)
+        if not keys:
             return None
-        self.hashes.update(zip(event.blocks[:full], hashes, strict=True))
+        self.keys.update(zip(event.blocks[:full], keys, strict=True))
         stored: dict[str, Any] = {
             "type": "BlockStored",
-            "block_hashes": hashes,
-            "parent_block_hash": parent,
-            "token_ids": Uint32Array(tokens[: len(hashes) * width]),
+            "block_hashes": [k & HASH_MASK for k in keys],
+            "parent_block_hash": None if event.parent is None else seed & HASH_MASK,
+            "token_ids": Uint32Array(tokens[: len(keys) * width]),
             "block_size": bs,
             "lora_id": None,
             "medium": self.medium,
             "lora_name": None,
         }
-        if ns and parent is None:  # the salt, where a consumer's chain starts (as vLLM's)
-            stored["extra_keys"] = [[ns], *([None] * (len(hashes) - 1))]
+        if ns and event.parent is None:  # the salt, where a consumer's chain starts (as vLLM's)
+            stored["extra_keys"] = [[ns], *([None] * (len(keys) - 1))]
         return stored
 
 

@@ -26,7 +26,9 @@ from kvcache_service.event_types import Cursor, ResetReason
 from kvcache_service.ids import Namespace, PoolId
 from kvcache_service.leases import AcquireRequest, Grant, SequenceUpdate
 from kvcache_service.pool import PoolSpec
+from kvcache_service.tier_index import Medium, TierBlock
 from kvcache_service.tokens import pack as pack_domain
+from kvserve_proto.block_keys import block_keys, namespace_key
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.packed_tokens import pack
 from tests.gateway.conftest import Stack, released, started_stack, wait_for, worker_of
@@ -69,6 +71,8 @@ class World:
         self.now = 1000.0
         self.auth = CacheAuthority(AuthorityConfig(lease_ttl_s=TTL), clock=lambda: self.now)
         self.sizes = {"a": (20, 4), "b": (30, 3)}
+        # Pool a's worker spills to host memory and disk (small tiers: they evict).
+        self.tiers = {"a": ((Medium.HOST, 8), (Medium.DISK, 40)), "b": ()}
         self.inc: dict[str, int] = {}
         for p in self.sizes:
             self.register(p)
@@ -76,7 +80,8 @@ class World:
 
     def register(self, pool_id: str) -> None:
         n, bs = self.sizes[pool_id]
-        reg = self.auth.register_pool(PoolSpec(PoolId(pool_id), n, bs), self.inc.get(pool_id))
+        spec = PoolSpec(PoolId(pool_id), n, bs, tiers=self.tiers[pool_id])
+        reg = self.auth.register_pool(spec, self.inc.get(pool_id))
         self.inc[pool_id] = reg.incarnation
 
     def prompt(self) -> list[int]:
@@ -87,6 +92,17 @@ class World:
             return past[:cut] + [rng.randint(0, 3) for _ in range(rng.randint(0, 6))]
         stem = [rng.choice([1, 2, 3])] * rng.randint(0, 10)
         return stem + [rng.randint(0, 3) for _ in range(rng.randint(1, 8))]
+
+    def spill(self, pool_id: str, ns: str, tokens: list[int]) -> None:
+        """What the worker's write-through reports: the full blocks, by key, in a tier."""
+        bs = self.sizes[pool_id][1]
+        keys = block_keys(namespace_key(ns), pack(tokens), 0, 4 * bs)
+        parents = [namespace_key(ns), *keys][: len(keys)]
+        medium = self.rng.choice([Medium.HOST, Medium.DISK])
+        blocks = [
+            TierBlock(k, p, Namespace(ns), medium) for k, p in zip(keys, parents, strict=True)
+        ]
+        self.auth.update_tiers(PoolId(pool_id), self.inc[pool_id], blocks, [])
 
     def step(self) -> None:
         rng = self.rng
@@ -110,6 +126,16 @@ class World:
             self.auth.release(PoolId(pool_id), self.inc[pool_id], grant.lease_id, update)
             if written:
                 self.served.append((ns, final[:written]))
+                if self.tiers[pool_id]:
+                    self.spill(pool_id, ns, final[:written])
+        elif r < 0.84 and pool.tiers.media:  # the worker lost a block, or a tier was flushed
+            medium = rng.choice(sorted(pool.tiers.media))
+            held = list(pool.tiers.keys(medium))
+            if rng.random() < 0.3:
+                self.auth.flush(pool_id, medium)
+            elif held:
+                gone = [(k, medium) for k in rng.sample(held, min(len(held), 3))]
+                self.auth.update_tiers(PoolId(pool_id), self.inc[pool_id], [], gone)
         elif r < 0.88:
             pool.admin.evict_lru(rng.randint(1, 5))
         elif r < 0.92:
@@ -128,7 +154,7 @@ def test_the_copy_answers_what_route_answers(seed: int) -> None:
     world = World(seed)
     index = EventIndex()
     feed = Feed(world.auth, index)
-    compared = 0
+    compared = from_tiers = 0
     for _ in range(250):
         world.step()
         feed.catch_up()
@@ -137,14 +163,15 @@ def test_the_copy_answers_what_route_answers(seed: int) -> None:
         for ns, prompt in prompts:
             routes = world.auth.route(Namespace(ns), pack_domain(prompt, "p"))
             for r in routes:
-                assert index.cached_tokens(r.pool_id, ns, pack(prompt)) == r.cached_tokens, (
-                    r.pool_id,
-                    ns,
-                    prompt,
-                )
-                compared += r.cached_tokens > 0
+                # the tokens the pool would not compute: cached, then loaded from its tiers
+                expected = r.cached_tokens + r.tier_tokens
+                got = index.cached_tokens(r.pool_id, ns, pack(prompt))
+                assert got == expected, (r.pool_id, ns, prompt, r.tier_tokens)
+                compared += expected > 0
+                from_tiers += r.tier_tokens > 0
         assert set(index.pools) == set(world.auth.pools)
     assert compared > 100  # most answers were not trivially 0
+    assert from_tiers > 20  # and some came from the tiers
 
 
 def test_a_reconnect_from_a_cursor_or_a_snapshot_keeps_the_copy_right() -> None:

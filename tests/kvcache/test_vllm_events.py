@@ -16,6 +16,8 @@ import asyncio
 import json
 import random
 import socket
+import sys
+from array import array
 from dataclasses import dataclass, field
 
 import msgpack
@@ -29,9 +31,11 @@ from kvcache_service.kv_events_config import KvEventsConfig
 from kvcache_service.leases import AcquireRequest, Grant, SequenceUpdate
 from kvcache_service.pool import PoolSpec
 from kvcache_service.server import running
+from kvcache_service.tier_index import Medium, TierBlock
 from kvcache_service.tokens import pack
-from kvcache_service.vllm_events import PoolTranslator, block_hash, encode
+from kvcache_service.vllm_events import PoolTranslator, block_hash, block_key, encode
 from kvserve_launch.startup import StartupError
+from kvserve_proto.block_keys import block_keys, namespace_key
 from tests.kvcache.test_events import _authority
 from tests.kvcache.test_pool_model import TTL, real_index_view
 
@@ -75,23 +79,38 @@ class Consumer:
     block_size: int
     # hash -> (parent hash, the block's token ids, the chain's salt)
     blocks: dict[int, tuple[int | None, tuple[int, ...], str]] = field(default_factory=dict)
+    # (medium, hash) of blocks in the tiers ("CPU", "DISK"): location only, as vLLM's
+    # offloading connector sends them
+    tiers: set[tuple[str, int]] = field(default_factory=set)
 
     def apply(self, events: list[dict]) -> None:
         for e in events:
             kind = e["type"]
             if kind == "AllBlocksCleared":
                 self.blocks.clear()
+                self.tiers.clear()
+            elif kind == "BlockRemoved" and e.get("medium", "GPU") != "GPU":
+                for h in e["block_hashes"]:
+                    assert (e["medium"], h) in self.tiers, f"removed {h}, never in the tier"
+                    self.tiers.remove((e["medium"], h))
             elif kind == "BlockRemoved":
                 for h in e["block_hashes"]:
                     assert h in self.blocks, f"removed {h}, never stored"
                     del self.blocks[h]
+            elif e.get("medium", "GPU") != "GPU":
+                assert kind == "BlockStored" and e["medium"] in ("CPU", "DISK"), e
+                assert not e["token_ids"] and e["parent_block_hash"] is None, "location only"
+                assert e["block_size"] == self.block_size
+                for h in e["block_hashes"]:
+                    assert 0 <= h < 1 << 63 and (e["medium"], h) not in self.tiers
+                    self.tiers.add((e["medium"], h))
             else:
                 assert kind == "BlockStored", kind
                 self._store(e)
 
     def _store(self, e: dict) -> None:
         bs = e["block_size"]
-        assert bs == self.block_size and e["medium"] == "GPU"
+        assert bs == self.block_size
         hashes, toks = e["block_hashes"], e["token_ids"]
         assert len(toks) == bs * len(hashes), "full blocks only"
         extra = e.get("extra_keys") or [None] * len(hashes)
@@ -128,12 +147,21 @@ def full_blocks(auth: CacheAuthority, pool: str) -> set[tuple[str, tuple[int, ..
 # -- translation, pure -------------------------------------------------------------------------
 
 
+def hashes_of(salt: str, prefix: tuple[int, ...]) -> list[int]:
+    """The published hashes of a prefix's blocks, from kvserve's block keys alone."""
+    packed = array("I", prefix).tobytes()  # (little-endian machines: the keys' byte order)
+    return [k & ((1 << 63) - 1) for k in block_keys(namespace_key(salt), packed, 0, 4 * BS)]
+
+
 def test_hashes_chain_by_parent_and_namespace() -> None:
     a = block_hash(None, [1, 2, 3, 4], "")
     assert a == block_hash(None, [1, 2, 3, 4], "")  # stable: across pools and restarts
     assert a != block_hash(None, [1, 2, 3, 4], "tenant")  # salted
-    assert block_hash(a, [5, 6, 7, 8], "") != block_hash(None, [5, 6, 7, 8], "")
-    assert all(0 <= h < 1 << 63 for h in (a, block_hash(a, [9] * 4, "x")))
+    ka = block_key(None, [1, 2, 3, 4], "")
+    assert block_hash(ka, [5, 6, 7, 8], "") != block_hash(None, [5, 6, 7, 8], "")
+    assert all(0 <= h < 1 << 63 for h in (a, block_hash(ka, [9] * 4, "x")))
+    # One name per block: the hash is the block key the service and the tiers use.
+    assert [a, block_hash(ka, [5, 6, 7, 8], "")] == hashes_of("", (1, 2, 3, 4, 5, 6, 7, 8))
     # The translator's (inlined) hashing is this function's.
     auth, _ = _authority()
     auth.register_pool(PoolSpec(PoolId("a"), 16, BS))
@@ -143,8 +171,9 @@ def test_hashes_chain_by_parent_and_namespace() -> None:
     stored = [
         e for b in auth.events.after(0, 99) for e in t.events(b) if e["type"] == "BlockStored"
     ]
-    first = block_hash(None, [1, 2, 3, 4], "tenant")
-    assert stored[0]["block_hashes"] == [first, block_hash(first, [5, 6, 7, 8], "tenant")]
+    first = block_key(None, [1, 2, 3, 4], "tenant")
+    expected = [first & ((1 << 63) - 1), block_hash(first, [5, 6, 7, 8], "tenant")]
+    assert stored[0]["block_hashes"] == expected
 
 
 def _turn(auth: CacheAuthority, prompt: list[int], ns: str, pool: str = "a") -> None:
@@ -187,6 +216,75 @@ def test_a_consumer_rebuilds_the_index_from_the_events(encoding: str, seed: int)
             pos = batch.seq
         assert consumer.view() == full_blocks(auth, "a"), f"step {step}"
         assert not any(t.skipped for t in translators.values())
+
+
+def _spill(auth: CacheAuthority, prompt: list[int], ns: str, medium: Medium) -> None:
+    """What a worker's write-through reports: the prompt's full blocks, by key, in a tier."""
+    inc = auth.pools[PoolId("a")].incarnation
+    packed = array("I", prompt).tobytes()
+    keys = block_keys(namespace_key(ns), packed, 0, 4 * BS)
+    parents = [namespace_key(ns), *keys][: len(keys)]
+    stored = [TierBlock(k, p, Namespace(ns), medium) for k, p in zip(keys, parents, strict=True)]
+    auth.update_tiers(PoolId("a"), inc, stored, [])
+    auth.events.seal()
+
+
+@pytest.mark.skipif(sys.byteorder != "little", reason="the test packs tokens natively")
+@pytest.mark.parametrize("encoding", ["map", "array"])
+@pytest.mark.parametrize("seed", range(3))
+def test_tier_blocks_are_published_under_the_hashes_they_have_in_the_pool(
+    encoding: str, seed: int
+) -> None:
+    """Random turns spilled to a host and a disk tier (small: they evict), tier drops, a tier
+    flush and re-registrations: the consumer's tier view is the authority's, by hash and
+    medium, and every block's hash, in the pool or a tier, is its kvserve block key's."""
+    rng = random.Random(seed)
+    auth, now = _authority()
+    spec = PoolSpec(PoolId("a"), 24, BS, model="m", tiers=((Medium.HOST, 6), (Medium.DISK, 14)))
+    auth.register_pool(spec)
+    auth.watch_events(lambda: None)
+    translators: dict[int, PoolTranslator] = {}
+    consumer, pos = Consumer(BS), auth.events.cursor().seq
+    stems = [[rng.randrange(1, 50) for _ in range(rng.randrange(2, 14))] for _ in range(5)]
+    media = {Medium.HOST: "CPU", Medium.DISK: "DISK"}
+    both = 0
+    for step in range(150):
+        roll = rng.random()
+        pool = auth.pools[PoolId("a")]
+        if roll < 0.03:
+            now[0] += TTL + 1
+            auth.register_pool(spec)
+            auth.events.seal()
+        elif roll < 0.08:
+            auth.flush("a", rng.choice([Medium.HOST, Medium.DISK]))
+            auth.events.seal()
+        elif roll < 0.15 and pool.tiers.keys(Medium.DISK):
+            gone = rng.choice(list(pool.tiers.keys(Medium.DISK)))
+            auth.update_tiers(PoolId("a"), pool.incarnation, [], [(gone, Medium.DISK)])
+            auth.events.seal()
+        else:
+            auth.heartbeat(PoolId("a"), pool.incarnation)
+            prompt = rng.choice(stems) + [rng.randrange(1, 50) for _ in range(rng.randrange(9))]
+            ns = rng.choice(["", "", "tenant-b"])
+            _turn(auth, prompt, ns)
+            _spill(auth, prompt, ns, rng.choice([Medium.HOST, Medium.DISK]))
+        for batch in auth.events.after(pos, 1 << 30):
+            t = translators.setdefault(batch.pool.incarnation, PoolTranslator(BS, "GPU"))
+            events = t.events(batch)
+            if events:
+                _, decoded, _ = decode(encode(batch.timestamp, events, 0, encoding))
+                consumer.apply(decoded)
+            pos = batch.seq
+        tiers = auth.pools[PoolId("a")].tiers
+        held = {(media[m], k & ((1 << 63) - 1)) for m in media for k in tiers.keys(m)}
+        assert consumer.tiers == held, f"step {step}"
+        assert consumer.view() == full_blocks(auth, "a"), f"step {step}"
+        # the pool's hashes are the blocks' keys (recomputed here from the tokens alone) ...
+        for salt, prefix in consumer.view():
+            assert hashes_of(salt, prefix)[-1] in consumer.blocks
+        # ... so a block in the pool and a tier has one name in both
+        both += bool({h for _, h in consumer.tiers} & set(consumer.blocks))
+    assert both > 10, "the workload never held a block in the pool and a tier at once"
 
 
 def test_config_reads_vllm_s_keys_and_refuses_others() -> None:
