@@ -14,7 +14,7 @@ from kvcache_service.integrity import IntegritySnapshot
 from kvcache_service.lease_book import LeaseBook, reusable_tokens, tier_reuse
 from kvcache_service.pool_admin import PoolAdmin
 from kvcache_service.radix_index import RadixIndex
-from kvcache_service.tier_index import Medium, TierIndex
+from kvcache_service.tier_index import Medium, TierIndex, tier_quota
 from kvcache_service.tokens import count
 
 
@@ -63,7 +63,10 @@ class PoolState:
         self.order = EvictionOrder(by_namespace=namespace_quota is not None)
         self.counters = PoolCounters()
         # Empty at every registration, as the index: the worker's manifest follows.
-        self.tiers = TierIndex(spec.tiers)
+        self.tiers = TierIndex(
+            spec.tiers,
+            {m: tier_quota(namespace_quota, spec.num_blocks, c) for m, c in spec.tiers},
+        )
         self.budget = Budget(self.blocks, self.index, self.order, self.counters, namespace_quota)
         self.leases = LeaseBook(
             spec.pool_id, spec.block_size, self.index, self.budget, self.counters, self.tiers

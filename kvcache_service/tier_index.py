@@ -83,6 +83,21 @@ class _Tier:
     children: dict[int, int] = field(default_factory=dict)
     leaves: list[tuple[int, int]] = field(default_factory=list)
     counters: TierCounters = field(default_factory=TierCounters)
+    # Under a namespace quota (None: none): each namespace's block count, and its own heap of
+    # (stamp, key) leaves, lazily cleaned like ``leaves``.
+    quota: int | None = None
+    per_ns: Counter[Namespace] = field(default_factory=Counter)
+    ns_leaves: dict[Namespace, list[tuple[int, int]]] = field(default_factory=dict)
+
+
+def tier_quota(namespace_quota: int | None, pool_blocks: int, capacity: int) -> int | None:
+    """A namespace's quota in a tier: the share of the tier it may hold of the pool
+    (``namespace_quota`` of ``pool_blocks``), rounded up; None without a pool quota."""
+    if namespace_quota is None:
+        return None
+    if pool_blocks <= 0:
+        return capacity
+    return -(-namespace_quota * capacity // pool_blocks)
 
 
 def tier_capacities(specs: Iterable[tuple[Medium, int]]) -> dict[Medium, int]:
@@ -117,12 +132,22 @@ class TierIndex:
     child: the child is of no use without it). The keys it drops go to the ``outbox``, which
     the pool's UpdateTiers and Heartbeat answers drain (``take_evicted``): the worker deletes
     them. A block stored again before the outbox is drained leaves it (the worker keeps it).
+
+    Namespace quotas (``quotas``: per medium, the blocks one namespace may hold): before the
+    capacity is enforced, a namespace that stored past its quota drops its own least recently
+    used blocks, leaves first, never another namespace's, as the pool's budget does.
     """
 
-    def __init__(self, tiers: Iterable[tuple[Medium, int]] = ()) -> None:
-        """``tiers``: (medium, capacity in blocks), checked (``tier_capacities``)."""
+    def __init__(
+        self,
+        tiers: Iterable[tuple[Medium, int]] = (),
+        quotas: dict[Medium, int | None] | None = None,
+    ) -> None:
+        """``tiers``: (medium, capacity in blocks), checked (``tier_capacities``);
+        ``quotas``: a namespace's quota per medium (none where missing or None)."""
+        quotas = quotas or {}
         self._tiers: dict[Medium, _Tier] = {
-            m: _Tier(c, m) for m, c in tier_capacities(tiers).items()
+            m: _Tier(c, m, quota=quotas.get(m)) for m, c in tier_capacities(tiers).items()
         }
         # Fastest first: the order loads and run() look in.
         self._fastest = [self._tiers[m] for m in TIER_MEDIA if m in self._tiers]
@@ -205,6 +230,8 @@ class TierIndex:
             if key in tier.entries:
                 self._remove(tier, key)
                 tier.counters.dropped += 1
+        if stored and any(t.quota is not None for t in self._fastest):
+            self._evict_over_quota(dict.fromkeys(b.namespace for b in stored))
         self._evict_over_capacity()
 
     def store(self, blocks: Sequence[TierBlock]) -> None:
@@ -254,7 +281,16 @@ class TierIndex:
         tier.entries.clear()
         tier.children.clear()
         tier.leaves.clear()
+        tier.per_ns.clear()
+        tier.ns_leaves.clear()
         return n
+
+    def namespace_count(self, medium: Medium, ns: str) -> int:
+        """Blocks ``ns`` holds in ``medium``'s tier."""
+        return sum(1 for e in self._tier(medium).entries.values() if e.namespace == ns)
+
+    def quota(self, medium: Medium) -> int | None:
+        return self._tier(medium).quota
 
     def entries_for_events(self) -> list[tuple[int, Namespace, int, int]]:
         """Every block held, as (medium, namespace, key, parent key), grouped by medium and
@@ -284,15 +320,21 @@ class TierIndex:
         old = tier.entries.get(key)
         if old is None:
             tier.counters.stored += 1
+            if tier.quota is not None:
+                tier.per_ns[ns] += 1
             if self.listener is not None:
                 self.listener.tier_stored(medium, ns, key, parent)
             if self._outbox:
                 self._outbox.pop((key, medium), None)  # stored again: the worker keeps it
             children = tier.children
             children[parent] = children.get(parent, 0) + 1
-        elif old.parent_key != parent:  # a key is a hash of its whole prefix: a collision
-            self._remove_child(tier, old.parent_key)
-            self._add_child(tier, parent)
+        else:
+            if old.parent_key != parent:  # a key is a hash of its whole prefix: a collision
+                self._remove_child(tier, old.parent_key)
+                self._add_child(tier, parent)
+            if tier.quota is not None and old.namespace != ns:  # (a collision, again)
+                self._uncount(tier, old.namespace)
+                tier.per_ns[ns] += 1
         self._stamp(tier, key, parent, ns)
 
     def _stamp(self, tier: _Tier, key: int, parent: int, ns: Namespace) -> None:
@@ -303,15 +345,44 @@ class TierIndex:
         entries[key] = TierEntry(parent, ns, stamp)
         entries.move_to_end(key)
         if key not in tier.children:
-            self._push_leaf(tier, stamp, key)
+            self._push_leaf(tier, stamp, key, ns)
 
-    def _push_leaf(self, tier: _Tier, stamp: int, key: int) -> None:
+    def _push_leaf(self, tier: _Tier, stamp: int, key: int, ns: Namespace) -> None:
         leaves = tier.leaves
         heappush(leaves, (stamp, key))
         if len(leaves) > 2 * len(tier.entries) + 64:  # mostly stale items: rebuild
             children = tier.children
             tier.leaves = [(e.stamp, k) for k, e in tier.entries.items() if k not in children]
             heapify(tier.leaves)
+        if tier.quota is None:
+            return
+        own = tier.ns_leaves.get(ns)
+        if own is None:
+            own = tier.ns_leaves[ns] = []
+        heappush(own, (stamp, key))
+        if len(own) > 2 * tier.per_ns[ns] + 64:  # mostly stale: keep the current ones
+            own[:] = [(s, k) for s, k in own if self._is_leaf(tier, s, k, ns)]
+            heapify(own)
+
+    @staticmethod
+    def _is_leaf(tier: _Tier, stamp: int, key: int, ns: Namespace) -> bool:
+        """Whether a heap item is current: its key held with that stamp (and namespace),
+        with no child in the tier."""
+        entry = tier.entries.get(key)
+        return (
+            entry is not None
+            and entry.stamp == stamp
+            and entry.namespace == ns
+            and key not in tier.children
+        )
+
+    def _uncount(self, tier: _Tier, ns: Namespace) -> None:
+        left = tier.per_ns[ns] - 1
+        if left:
+            tier.per_ns[ns] = left
+        else:
+            del tier.per_ns[ns]
+            tier.ns_leaves.pop(ns, None)
 
     def _add_child(self, tier: _Tier, parent: int) -> None:
         children = tier.children
@@ -326,13 +397,39 @@ class TierIndex:
         del children[parent]
         entry = tier.entries.get(parent)
         if entry is not None:  # a leaf now
-            self._push_leaf(tier, entry.stamp, parent)
+            self._push_leaf(tier, entry.stamp, parent, entry.namespace)
 
     def _remove(self, tier: _Tier, key: int) -> None:
         entry = tier.entries.pop(key)
+        if tier.quota is not None:
+            self._uncount(tier, entry.namespace)
         if self.listener is not None:
             self.listener.tier_removed(tier.medium, [key])
         self._remove_child(tier, entry.parent_key)
+
+    def _evict_over_quota(self, namespaces: Iterable[Namespace]) -> None:
+        """Each of ``namespaces`` (those an update stored, in order) that holds more of a
+        tier than its quota drops its own least recently used leaves (its oldest block where
+        none of its blocks is a leaf: a cycle) until it is within it."""
+        namespaces = list(namespaces)
+        for medium in TIER_MEDIA:
+            tier = self._tiers.get(medium)
+            if tier is None or tier.quota is None:
+                continue
+            for ns in namespaces:
+                while tier.per_ns.get(ns, 0) > tier.quota:
+                    victim = None
+                    own = tier.ns_leaves.get(ns, [])
+                    while own:
+                        stamp, key = heappop(own)
+                        if self._is_leaf(tier, stamp, key, ns):
+                            victim = key
+                            break
+                    if victim is None:
+                        victim = next(k for k, e in tier.entries.items() if e.namespace == ns)
+                    self._remove(tier, victim)
+                    tier.counters.dropped += 1
+                    self._outbox[(victim, medium)] = None
 
     def _evict_over_capacity(self) -> None:
         for medium in TIER_MEDIA:
@@ -367,6 +464,11 @@ class TierIndex:
                 for m, t in self._tiers.items()
             },
             outbox=list(self._outbox),
+            quotas={
+                m: (t.quota, dict(t.per_ns), {n: list(h) for n, h in t.ns_leaves.items()})
+                for m, t in self._tiers.items()
+                if t.quota is not None
+            },
         )
 
     def check_integrity(self) -> list[str]:
@@ -380,6 +482,10 @@ class TierSnapshot:
 
     tiers: dict[Medium, tuple[int, dict[int, TierEntry], dict[int, int], list[tuple[int, int]]]]
     outbox: list[tuple[int, Medium]]
+    # Per medium under a namespace quota: (quota, count per namespace, leaf heap per namespace).
+    quotas: dict[
+        Medium, tuple[int, dict[Namespace, int], dict[Namespace, list[tuple[int, int]]]]
+    ] = field(default_factory=dict)
 
     def problems(self) -> list[str]:
         """Each tier within its capacity; its LRU order by last use; its child counts a
@@ -402,6 +508,21 @@ class TierSnapshot:
             ]
             if lost:
                 found.append(f"{name} tier: {len(lost)} leaves missing from the eviction heap")
+        for medium, (quota, per_ns, ns_leaves) in self.quotas.items():
+            name = medium.name
+            _, entries, children, _ = self.tiers[medium]
+            by_ns = Counter(e.namespace for e in entries.values())
+            if by_ns != Counter(per_ns):
+                found.append(f"{name} tier's namespace counts disagree with its entries")
+            over = sorted(ns for ns, n in by_ns.items() if n > quota)
+            if over:
+                found.append(f"{name} tier: namespaces {over} over their quota of {quota}")
+            current = {(s, k) for heap in ns_leaves.values() for s, k in heap}
+            lost = [
+                k for k, e in entries.items() if k not in children and (e.stamp, k) not in current
+            ]
+            if lost:
+                found.append(f"{name} tier: {len(lost)} leaves missing from their namespace's heap")
         held = [(k, m) for k, m in self.outbox if m in self.tiers and k in self.tiers[m][1]]
         if held:
             found.append(f"{len(held)} blocks held and waiting to be deleted")

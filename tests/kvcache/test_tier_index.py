@@ -27,8 +27,9 @@ NAMESPACES = st.sampled_from([Namespace(""), Namespace("t1")])
 class RefTiers:
     """The naive model: what each tier holds, stamped with a logical clock."""
 
-    def __init__(self, capacities: dict[Medium, int]) -> None:
+    def __init__(self, capacities: dict[Medium, int], quotas: dict[Medium, int]) -> None:
         self.caps = capacities
+        self.quotas = quotas
         self.held: dict[Medium, dict[int, tuple[int, str, int]]] = {m: {} for m in capacities}
         self.clock = 0
         self.outbox: list[tuple[int, Medium]] = []
@@ -56,6 +57,19 @@ class RefTiers:
         for key, m in dropped:
             if self.held[m].pop(key, None) is not None:
                 self.dropped[m] += 1
+        for m in self.media():
+            if m not in self.quotas:
+                continue
+            held = self.held[m]
+            for ns in dict.fromkeys(b.namespace for b in stored):
+                while sum(1 for e in held.values() if e[1] == ns) > self.quotas[m]:
+                    own = [k for k in held if held[k][1] == ns]
+                    parents = {parent for parent, _, _ in held.values()}
+                    leaves = [k for k in own if k not in parents]
+                    victim = min(leaves or own, key=lambda k: held[k][2])
+                    del held[victim]
+                    self.dropped[m] += 1
+                    self.outbox.append((victim, m))
         for m in self.media():
             held = self.held[m]
             while len(held) > self.caps[m]:
@@ -117,11 +131,12 @@ def blocks(media: list[Medium]) -> st.SearchStrategy[list[TierBlock]]:
 
 class TierMachine(RuleBasedStateMachine):
     CAPACITIES: dict[Medium, int] = {Medium.HOST: 3, Medium.DISK: 6}
+    QUOTAS: dict[Medium, int] = {}  # blocks one namespace may hold, per medium
 
     @initialize()
     def setup(self) -> None:
-        self.real = TierIndex(self.CAPACITIES.items())
-        self.ref = RefTiers(dict(self.CAPACITIES))
+        self.real = TierIndex(self.CAPACITIES.items(), dict(self.QUOTAS))
+        self.ref = RefTiers(dict(self.CAPACITIES), dict(self.QUOTAS))
 
     @rule(data=st.data())
     def update(self, data: st.DataObject) -> None:
@@ -181,6 +196,9 @@ class TierMachine(RuleBasedStateMachine):
             c = real.counters(m)
             assert (c.stored, c.loaded, c.dropped) == (ref.stored[m], ref.loaded[m], ref.dropped[m])
             assert real.count(m) == len(ref.held[m]) <= real.capacity(m)
+            for ns in ("", "t1"):
+                n = real.namespace_count(m, ns)
+                assert n <= self.QUOTAS.get(m, n) and real.quota(m) == self.QUOTAS.get(m)
         assert real.pending_evictions == len(ref.outbox)
         assert bool(real) == any(ref.held[m] for m in ref.media())
         assert real.check_integrity() == []
@@ -196,6 +214,18 @@ class HostNone(TierMachine):
     CAPACITIES = {Medium.HOST: 0, Medium.DISK: 2}
 
 
+class Quotas(TierMachine):
+    """A namespace may hold 2 of the host tier's 3 blocks and 3 of the disk's 6: it drops its
+    own, never the other's."""
+
+    QUOTAS = {Medium.HOST: 2, Medium.DISK: 3}
+
+
+class QuotaOnDiskOnly(TierMachine):
+    CAPACITIES = {Medium.HOST: 4, Medium.DISK: 5}
+    QUOTAS = {Medium.DISK: 1}
+
+
 SETTINGS = settings(
     max_examples=150,
     stateful_step_count=40,
@@ -208,6 +238,10 @@ TestDiskOnly = DiskOnly.TestCase
 TestDiskOnly.settings = SETTINGS
 TestHostNone = HostNone.TestCase
 TestHostNone.settings = SETTINGS
+TestQuotas = Quotas.TestCase
+TestQuotas.settings = SETTINGS
+TestQuotaOnDiskOnly = QuotaOnDiskOnly.TestCase
+TestQuotaOnDiskOnly.settings = SETTINGS
 
 
 def test_leaves_go_first_and_the_oldest_leaf_first() -> None:

@@ -237,3 +237,39 @@ def test_registration_rules() -> None:
     # A new incarnation starts with an empty tier index: the worker sends its manifest again.
     auth.register_pool(PoolSpec(POOL, 8, BS, tiers=((Medium.DISK, 100),)), inc)
     assert len(auth.pools[POOL].tiers) == 0
+
+
+def test_a_namespace_keeps_to_its_share_of_each_tier() -> None:
+    """Under a namespace quota of 8 of the pool's 32 blocks, a namespace may hold a quarter of
+    each tier (rounded up): past it, it drops its own oldest blocks, leaves first, never
+    another namespace's; the worker is told which."""
+    w = World()
+    w.auth = CacheAuthority(
+        AuthorityConfig(lease_ttl_s=30, namespace_quota_blocks=8), clock=lambda: w.now
+    )
+    tiers = ((Medium.HOST, 10), (Medium.DISK, 64))
+    w.inc = w.auth.register_pool(PoolSpec(POOL, 32, BS, tiers=tiers)).incarnation
+    t = w.pool.tiers
+    assert (t.quota(Medium.HOST), t.quota(Medium.DISK)) == (3, 16)
+
+    def spill(prompt: list[int], ns: Namespace, medium: Medium = Medium.DISK) -> list:
+        keys = block_keys(prompt, ns)
+        parents = [chain_seed(ns), *keys[:-1]]
+        stored = [TierBlock(k, p, ns, medium) for k, p in zip(keys, parents, strict=True)]
+        return w.auth.update_tiers(POOL, w.inc, stored, [])
+
+    quiet, loud = Namespace("quiet"), Namespace("loud")
+    assert spill(list(range(100, 109)), quiet) == []  # 2 blocks
+    prompts = [[1000 * (i + 1) + t for t in range(21)] for i in range(6)]  # 5 blocks each
+    evicted = [e for p in prompts for e in spill(p, loud)]
+    # 30 blocks for a quota of 16: the 14 oldest went, the first prompts' deepest first.
+    first = [k for p in prompts[:3] for k in reversed(block_keys(p, loud))][:14]
+    assert evicted == [(k, Medium.DISK) for k in first]
+    assert t.namespace_count(Medium.DISK, loud) == 16 and t.count(Medium.DISK) == 18
+    assert t.namespace_count(Medium.DISK, quiet) == 2  # untouched
+    assert w.pool.check_integrity() == []
+    # The host tier: 3 blocks a namespace.
+    assert len(spill(prompts[0], loud, Medium.HOST)) == 2
+    assert spill(list(range(100, 109)), quiet, Medium.HOST) == []
+    assert (t.namespace_count(Medium.HOST, loud), t.namespace_count(Medium.HOST, quiet)) == (3, 2)
+    assert w.pool.check_integrity() == []
