@@ -122,6 +122,7 @@ class WorkerConfig(ServerClientFlags):
     # (NCCL on NVIDIA GPUs, else the ring over loopback TCP), or one by name.
     tensor_parallel: int = 1
     group_backend: str = "any"
+    group_timeout_s: float = 300.0
     # TLS and log_level: ServerClientFlags. The gRPC port serves TLS with tls_cert/tls_key; the
     # same pair is the worker's client certificate when it dials the cache service over TLS
     # (verified against tls_ca).
@@ -172,6 +173,8 @@ def check(c: WorkerConfig) -> str | None:
         return "--tensor-parallel must be >= 1"
     if c.tensor_parallel > 1 and c.offload_dir:
         return "--offload-dir does not run in a worker group yet (--tensor-parallel > 1)"
+    if c.group_timeout_s < 0:
+        return "--group-timeout-s must be >= 0 (0: never)"
     if c.group_backend not in GROUP_BACKENDS:
         return f"--group-backend must be one of {', '.join(GROUP_BACKENDS)}"
     if c.offload_gb and not c.offload_dir:
@@ -241,6 +244,9 @@ SETTINGS = Settings(
         "tensor_parallel": "shard the model over this many ranks on this machine (one pool; "
         "rank 0 is this process, it starts the others)",
         "group_backend": "mx.distributed backend of a worker group: any, ring, nccl, mpi or jaccl",
+        "group_timeout_s": "a worker group's longest step (or warm-up call) before rank 0 exits "
+        "1 for the group to restart: a rank that stopped answering stalls every collective "
+        "(0: never)",
         **tls_help(
             cert="PEM certificate: with --tls-key, the gRPC port serves TLS",
             ca="PEM CA bundle: reach the cache service over TLS, verified against it",

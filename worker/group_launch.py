@@ -9,6 +9,7 @@ The ring backend (CPU processes, loopback TCP) gets a hosts file of free loopbac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 
 # How often rank 0 looks at its followers, and a follower at rank 0.
 WATCH_S = 0.5
+OWN_HOSTFILE_ENV = "KVSERVE_GROUP_OWN_HOSTFILE"  # the ring hosts file rank 0 wrote
 
 
 def resolve_backend(backend: str) -> str:
@@ -97,7 +99,9 @@ def group_env(size: int, backend: str) -> list[dict[str, str]]:
         with os.fdopen(fd, "w") as f:
             json.dump([[f"127.0.0.1:{p}"] for p in ports], f)
         base["MLX_HOSTFILE"] = path
-        return [{**base, "MLX_RANK": str(r)} for r in range(size)]
+        ranks = [{**base, "MLX_RANK": str(r)} for r in range(size)]
+        ranks[0][OWN_HOSTFILE_ENV] = path  # rank 0 deletes it once every rank joined
+        return ranks
     if backend == "nccl":
         port = free_ports(1)[0]
         base |= {"NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": str(port), "NCCL_NVLS_ENABLE": "0"}
@@ -107,6 +111,16 @@ def group_env(size: int, backend: str) -> list[dict[str, str]]:
             raise ValueError(f"--tensor-parallel {size} needs {size} GPUs, {len(gpus)} visible")
         return [{**base, "MLX_RANK": str(r), "CUDA_VISIBLE_DEVICES": gpus[r]} for r in range(size)]
     raise ValueError(f"a worker group on one machine runs over ring or nccl, not {backend}")
+
+
+def discard_hostfile() -> None:
+    """On rank 0, once every rank has joined (after the group's first collective): the ring's
+    hosts file this process wrote is read by nobody any more; delete it (a start leaves no
+    file behind). A group started by ``mlx.launch`` owns its own: kept."""
+    path = os.environ.pop(OWN_HOSTFILE_ENV, None)
+    if path:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def watch_leader(parent: int) -> None:

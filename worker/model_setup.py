@@ -30,7 +30,9 @@ from worker.device_defaults import (
     free_memory,
 )
 from worker.engine.executor import ModelExecutor, Runner
+from worker.engine.stall_watch import StallWatch
 from worker.errors import RecurrentStateError, UnsupportedModelError
+from worker.group_launch import discard_hostfile
 from worker.model import mlx_fixes
 from worker.model.attention import AttentionOptions
 from worker.model.dense_runner import DenseRunner, check_dense_parity, estimate_state
@@ -101,6 +103,8 @@ def build_executor(
     executor = ModelExecutor(build, _draft_builder(config, loaded))
     # A group's other ranks cannot run a forward on tokens not sampled yet.
     executor.lookahead = config.decode_lookahead and config.tensor_parallel == 1
+    if config.tensor_parallel > 1 and config.group_timeout_s > 0:
+        executor.watch = StallWatch(config.group_timeout_s, "worker group")
     return executor, chosen[0]
 
 
@@ -168,6 +172,7 @@ def _paged_runner(
     runner: Any = plain
     if group is not None:  # the other ranks build theirs from this message
         group.send(build_message(str(loaded.path), config.dequantize, **built))
+        discard_hostfile()  # every rank has joined: the first message reached them all
         runner = GroupRunner(plain, group)
     log.info("%s", runner.describe())
     log.info("%s", runner.choose_decode_attention().describe())

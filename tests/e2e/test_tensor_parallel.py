@@ -6,6 +6,7 @@ loopback; the group registers one pool and serves what one process serves, token
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -59,9 +60,11 @@ def _serve(tensor_parallel: int, logs: KeptLines) -> tuple[list[str], list[dict]
         fixture.close()
 
 
-def test_a_two_rank_worker_serves_what_one_process_serves():
+def test_a_two_rank_worker_serves_what_one_process_serves(monkeypatch, tmp_path):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where rank 0 writes the ring's hosts file
     logs = KeptLines(20_000)
     texts, usages, stats = _serve(2, logs)
+    assert not list(tmp_path.glob("kvserve-group-*")), "the hosts file was left behind"
     lines = logs.dump()
     assert "worker group: 2 ranks over ring; this process is rank 0" in lines, lines[-3000:]
     assert "worker group: rank 1 of 2 joined" in lines
@@ -104,4 +107,41 @@ def test_a_rank_that_dies_takes_the_worker_down():
         assert worker.poll() == 1, logs.dump()[-3000:]
         assert "rank 1 exited" in logs.dump()
     finally:
+        fixture.close()
+
+
+def test_a_rank_that_stops_answering_takes_the_worker_down(monkeypatch):
+    """A follower that hangs (SIGSTOP: alive, silent) leaves rank 0 inside a collective; past
+    ``--group-timeout-s`` rank 0 says so and exits 1, as if the rank had died."""
+    monkeypatch.setenv("KVWORKER_GROUP_TIMEOUT_S", "3")
+    logs = KeptLines(20_000)
+    fixture = started_system(logs, workers=1, tensor_parallel=2)
+    system = next(fixture)
+    stopped: list[int] = []
+    try:
+        worker = system.workers[0].process
+        assert worker is not None
+        base = f"http://{system.http_address}"
+        _complete(base, PROMPTS[0])  # the group serves
+        followers = [p for p in _children(worker.pid) if "worker.follower" in _cmdline(p)]
+        assert len(followers) == 1, logs.dump()[-3000:]
+        os.kill(followers[0], signal.SIGSTOP)
+        stopped.append(followers[0])
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(
+                httpx.post,
+                f"{base}/v1/completions",
+                timeout=60,
+                json={"prompt": PROMPTS[1], "max_tokens": 8},
+            )
+            deadline = time.monotonic() + 40
+            while worker.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert worker.poll() == 1, logs.dump()[-3000:]
+            assert "stopped answering" in logs.dump()
+            assert pending.result().status_code >= 500  # the request fails; it is not hung
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         fixture.close()

@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from worker.engine import lookahead
 from worker.engine.sampling_params import Accepted, RowFailed, Sampled
+from worker.engine.stall_watch import StallWatch
 from worker.engine.step import Step
 from worker.engine.step_budget import ForwardTime
 from worker.model.draft import DraftModel
@@ -128,6 +129,8 @@ class ModelExecutor:
         self.masks = MaskPrefetch()
         self.lookahead_hits = 0
         self.lookahead_misses = 0
+        self.watch: StallWatch | None = None
+        """Times every job from here on (a worker group's ``--group-timeout-s``)."""
 
     async def run(
         self, step: Step, live: frozenset[int] | None = None
@@ -187,10 +190,14 @@ class ModelExecutor:
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Queues ``fn(*args)`` on the model thread now (not when awaited): work that must
         run before any step queued after it (a tier's copy of blocks about to be released)."""
+        if self.watch is not None:
+            return self._thread.submit(self.watch.run, fn, *args)
         return self._thread.submit(fn, *args)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the model thread (what touches the runner or MLX streams)."""
+        if self.watch is not None:
+            args, fn = (fn, *args), self.watch.run
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def _submit(self, job: _Job) -> tuple[list[Sampled | Accepted | RowFailed], ForwardTime]:
