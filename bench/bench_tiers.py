@@ -55,7 +55,9 @@ TOKEN = "bench"
 class System:
     """A cache service and one worker, started together, stopped together (gracefully)."""
 
-    def __init__(self, model: str, num_blocks: int, offload_dir: str = "") -> None:
+    def __init__(
+        self, model: str, num_blocks: int, offload_dir: str = "", host_gb: float = 0.0
+    ) -> None:
         self.procs: list[subprocess.Popen] = []
         kv, self.kv_addr = start(
             [sys.executable, "-m", "kvcache_service", "--port", "0", "--admin-token", TOKEN],
@@ -63,6 +65,7 @@ class System:
         )
         self.procs.append(kv)
         flags = ["--offload-dir", offload_dir] if offload_dir else []
+        flags += ["--host-offload-gb", str(host_gb)] if host_gb else []
         worker, self.address = start(
             [
                 sys.executable, "-m", "worker", "--cache-service", self.kv_addr, "--port", "0",
@@ -127,13 +130,12 @@ def trace(args: argparse.Namespace, model: str, vocab: int) -> None:
         f"pool {pool} blocks (working set {working_blocks} blocks = 4x)"
     )
     rows = {}
-    for name, blocks, tier in (
-        ("no tier", pool, False),
-        ("disk tier", pool, True),
-        ("unbounded", working_blocks * 2, False),
-    ):
-        tier_dir = tempfile.mkdtemp(prefix="kv-tier-") if tier else ""
-        system = System(model, blocks, tier_dir)
+    variants = [("no tier", pool, "")]
+    variants += [("host tier", pool, "host")] if args.host_tier else []
+    variants += [("disk tier", pool, "disk"), ("unbounded", working_blocks * 2, "")]
+    for name, blocks, tier in variants:
+        tier_dir = tempfile.mkdtemp(prefix="kv-tier-") if tier == "disk" else ""
+        system = System(model, blocks, tier_dir, args.host_gb if tier == "host" else 0.0)
         try:
             ttft, cached, total = [], 0, 0
             for round_, prompt in requests:
@@ -153,11 +155,14 @@ def trace(args: argparse.Namespace, model: str, vocab: int) -> None:
     print("|---|---|---|---|")
     for name, (hit, p50, pre) in rows.items():
         print(f"| {name} | {hit:.3f} | {p50 * 1e3:.0f} ms | {pre:,} |")
-    (_, t0, _), (h1, t1, _), (h2, _, _) = rows.values()
-    print(
-        f"\nhit rate, disk tier / unbounded: {h1 / h2:.2f} (target >= 0.9); "
-        f"TTFT p50, no tier / disk tier: {t0 / t1:.1f}x (target >= 3x)"
-    )
+    t0, h2 = rows["no tier"][1], rows["unbounded"][0]
+    for tier in ("host tier", "disk tier"):
+        if tier in rows:
+            h1, t1, _ = rows[tier]
+            print(
+                f"\nhit rate, {tier} / unbounded: {h1 / h2:.2f} (target >= 0.9); "
+                f"TTFT p50, no tier / {tier}: {t0 / t1:.1f}x (target >= 3x)"
+            )
 
 
 def restart(args: argparse.Namespace, model: str, vocab: int) -> None:
@@ -276,6 +281,12 @@ def main() -> None:
     p.add_argument("--long-tokens", type=int, default=7000)
     p.add_argument("--load-blocks", type=int, default=256)
     p.add_argument("--only", choices=("trace", "restart", "load"), default=None)
+    p.add_argument(
+        "--host-tier",
+        action="store_true",
+        help="trace: also a pool with a host-memory tier (CUDA only: elsewhere none)",
+    )
+    p.add_argument("--host-gb", type=float, default=4.0, help="the host tier's size")
     p.add_argument(
         "--random",
         action="store_true",

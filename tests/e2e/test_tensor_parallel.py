@@ -19,7 +19,7 @@ import mlx.core as mx
 import pytest
 
 from kvserve_launch.process import KeptLines
-from tests.e2e.conftest import ADMIN_TOKEN, started_system
+from tests.e2e.conftest import ADMIN_TOKEN, TINY_MODEL_NAME, started_system
 
 pytestmark = [
     pytest.mark.e2e,
@@ -40,7 +40,8 @@ def _complete(base: str, prompt: str, **extra: object) -> dict:
 
 def _serve(tensor_parallel: int, logs: KeptLines) -> tuple[list[str], list[dict], dict]:
     """Four concurrent greedy completions sharing a prefix, then the first again (a cache hit),
-    then one decoded speculatively; their texts, usages, and the pool's stats."""
+    then one decoded speculatively by prompt lookup and one by a draft model; their texts,
+    usages, and the pool's stats."""
     fixture = started_system(logs, workers=1, tensor_parallel=tensor_parallel)
     system = next(fixture)
     base = f"http://{system.http_address}"
@@ -50,6 +51,8 @@ def _serve(tensor_parallel: int, logs: KeptLines) -> tuple[list[str], list[dict]
         answers.append(_complete(base, PROMPTS[0]))
         # Speculative decoding by prompt lookup: the verify forwards run on both ranks too.
         answers.append(_complete(base, PROMPTS[1] + " " + PROMPTS[1], speculative="ngram"))
+        # ... and by a draft model (unsharded, on rank 0 only; a worker without one refuses).
+        answers.append(_complete(base, PROMPTS[2], speculative="draft_model"))
         stats = httpx.get(
             f"{base}/admin/dashboard/stats",
             headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
@@ -62,6 +65,7 @@ def _serve(tensor_parallel: int, logs: KeptLines) -> tuple[list[str], list[dict]
 
 def test_a_two_rank_worker_serves_what_one_process_serves(monkeypatch, tmp_path):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # where rank 0 writes the ring's hosts file
+    monkeypatch.setenv("KVWORKER_DRAFT_MODEL", TINY_MODEL_NAME)  # drafts that always agree
     logs = KeptLines(20_000)
     texts, usages, stats = _serve(2, logs)
     assert not list(tmp_path.glob("kvserve-group-*")), "the hosts file was left behind"

@@ -11,6 +11,8 @@ both exercised.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, settings
@@ -58,27 +60,25 @@ class RefTiers:
             if self.held[m].pop(key, None) is not None:
                 self.dropped[m] += 1
         for m in self.media():
-            if m not in self.quotas:
-                continue
-            held = self.held[m]
-            for ns in dict.fromkeys(b.namespace for b in stored):
-                while sum(1 for e in held.values() if e[1] == ns) > self.quotas[m]:
-                    own = [k for k in held if held[k][1] == ns]
-                    parents = {parent for parent, _, _ in held.values()}
-                    leaves = [k for k in own if k not in parents]
-                    victim = min(leaves or own, key=lambda k: held[k][2])
-                    del held[victim]
-                    self.dropped[m] += 1
-                    self.outbox.append((victim, m))
+            if m in self.quotas:
+                for ns in dict.fromkeys(b.namespace for b in stored):
+                    held = self.held[m]
+                    self._evict(m, self.quotas[m], lambda k, h=held, ns=ns: h[k][1] == ns)
         for m in self.media():
-            held = self.held[m]
-            while len(held) > self.caps[m]:
-                parents = {parent for parent, _, _ in held.values()}
-                leaves = [k for k in held if k not in parents]
-                victim = min(leaves or held, key=lambda k: held[k][2])
-                del held[victim]
-                self.dropped[m] += 1
-                self.outbox.append((victim, m))
+            self._evict(m, self.caps[m], lambda k: True)
+
+    def _evict(self, m: Medium, limit: int, counts: Callable[[int], bool]) -> None:
+        """While more than ``limit`` of ``m``'s blocks ``counts``, the oldest leaf of them
+        goes (the oldest of them where none is a leaf)."""
+        held = self.held[m]
+        while sum(1 for k in held if counts(k)) > limit:
+            own = [k for k in held if counts(k)]
+            parents = {parent for parent, _, _ in held.values()}
+            leaves = [k for k in own if k not in parents]
+            victim = min(leaves or own, key=lambda k: held[k][2])
+            del held[victim]
+            self.dropped[m] += 1
+            self.outbox.append((victim, m))
 
     def drop(self, keys: list[int], medium: Medium | None) -> int:
         n = 0
