@@ -271,8 +271,10 @@ async def test_a_hung_shard_costs_one_route_timeout_then_nothing(
                 took.append(time.perf_counter() - start)
                 assert {r.pool_id for r in routes} == {"a0", "a1"}
                 await asyncio.sleep(0.05)
-            assert 0.5 <= took[0] < 0.5 + 0.3, took
-            assert max(took[1:]) < 0.2, took
+            # Relative to the deadline, not latency targets (CI machines are busy): the first
+            # call waits out one deadline, not two; no later call waits one out.
+            assert 0.5 <= took[0] < 2 * 0.5, took
+            assert max(took[1:]) < 0.5, took
             # The first call, then probes: one at a time, each waiting out its deadline.
             assert len(errors) >= 2 and set(errors) == {(address, "Route")}
         finally:
