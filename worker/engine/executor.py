@@ -16,6 +16,7 @@ sampler, and answers by item again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -190,15 +191,16 @@ class ModelExecutor:
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Queues ``fn(*args)`` on the model thread now (not when awaited): work that must
         run before any step queued after it (a tier's copy of blocks about to be released)."""
-        if self.watch is not None:
-            return self._thread.submit(self.watch.run, fn, *args)
-        return self._thread.submit(fn, *args)
+        return self._thread.submit(self._watched(fn), *args)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the model thread (what touches the runner or MLX streams)."""
-        if self.watch is not None:
-            args, fn = (fn, *args), self.watch.run
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, self._watched(fn), *args)
+
+    def _watched(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, timed by the stall watch where there is one."""
+        return fn if self.watch is None else functools.partial(self.watch.run, fn)
 
     async def _submit(self, job: _Job) -> tuple[list[Sampled | Accepted | RowFailed], ForwardTime]:
         return await self.call(self._run, job)
