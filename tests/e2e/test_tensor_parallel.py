@@ -116,8 +116,9 @@ def test_a_rank_that_dies_takes_the_worker_down():
 
 def test_a_rank_that_stops_answering_takes_the_worker_down(monkeypatch):
     """A follower that hangs (SIGSTOP: alive, silent) leaves rank 0 inside a collective; past
-    ``--group-timeout-s`` rank 0 says so and exits 1, as if the rank had died."""
-    monkeypatch.setenv("KVWORKER_GROUP_TIMEOUT_S", "3")
+    ``--group-timeout-s`` (5 s here: a tiny model's steps take milliseconds) rank 0 says so
+    and exits 1, as if the rank had died."""
+    monkeypatch.setenv("KVWORKER_GROUP_TIMEOUT_S", "5")
     logs = KeptLines(20_000)
     fixture = started_system(logs, workers=1, tensor_parallel=2)
     system = next(fixture)
