@@ -24,13 +24,16 @@ Each candidate is *probed* in a child process before anything is preloaded into 
 matters: the child preloads it, checks that MLX's ``cblas_sgemm`` resolves to it, compares a few
 products (square, skinny, transposed, vector) against numpy in float64, and times a prefill- and
 a decode-shaped product. A child killed by a signal (SIGILL on a missing instruction set), one
-that fails or computes wrong results is skipped. The choice must be the same at every start
-and in every probe of a machine with the same libraries, so speed decides only where it is
-clear (:func:`choose`): each probe times its best of :data:`PROBE_ROUNDS` rounds (a busy core
-slows a round, not all of them), candidates within :data:`SPEED_FLOOR` of the fastest count as
-equally fast and the preference order picks among them, and a choice recorded on this machine
-is kept unless another candidate is clearly faster. Timing alone flipped between AOCL-BLAS and
-Debian's OpenBLAS from one probe to the next on a busy 2-core EPYC. With no correct candidate,
+that fails or computes wrong results is skipped. The children are timed in alternating rounds
+(:func:`probe_all`: one library's round, then the next's), so a busy spell of a shared machine
+slows a round of each rather than every round of one. The choice must be the same at every
+start and in every probe of a machine, so speed decides only where it is clear
+(:func:`choose`): each library's speed is its best of :data:`PROBE_ROUNDS` rounds; a first
+choice takes the preferred of those within :data:`SPEED_FLOOR` of the fastest; and the choice
+is then recorded for the machine by library name (every venv on it starts from it) and kept
+until another candidate is :data:`KEEP_FLOOR` (2x) faster. Timing alone flipped between
+AOCL-BLAS and Debian's OpenBLAS from one probe to the next on a busy 2-core EPYC, and between
+AOCL-BLAS and cmeel-openblas (straddling the 1.25x floor) on a CI machine. With no correct candidate,
 MLX keeps its reference BLAS. One warning line says what failed and what it costs. The choice
 is cached per (CPU model and flags, candidate files, interpreter) in ``~/.cache/kvserve/blas``,
 so only the first start on a machine pays the probes (1-2 s each).
