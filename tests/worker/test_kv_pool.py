@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -149,3 +151,25 @@ def test_for_model_sizes_from_a_memory_budget():
     with pytest.raises(PoolConfigError):
         KVPool.for_model(spec, block_size=BS, num_blocks=4, memory_bytes=per_block * 8)
     assert KVPool.for_model(spec, block_size=BS, num_blocks=4).num_blocks == 4
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and mincore")
+def test_a_pool_commits_memory_as_blocks_are_written():
+    """A 128 MiB pool holds (almost) no memory until blocks are written: each written block
+    commits its own pages, the others stay out and read as zeros, and the writes are right."""
+    layers = [LayerSpec(4, 64, 64)] * 8  # 512 KiB a block of 32 tokens
+    pool = KVPool(layers, 256, 32)
+    assert pool.nbytes >= 128 * 2**20
+    made = pool.resident_bytes()
+    assert made is not None and made < 2**20, f"a new pool holds {made} bytes"
+    table = list(range(100, 132))  # 32 blocks: 16 MiB
+    _, written = _write(pool, [SeqInput([1] * 1024, table, 0)])
+    grown = pool.resident_bytes()
+    assert grown is not None
+    assert 16 * 2**20 <= grown < 17 * 2**20, f"16 MiB of blocks written, {grown} bytes held"
+    for layer in (0, 7):
+        k, v = pool.read_block(layer, 101)
+        assert np.array_equal(k, written[layer][0][0, :, 32:64])
+        assert np.array_equal(v, written[layer][1][0, :, 32:64])
+        k, v = pool.read_block(layer, 7)
+        assert not k.any() and not v.any()

@@ -16,10 +16,21 @@ it when the graph is evaluated; otherwise MLX copies the whole pool (31 ms inste
 64 MB pool). So the pool hands out no long-lived views: gathers and block reads are fresh arrays,
 and callers evaluate :meth:`arrays` together with their outputs at the end of every forward.
 Only the single thread that owns the model touches a pool.
+
+Memory is committed as the pool fills (CPU, Linux): MLX has no uninitialized allocation, so the
+arrays are made with ``mx.zeros`` (unwritten slots must be finite: attention multiplies them
+by a zero probability), and their pages are then handed back to the kernel
+(:func:`release_pages`). An unwritten page reads as zero again and costs no memory until a
+block written into it commits it. The cache service hands out low block ids first and reuses
+freed ones first (``kvcache_service.block_pool``), so a pool commits about as much memory as
+the most blocks it has held at once, live or cached.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 import time
 from collections.abc import Sequence
 
@@ -34,6 +45,65 @@ DEFAULT_BLOCK_SIZE = 32
 # Blocks a GPU's load stages at once (KVPool._write_uniform): 64 MB for a 1B model's 1 MB
 # blocks, kept once used.
 STAGING_BLOCKS = 64
+
+
+_MADV_DONTNEED = 4  # Linux: the range's pages are dropped, and read as zeros afterwards
+
+
+def _page_range(array: mx.array) -> tuple[int, int]:
+    """The whole pages inside ``array``'s memory: [first, last) addresses (CPU memory)."""
+    # MLX's buffer protocol (its stubs do not say so): the array's own memory, any dtype
+    view = memoryview(array)  # type: ignore[arg-type]
+    try:
+        cell = ctypes.c_char.from_buffer(view)
+        start = ctypes.addressof(cell)
+        del cell
+    finally:
+        view.release()
+    page = mmap.PAGESIZE
+    return -(-start // page) * page, (start + array.nbytes) // page * page
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
+
+
+def release_pages(arrays: Sequence[mx.array]) -> int:
+    """Hands the whole pages inside each (evaluated, zero-filled, CPU) array back to the
+    kernel, so they cost no memory until written; returns the bytes released. Linux only
+    (elsewhere it does nothing): a private anonymous page dropped with ``MADV_DONTNEED`` reads
+    as zero afterwards, which is what the arrays hold. No computation may be using them;
+    neighbouring bytes in a partial page are left alone."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    libc, released = _libc(), 0
+    for array in arrays:
+        first, last = _page_range(array)
+        if last > first and libc.madvise(first, last - first, _MADV_DONTNEED) == 0:
+            released += last - first
+    return released
+
+
+def resident_bytes(arrays: Sequence[mx.array]) -> int | None:
+    """Bytes of the arrays' whole pages that are in memory (``mincore``), or None off Linux.
+    A released page becomes resident when written (or read: the kernel maps its shared zero
+    page, which counts here though it costs nothing)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc, page, resident = _libc(), mmap.PAGESIZE, 0
+    for array in arrays:
+        first, last = _page_range(array)
+        if last <= first:
+            continue
+        pages = (last - first) // page
+        vec = (ctypes.c_ubyte * pages)()
+        if libc.mincore(first, last - first, vec) != 0:
+            return None
+        resident += sum(b & 1 for b in bytes(vec)) * page
+    return resident
 
 
 def bytes_per_block(layers: Sequence[LayerSpec], block_size: int, dtype: mx.Dtype) -> int:
@@ -68,6 +138,8 @@ class KVPool:
         self._heads = [mx.arange(s.n_kv_heads, dtype=mx.int32)[None, :, None] for s in layers]
         self._staging: np.ndarray | None = None  # write_blocks' on a GPU, made at first use
         mx.eval(self._keys, self._values)
+        if mx.default_device() == mx.cpu:
+            release_pages(self.arrays())
 
     @classmethod
     def for_model(
@@ -104,6 +176,11 @@ class KVPool:
     @property
     def bytes_per_block(self) -> int:
         return bytes_per_block(self.layers, self.block_size, self.dtype)
+
+    def resident_bytes(self) -> int | None:
+        """Bytes of the pool in memory now (:func:`resident_bytes`): it grows as blocks are
+        written (CPU, Linux); None where the platform cannot say."""
+        return resident_bytes(self.arrays()) if mx.default_device() == mx.cpu else None
 
     @property
     def nbytes(self) -> int:
