@@ -94,8 +94,6 @@ def check(c: LaunchConfig) -> str | None:
         return "--cache-shards must be at least 1"
     if c.tensor_parallel < 1:
         return "--tensor-parallel must be at least 1"
-    if c.tensor_parallel > 1 and c.offload_dir:
-        return "--offload-dir does not run with --tensor-parallel > 1 yet"
     if c.num_blocks < 0 or c.block_size < 0:
         return "--num-blocks and --block-size must not be negative"
     if c.host_offload_gb < 0 or c.offload_gb < 0 or (c.offload_gb and not c.offload_dir):

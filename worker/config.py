@@ -171,8 +171,6 @@ def check(c: WorkerConfig) -> str | None:
         return f"--tier-load must be one of {', '.join(TIER_LOAD)}"
     if c.tensor_parallel < 1:
         return "--tensor-parallel must be >= 1"
-    if c.tensor_parallel > 1 and c.offload_dir:
-        return "--offload-dir does not run in a worker group yet (--tensor-parallel > 1)"
     if c.group_timeout_s < 0:
         return "--group-timeout-s must be >= 0 (0: never)"
     if c.group_backend not in GROUP_BACKENDS:

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import httpx
+import mlx.core as mx
 import pytest
 
 from kvserve_launch.process import KeptLines
@@ -75,6 +76,33 @@ def test_a_full_restart_serves_a_long_prompt_from_the_disk_tier(tmp_path: Path) 
         assert admin(base, "GET", "/check")["ok"]
     finally:
         fixture.close()
+
+
+@pytest.mark.skipif(mx.default_device() == mx.gpu, reason="the CPU ring group; GPUs: NCCL")
+def test_a_worker_groups_disk_tier_serves_any_group_size(tmp_path: Path) -> None:
+    """A 2-rank worker group spills whole blocks (every rank's KV heads, gathered on rank 0);
+    after a full stop a one-process worker serves the prompt from those files, and a group
+    started again loads them too (each rank its own slice): the text is the cold group's."""
+    prompt = long_prompt(3, 1500)
+    logs = KeptLines(5_000)
+    answers = []
+    for tensor_parallel in (2, 1, 2):
+        fixture = started_system(
+            logs, workers=1, offload_dir=str(tmp_path), tensor_parallel=tensor_parallel
+        )
+        system = next(fixture)
+        try:
+            base = f"http://{system.http_address}"
+            answers.append(complete(base, prompt))
+            assert admin(base, "GET", "/check")["ok"]
+        finally:
+            fixture.close()
+        assert list(tmp_path.glob("worker-0/*/*.kvb")), "nothing was spilled"
+    cold, one, group = answers
+    assert cold["cached"] == 0
+    for warm in (one, group):
+        assert warm["text"] == cold["text"]
+        assert warm["cached"] == (len(prompt) - 1) // BS * BS  # all but the last block, loaded
 
 
 def test_a_worker_killed_while_it_spills_comes_back_clean(tmp_path: Path) -> None:

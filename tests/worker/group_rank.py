@@ -31,11 +31,13 @@ def scenario(runner) -> dict:
     """Three prompts prefilled together, a copy-on-write copy of one's partial tail into a
     fourth sequence that continues it, then 12 greedy decode steps of all four, and one
     forward of several tokens a sequence (a verify forward): greedy tokens and the last
-    logits."""
+    logits. Then a tier's round trip: two blocks read out, written into other blocks, and a
+    forward on them."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 250, n).tolist() for n in (19, 30, 7)]
     tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
     logits = runner.forward([SeqInput(p, t, 0) for p, t in zip(prompts, tables, strict=True)])
+    prefill = np.array(logits).tolist()
     tokens = [[int(x)] for x in mx.argmax(logits, axis=-1).tolist()]
     pos = [len(p) for p in prompts]
     # A fourth sequence shares the first's 16-token prefix (2 full blocks) and its partial
@@ -58,11 +60,31 @@ def scenario(runner) -> dict:
     verify = runner.forward_all(
         [SeqInput(t[-3:], tb, p - 2) for t, tb, p in zip(tokens, tables, pos, strict=True)]
     )
+    # The tiers' copies (a group's pool gathers and scatters every rank's slice): the first
+    # prompt's two full blocks out, into blocks 40 and 41, and its last three tokens computed
+    # on them, as a sequence that loaded its prefix from a tier would.
+    pool = runner.pool
+    payloads = [bytes(p) for p in pool.read_blocks([tables[0][0], tables[0][1]])]
+    pool.write_blocks([40, 41], payloads)
+    reread = [bytes(p) for p in pool.read_blocks([40, 41])]
+    reloaded = runner.forward([SeqInput(prompts[0][16:], [40, 41, 42], 16)])
+    try:  # a payload of the wrong size is refused before any rank writes
+        pool.write_blocks([43], [payloads[0][:-4]])
+        bad_payload = False
+    except BatchError:
+        bad_payload = True
     return {
         "tokens": tokens,
         "logits": np.array(logits).tolist(),
+        "logits_prefill": prefill,
         "verify": [np.array(v).tolist() for v in verify],
         "refused": refused,
+        "payload": np.frombuffer(payloads[0], np.float32).tolist(),
+        "payload_bytes": pool.bytes_per_block,
+        "layout": pool.describe_layout(),
+        "reread_same": reread == payloads,
+        "reloaded": np.array(reloaded).tolist(),
+        "bad_payload_refused": bad_payload,
     }
 
 

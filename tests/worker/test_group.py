@@ -59,21 +59,48 @@ def _run_group(tmp_path: Path, size: int = 2) -> list[dict]:
     return outs
 
 
-def test_two_ranks_decode_what_one_process_decodes(tmp_path):
-    lead, follower = _run_group(tmp_path)
-    single = scenario(
-        ModelRunner.create(
-            load_model(TINY_MODEL_NAME).model, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS
-        )
-    )
+@pytest.fixture(scope="module")
+def group_run(tmp_path_factory) -> list[dict]:
+    """Rank 0's and rank 1's results of the scenario in a 2-rank group (run once)."""
+    return _run_group(tmp_path_factory.mktemp("group"))
+
+
+@pytest.fixture(scope="module")
+def single_run() -> dict:
+    """The scenario in one unsharded process."""
+    model = load_model(TINY_MODEL_NAME).model
+    return scenario(ModelRunner.create(model, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS))
+
+
+def test_two_ranks_decode_what_one_process_decodes(group_run, single_run):
+    lead, follower = group_run
+    single = single_run
     assert lead["size"] == 2 and lead["kv_heads"] == 2  # the tiny model's 4 KV heads, halved
-    # prefill, copy on write, decodes, a refused batch, verify
-    assert follower["calls"] == 1 + 1 + 12 + 1 + 1
+    # prefill, copy on write, decodes, a refused batch, verify; read, write, read, forward
+    assert follower["calls"] == 1 + 1 + 12 + 1 + 1 + 4
     assert lead["refused"] and single["refused"]
     assert lead["tokens"] == single["tokens"]
     np.testing.assert_allclose(lead["logits"], single["logits"], atol=1e-4, rtol=0)
     for got, want in zip(lead["verify"], single["verify"], strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_a_groups_tier_copies_are_whole_blocks_in_one_process_layout(group_run, single_run):
+    """The tiers see a group's pool as whole blocks: a block read out of two ranks is the
+    block one process holds (same layout, same size, values within float tolerance), so a
+    tier file serves a worker of any group size; written back, every rank gets its own
+    slice (the forward on the written blocks gives the logits of the prompt it came from;
+    slices swapped between ranks would not), and a bad payload is refused on every rank."""
+    lead, single = group_run[0], single_run
+    assert lead["payload_bytes"] == single["payload_bytes"]
+    assert lead["layout"] == single["layout"]
+    np.testing.assert_allclose(lead["payload"], single["payload"], atol=1e-4, rtol=0)
+    assert lead["reread_same"] and single["reread_same"]
+    # The first prompt's last logits (its prefill's first row), computed again on its two
+    # leading blocks written into other blocks.
+    np.testing.assert_allclose(lead["reloaded"][0], lead["logits_prefill"][0], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(lead["reloaded"], single["reloaded"], atol=1e-4, rtol=0)
+    assert lead["bad_payload_refused"] and single["bad_payload_refused"]
 
 
 def test_a_model_that_cannot_be_sharded_is_refused_in_one_line():

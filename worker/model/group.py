@@ -19,12 +19,19 @@ The channel is the group itself: a message is a length, then its pickled bytes, 
 ``all_sum`` to which only rank 0 contributes (the followers add zeros), so no second transport
 needs addresses or ports. Messages come only from rank 0 of the same group (trusted, as the
 group's own collectives are).
+
+The KV tiers stay rank 0's (:class:`GroupPool`): a block spilled is gathered from every rank's
+slice into one payload of the whole block, in the layout a worker of one process writes, and a
+block loaded is sent to every rank, which writes its own slice. So only rank 0 has tier files,
+scans them and answers for them (no agreement between ranks on what each holds), and a file
+serves a worker of any group size on the same model.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +56,9 @@ MIRRORED = frozenset(
 )
 STOP = "stop"
 SELF_CHECK = "self_check"
+# The pool's block copies for the tiers (GroupPool): made on every rank, joined on rank 0.
+POOL_READ = "pool.read_blocks"
+POOL_WRITE = "pool.write_blocks"
 
 
 def init_group(backend: str = "any") -> mx.distributed.Group:
@@ -122,6 +132,132 @@ class Channel:
         return np.array(out)
 
 
+def slice_lengths(pool: Any) -> list[int]:
+    """Bytes of a rank's payload segments, in payload order: per layer, K then V."""
+    size, bs = pool.dtype.size, pool.block_size
+    out = []
+    for s in pool.layers:
+        out += [s.n_kv_heads * bs * s.k_head_dim * size, s.n_kv_heads * bs * s.v_head_dim * size]
+    return out
+
+
+def gather_blocks(pool: Any, blocks: list[int], group: mx.distributed.Group) -> np.ndarray | None:
+    """Every rank's slice of ``blocks`` (a collective: every rank calls it): on rank 0 the
+    whole blocks, ``[n, ranks * slice bytes]`` in one process's payload layout; None on the
+    others. Raises on rank 0 if any rank could not read its slice."""
+    n, rank, size = len(blocks), group.rank(), group.size()
+    slice_len = sum(slice_lengths(pool))
+    rows = np.zeros((size, 1 + n * slice_len), np.uint8)
+    try:
+        payloads = pool.read_blocks(blocks)
+        rows[rank, 1:] = np.concatenate([np.frombuffer(p, np.uint8) for p in payloads])
+        rows[rank, 0] = 1
+    except Exception:  # the collective goes on; rank 0 sees the flag
+        log.exception("worker group: reading %d blocks on rank %d failed", n, rank)
+    joined = mx.distributed.all_sum(mx.array(rows), group=group)
+    mx.eval(joined)
+    if rank != 0:
+        return None
+    every = np.array(joined)
+    failed = [r for r in range(size) if every[r, 0] != 1]
+    if failed:
+        raise RuntimeError(f"ranks {failed} of the group could not read blocks {blocks[:8]}")
+    slices = every[:, 1:].reshape(size, n, slice_len)
+    parts, offset = [], 0
+    for length in slice_lengths(pool):  # a segment of the whole block: rank 0's, rank 1's, ...
+        part = slices[:, :, offset : offset + length]
+        parts.append(part.transpose(1, 0, 2).reshape(n, size * length))
+        offset += length
+    return np.ascontiguousarray(np.concatenate(parts, axis=1))
+
+
+def scatter_blocks(
+    pool: Any, blocks: list[int], whole: np.ndarray, group: mx.distributed.Group
+) -> None:
+    """Writes this rank's slice of each whole block in ``whole`` ``[n, ranks * slice bytes]``
+    into ``blocks`` (a collective: every rank calls it with the same arguments). Raises on
+    rank 0 if any rank's write failed."""
+    rank, size = group.rank(), group.size()
+    failed = 1
+    try:
+        parts, offset = [], 0
+        for length in slice_lengths(pool):
+            start = offset * size + rank * length
+            parts.append(whole[:, start : start + length])
+            offset += length
+        mine = np.ascontiguousarray(np.concatenate(parts, axis=1))
+        pool.write_payloads(blocks, list(mine))
+        failed = 0
+    except Exception:
+        log.exception("worker group: writing %d blocks on rank %d failed", len(blocks), rank)
+    total = mx.distributed.all_sum(mx.array([failed], dtype=mx.int32), group=group)
+    if int(np.array(total)[0]) and rank == 0:
+        raise RuntimeError(f"a rank of the group could not write blocks {blocks[:8]}")
+
+
+class GroupPool:
+    """Rank 0's pool as the tiers see it in a group: whole blocks (every rank's KV heads), in
+    the payload layout of a one-process worker (``KVPool.read_blocks``). Reading gathers each
+    rank's slice; writing sends the whole blocks to every rank, which writes its own slice.
+    On the model thread (the calls are collectives, ordered with the forwards). Everything
+    else is rank 0's pool."""
+
+    def __init__(self, pool: Any, channel: Channel) -> None:
+        self._pool = pool
+        self._channel = channel
+        self.ranks = channel.group.size()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return int(self._pool.bytes_per_block) * self.ranks
+
+    def describe_layout(self) -> str:
+        from worker.model.kv_pool import describe_layout
+        from worker.model.spec import LayerSpec
+
+        whole = [
+            LayerSpec(s.n_kv_heads * self.ranks, s.k_head_dim, s.v_head_dim)
+            for s in self._pool.layers
+        ]
+        return describe_layout(whole, self._pool.block_size, self._pool.dtype)
+
+    def read_blocks(self, blocks: list[int]) -> list[memoryview]:
+        if not blocks:
+            return []
+        self._pool.check_blocks(blocks)
+        self._channel.send((POOL_READ, (list(blocks),), {}))
+        whole = gather_blocks(self._pool, list(blocks), self._channel.group)
+        assert whole is not None
+        return [memoryview(row) for row in whole]
+
+    def write_blocks(self, blocks: list[int], payloads: list[bytes | memoryview]) -> None:
+        if not blocks:
+            return
+        self._pool.check_blocks(blocks)
+        per = self.bytes_per_block
+        if len(payloads) != len(blocks) or any(len(p) != per for p in payloads):
+            raise BatchError(f"block payloads must be {per} bytes each, one per block")
+        self._write(list(blocks), np.stack([np.frombuffer(p, np.uint8) for p in payloads]))
+
+    def _write(self, blocks: list[int], whole: np.ndarray) -> None:
+        self._channel.send((POOL_WRITE, (blocks, whole), {}))
+        scatter_blocks(self._pool, blocks, whole, self._channel.group)
+
+    def measure_write_rate(self, blocks: int = 32) -> float:
+        """Bytes a second a load moves into the group's pool (the message to every rank and
+        their writes), writing zeros into the trash block, as ``KVPool.measure_write_rate``."""
+        whole = np.zeros((blocks, self.bytes_per_block), np.uint8)
+        trash = [int(self._pool.trash_block)] * blocks
+        self._write(trash, whole)  # first use
+        start = time.perf_counter()
+        self._write(trash, whole)
+        took = time.perf_counter() - start
+        return blocks * self.bytes_per_block / took if took > 0 else 0.0
+
+
 class GroupRunner:
     """Rank 0's runner in a group: every call in :data:`MIRRORED` is sent to the other ranks
     before it runs here, so they run the same forwards; everything else is the runner's.
@@ -132,6 +268,13 @@ class GroupRunner:
         self._runner = runner
         self._channel = channel
         self.group_size = channel.group.size()
+        inner = getattr(runner, "pool", None)
+        self._pool = GroupPool(inner, channel) if inner is not None else None
+
+    @property
+    def pool(self) -> GroupPool | None:
+        """The group's pool as the tiers see it (whole blocks); None for a runner without."""
+        return self._pool
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._runner, name)
@@ -178,6 +321,16 @@ def follow(runner: Any, channel: Channel) -> int:
             from worker.model.self_check import check_paged_parity
 
             check_paged_parity(runner.model, runner=runner)
+            calls += 1
+            continue
+        if name == POOL_READ:
+            (blocks,) = args
+            gather_blocks(runner.pool, blocks, channel.group)
+            calls += 1
+            continue
+        if name == POOL_WRITE:
+            blocks, whole = args
+            scatter_blocks(runner.pool, blocks, whole, channel.group)
             calls += 1
             continue
         if name not in MIRRORED:

@@ -106,6 +106,13 @@ def resident_bytes(arrays: Sequence[mx.array]) -> int | None:
     return resident
 
 
+def describe_layout(layers: Sequence[LayerSpec], block_size: int, dtype: mx.Dtype) -> str:
+    """A block payload's layout as one line (:meth:`KVPool.read_blocks`' form: per layer, K
+    ``[heads, block_size, k_dim]`` then V): what a spilled block's bytes mean (worker.tier)."""
+    shapes = ",".join(f"{s.n_kv_heads}x{s.k_head_dim}/{s.v_head_dim}" for s in layers)
+    return f"head-major;bs={block_size};dtype={dtype};layers={shapes}"
+
+
 def bytes_per_block(layers: Sequence[LayerSpec], block_size: int, dtype: mx.Dtype) -> int:
     """Bytes of K and V for one block across all layers."""
     per_token = sum(s.n_kv_heads * (s.k_head_dim + s.v_head_dim) for s in layers)
@@ -256,8 +263,7 @@ class KVPool:
 
     def describe_layout(self) -> str:
         """The pool's layout as one line: what a spilled block's bytes mean (worker.tier)."""
-        layers = ",".join(f"{s.n_kv_heads}x{s.k_head_dim}/{s.v_head_dim}" for s in self.layers)
-        return f"head-major;bs={self.block_size};dtype={self.dtype};layers={layers}"
+        return describe_layout(self.layers, self.block_size, self.dtype)
 
     def read_blocks(self, blocks: Sequence[int]) -> list[bytes | memoryview]:
         """A copy of each block's K and V in every layer, as one payload per block: per layer,
@@ -307,6 +313,11 @@ class KVPool:
         bad = [len(p) for p in payloads if len(p) != per]
         if len(payloads) != len(blocks) or bad:
             raise BatchError(f"block payloads must be {per} bytes each, one per block")
+        self.write_payloads(blocks, payloads)
+
+    def write_payloads(self, blocks: Sequence[int], payloads: Sequence[bytes | memoryview]) -> None:
+        """:meth:`write_blocks` without its checks (the caller made them: rank 0 of a worker
+        group for its followers), into any block, the trash block too."""
         if mx.default_device() == mx.cpu and self.dtype != mx.bfloat16:
             self._write_blocks_in_place(blocks, payloads)
             return
@@ -361,18 +372,11 @@ class KVPool:
         with it before any real load has been timed."""
         zeros = [bytes(self.bytes_per_block)] * blocks
         trash = [int(self.trash_block)] * blocks
-        write = (
-            self._write_blocks_in_place
-            if mx.default_device() == mx.cpu and self.dtype != mx.bfloat16
-            else self._write_uniform
-            if self._uniform
-            else None
-        )
-        if write is None:
+        if mx.default_device() != mx.cpu and not self._uniform:
             return 0.0  # mixed layer shapes off the CPU: measured by the loads themselves
-        write(trash, zeros)  # first use: kernels, the staging buffer
+        self.write_payloads(trash, zeros)  # first use: kernels, the staging buffer
         start = time.perf_counter()
-        write(trash, zeros)
+        self.write_payloads(trash, zeros)
         took = time.perf_counter() - start
         return blocks * self.bytes_per_block / took if took > 0 else 0.0
 
