@@ -396,7 +396,16 @@ class TreeSampler:
 
     @property
     def cpu_s(self) -> float:
-        return sum(cpu - self._first.get(pid, 0.0) for pid, cpu in self._last.items())
+        return sum(self.cpu_s_by_label().values())
+
+    def cpu_s_by_label(self) -> dict[str, float]:
+        """CPU seconds each label's processes used while sampled (where a server's cores go:
+        the model, or the processes around it)."""
+        out: dict[str, float] = {}
+        for pid, cpu in self._last.items():
+            label = self.labels.get(pid, str(pid))
+            out[label] = out.get(label, 0.0) + cpu - self._first.get(pid, 0.0)
+        return out
 
 
 # -- statistics -------------------------------------------------------------------------------
@@ -439,6 +448,7 @@ class Summary:
     server_peak_rss_mb: float | None = None
     server_peak_rss_mb_by_process: dict[str, float] | None = None
     server_cpu_s: float | None = None
+    server_cpu_s_by_process: dict[str, float] | None = None
     client_cpu_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -519,4 +529,5 @@ async def measure(
             k: v / 2**20 for k, v in sampler.peak_rss_by_label().items()
         }
         summary.server_cpu_s = sampler.cpu_s
+        summary.server_cpu_s_by_process = sampler.cpu_s_by_label()
     return summary, results

@@ -740,6 +740,13 @@ def markdown(data: dict[str, Any]) -> str:
         lines.append(
             f"- {name}: " + ", ".join(f"{label} {mb:.0f}" for label, mb in sorted(peaks.items()))
         )
+    lines += ["", "CPU seconds of each process of a server, per workload:", ""]
+    for name in names:
+        for wname, s in runs[name]["workloads"].items():
+            by = s.get("server_cpu_s_by_process") or {}
+            if by:
+                cells = ", ".join(f"{label} {cpu:.1f}" for label, cpu in sorted(by.items()))
+                lines.append(f"- {name}, {wname}: {cells}")
     lines += ["", "Cold first request (8 tokens out) and time to ready:", ""]
     lines += ["| server | ready s | TTFT s | E2E s | load average at its start |"]
     lines += ["|---|---|---|---|---|"]

@@ -309,3 +309,5 @@ def test_tree_sampler_sums_a_process_tree():
     by_label = sampler.peak_rss_by_label()
     assert sum(by_label.values()) >= sampler.peak_rss
     assert set(by_label) == {Path(sys.executable).name}
+    cpu_by_label = sampler.cpu_s_by_label()  # the busy child's 0.3 s, under its label
+    assert set(cpu_by_label) == set(by_label) and cpu_by_label[Path(sys.executable).name] >= 0.3
