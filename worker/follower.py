@@ -14,7 +14,8 @@ from kvserve_launch.run import LOG_FORMAT
 from kvserve_model.blas import ensure_fast_blas
 from worker.config import WorkerConfig
 from worker.device_defaults import apply_mlx_env
-from worker.group_launch import watch_leader
+from worker.engine.stall_watch import ping_interval
+from worker.group_launch import watch_leader, watch_messages
 
 log = logging.getLogger("worker.follower")
 
@@ -30,7 +31,14 @@ def main() -> int:
 
     group = init_group(os.environ.get("KVSERVE_GROUP_BACKEND", "any"))
     log.info("worker group: rank %d of %d joined", group.rank(), group.size())
-    calls = serve_follower(Channel(group))
+    channel = Channel(group)
+
+    def built() -> None:  # from here on rank 0 sends a job or a ping at least this often
+        if config.group_timeout_s > 0:
+            every = ping_interval(config.group_timeout_s)
+            watch_messages(channel, config.group_timeout_s + 2 * every)
+
+    calls = serve_follower(channel, on_built=built)
     log.info("worker group: rank %d stopped after %d calls", group.rank(), calls)
     return 0
 

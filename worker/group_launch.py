@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,31 @@ def watch_leader(parent: int) -> None:
         os._exit(1)
 
     threading.Thread(target=loop, name="leader-watch", daemon=True).start()
+
+
+def watch_messages(channel: Any, bound_s: float) -> None:
+    """On a follower: a daemon thread that ends this process (status 1) once nothing has come
+    from rank 0 for ``bound_s`` seconds. Rank 0 pings while idle (``stall_watch.pings``) and
+    exits itself when one job runs past its own bound, so a silence this long means rank 0
+    is gone without closing its sockets (its machine lost, its process stopped): this rank
+    would wait in the next collective forever, and a restarted rank 0 could not form the
+    group without it."""
+
+    def loop() -> None:
+        while True:
+            time.sleep(min(1.0, bound_s / 4))
+            silent = time.monotonic() - channel.received_at
+            if silent > bound_s:
+                log.critical(
+                    "worker group: nothing from rank 0 for %.0f s (bound %.0f s): it is gone; "
+                    "this rank exits so the group can start again",
+                    silent,
+                    bound_s,
+                )
+                logging.shutdown()
+                os._exit(1)
+
+    threading.Thread(target=loop, name="leader-silence", daemon=True).start()
 
 
 def free_ports(n: int) -> list[int]:

@@ -30,7 +30,7 @@ from worker.device_defaults import (
     free_memory,
 )
 from worker.engine.executor import ModelExecutor, Runner
-from worker.engine.stall_watch import StallWatch
+from worker.engine.stall_watch import StallWatch, ping_interval, pings
 from worker.errors import RecurrentStateError, UnsupportedModelError
 from worker.group_launch import discard_hostfile
 from worker.model import mlx_fixes
@@ -105,6 +105,8 @@ def build_executor(
     executor.lookahead = config.decode_lookahead and config.tensor_parallel == 1
     if config.tensor_parallel > 1 and config.group_timeout_s > 0:
         executor.watch = StallWatch(config.group_timeout_s, "worker group")
+        runner = cast(Any, executor.runner)
+        pings(executor.submit, runner.ping, ping_interval(config.group_timeout_s))
     return executor, chosen[0]
 
 

@@ -18,8 +18,10 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from kvserve_launch.process import KeptLines
-from tests.e2e.conftest import ADMIN_TOKEN, TINY_MODEL_NAME, started_system
+from kvserve_launch.process import Child, KeptLines
+from tests.e2e.conftest import ADMIN_TOKEN, STARTUP_TIMEOUT_S, TINY_MODEL_NAME, started_system
+from tests.e2e.test_faults import port
+from worker.group_launch import free_ports
 
 pytestmark = [
     pytest.mark.e2e,
@@ -149,4 +151,69 @@ def test_a_rank_that_stops_answering_takes_the_worker_down(monkeypatch):
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        fixture.close()
+
+
+def _answer_when_reachable(base: str, prompt: str) -> dict:
+    """A completion, retried while the gateway finds the worker started again."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return _complete(base, prompt)
+        except (AssertionError, httpx.HTTPError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def test_ranks_started_on_their_own_form_a_group_and_a_follower_outlives_no_leader(tmp_path):
+    """Several machines, as ``mlx.launch`` (or a pod a rank) starts a group: every rank runs
+    the worker's own command with ``MLX_RANK`` and a hosts file of names, not addresses
+    (``localhost`` here, a pod's DNS name in a cluster). Rank 0 registers the one pool and
+    answers what one process answers; the other follows. Rank 0 then stops without closing its
+    sockets (SIGSTOP: its machine lost): the follower, hearing neither calls nor pings, exits
+    1 past its bound rather than waiting in a collective forever."""
+    logs = KeptLines(20_000)
+    fixture = started_system(logs, workers=1)
+    system = next(fixture)
+    ranks: list[Child] = []
+    try:
+        base = f"http://{system.http_address}"
+        alone = [_complete(base, p)["choices"][0]["text"] for p in PROMPTS[:2]]
+        single = system.workers[0]
+        single.stop()
+        hosts = tmp_path / "hosts.json"
+        hosts.write_text(json.dumps([[f"localhost:{p}"] for p in free_ports(2)]))
+        argv = list(single.argv)
+        argv[argv.index("--port") + 1] = port(system.worker_addresses[0])
+        argv += ["--tensor-parallel", "2"]
+        env = {**single.env, "MLX_HOSTFILE": str(hosts), "KVWORKER_GROUP_TIMEOUT_S": "3"}
+        for rank in range(2):
+            child = Child(
+                f"rank{rank}",
+                argv,
+                ready_prefix=single.ready_prefix if rank == 0 else "never",
+                env={**env, "MLX_RANK": str(rank)},
+                sink=single.sink,
+            )
+            ranks.append(child.start())
+        ranks[0].wait_ready(STARTUP_TIMEOUT_S)
+        grouped = [_answer_when_reachable(base, p)["choices"][0]["text"] for p in PROMPTS[:2]]
+        assert grouped == alone
+        lines = logs.dump()
+        assert "worker group: rank 1 of 2 joined" in lines, lines[-3000:]
+        assert "tensor parallel over 2 ranks" in lines
+        time.sleep(2)  # idle: rank 0's pings keep the follower waiting
+        assert ranks[1].running
+        ranks[0].signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while ranks[1].running and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ranks[1].returncode == 1, logs.dump()[-3000:]
+        assert "nothing from rank 0" in logs.dump()
+    finally:
+        for child in ranks:
+            with contextlib.suppress(Exception):
+                child.signal(signal.SIGCONT)
+                child.stop(grace_s=2)
         fixture.close()

@@ -78,3 +78,27 @@ class StallWatch:
                     f"{self.timeout_s:g} s: a rank stopped answering; exiting so the group "
                     "restarts"
                 )
+
+
+def ping_interval(timeout_s: float) -> float:
+    """How often rank 0 pings its followers under ``--group-timeout-s timeout_s``."""
+    return min(10.0, timeout_s / 4)
+
+
+def pings(
+    submit: Callable[[Callable[[], None]], Any], ping: Callable[[], None], every_s: float
+) -> None:
+    """A daemon thread that submits ``ping`` to the model thread every ``every_s`` seconds
+    (rank 0 of a group: a job between the others, so the followers hear from it even while
+    no request runs; ``worker.group_launch.watch_messages`` is their side). Stops when the
+    model thread takes no more work."""
+
+    def loop() -> None:
+        while True:
+            time.sleep(every_s)
+            try:
+                submit(ping)
+            except RuntimeError:  # the model thread was shut down
+                return
+
+    threading.Thread(target=loop, name="group-ping", daemon=True).start()

@@ -56,6 +56,10 @@ MIRRORED = frozenset(
 )
 STOP = "stop"
 SELF_CHECK = "self_check"
+# Rank 0's sign of life while it has nothing else to send (``worker.engine.stall_watch.pings``):
+# a follower whose leader's machine vanished without closing its socket hears nothing more,
+# and ends itself (``worker.group_launch.watch_messages``) so that the group can form again.
+PING = "ping"
 # The pool's block copies for the tiers (GroupPool): made on every rank, joined on rank 0.
 POOL_READ = "pool.read_blocks"
 POOL_WRITE = "pool.write_blocks"
@@ -105,6 +109,7 @@ class Channel:
 
     def __init__(self, group: mx.distributed.Group) -> None:
         self.group = group
+        self.received_at = time.monotonic()  # when the last message arrived (followers)
 
     @property
     def leader(self) -> bool:
@@ -121,7 +126,9 @@ class Channel:
         """On the other ranks: rank 0's next message."""
         if self.leader:
             raise RuntimeError("rank 0 does not receive")
-        return pickle.loads(self._exchange(0, None).tobytes())
+        message = pickle.loads(self._exchange(0, None).tobytes())
+        self.received_at = time.monotonic()
+        return message
 
     def _exchange(self, length: int, data: np.ndarray | None) -> np.ndarray:
         size = mx.distributed.all_sum(mx.array([length], dtype=mx.int64), group=self.group)
@@ -308,6 +315,10 @@ class GroupRunner:
         """Ends the other ranks' :func:`follow` loops."""
         self._channel.send((STOP, (), {}))
 
+    def ping(self) -> None:
+        """Tells the other ranks rank 0 is alive (on the model thread, between jobs)."""
+        self._channel.send((PING, (), {}))
+
 
 def follow(runner: Any, channel: Channel) -> int:
     """On ranks other than 0: make each call rank 0 sends on ``runner``, until it says stop.
@@ -317,6 +328,8 @@ def follow(runner: Any, channel: Channel) -> int:
         name, args, kwargs = channel.receive()
         if name == STOP:
             return calls
+        if name == PING:
+            continue
         if name == SELF_CHECK:
             from worker.model.self_check import check_paged_parity
 
@@ -352,12 +365,19 @@ def build_message(model: str, dequantize: str = "auto", **runner: Any) -> dict[s
     return {"model": model, "dequantize": dequantize, "runner": runner}
 
 
-def serve_follower(channel: Channel, build: Callable[[dict[str, Any]], Any] | None = None) -> int:
+def serve_follower(
+    channel: Channel,
+    build: Callable[[dict[str, Any]], Any] | None = None,
+    on_built: Callable[[], None] | None = None,
+) -> int:
     """A follower's whole life: the first message says what to load and build
     (:func:`build_message`), then :func:`follow`. ``build`` makes the runner from it (default:
-    :func:`build_runner`). Returns the calls made."""
+    :func:`build_runner`); ``on_built`` runs once it is built (before the first call). Returns
+    the calls made."""
     first = channel.receive()
     runner = (build or build_runner)(first)
+    if on_built is not None:
+        on_built()
     return follow(runner, channel)
 
 
