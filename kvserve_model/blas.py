@@ -75,6 +75,7 @@ from pathlib import Path
 from kvserve_model.blas_candidates import THREADS_ENV as THREADS_ENV
 from kvserve_model.blas_candidates import candidates as candidates
 from kvserve_model.blas_candidates import library_env, threads_var_for
+from kvserve_model.blas_candidates import trim_heap as trim_heap
 from kvserve_model.blas_probe import DISABLE_ENV, REEXEC_MARKER, select_blas, summary
 from kvserve_model.blas_probe import PROBE_PREFIX_ENV as PROBE_PREFIX_ENV
 

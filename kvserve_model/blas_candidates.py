@@ -202,6 +202,30 @@ MALLOC_TUNABLES = (
 )
 
 
+def trim_heap() -> int | None:
+    """Gives the heap's free memory back to the kernel (glibc's ``malloc_trim``); for a worker
+    once its start-up is over. :data:`MALLOC_TUNABLES` keep freed memory for the next step, so
+    they would also keep, for good, what start-up freed: a quantized model's packed weights
+    once dequantized (142 MiB of the default model's 798 after loading), the self-check's
+    dense caches, the warm-up's temporaries. Returns the resident bytes freed (0 where
+    ``/proc`` cannot say); None where the C library has no ``malloc_trim`` (not glibc)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    before = _resident_bytes()
+    trim(0)
+    return max(0, before - _resident_bytes())
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def with_malloc_tunables(env: dict[str, str]) -> dict[str, str]:
     """``env`` with :data:`MALLOC_TUNABLES` added to ``GLIBC_TUNABLES`` (those not set)."""
     given = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from kvserve_launch.malformed import MalformedRequests
 from kvserve_launch.startup import EXCLUSIVE_PORT, StartupError, add_port
 from kvserve_launch.tls import Dialer, server_credentials
+from kvserve_model.blas import trim_heap
 from kvserve_model.context import context_length
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
@@ -113,8 +114,13 @@ async def running(
     warming = None
     if config.warmup:
         warming = asyncio.create_task(
-            warm_up_between_requests(engine, chosen, max_context, config.num_draft_tokens)
+            _settle(
+                engine,
+                warm_up_between_requests(engine, chosen, max_context, config.num_draft_tokens),
+            )
         )
+    else:
+        await _settle(engine)
     try:
         yield RunningWorker(server, engine, port, address, worker_id, loaded, warming)
     finally:
@@ -179,6 +185,18 @@ def _registration(
         bytes_per_block=runner.bytes_per_block,
         tiers=_tier_specs(tiers),
     )
+
+
+async def _settle(engine: Engine, warm_up: Awaitable[None] | None = None) -> None:
+    """The end of start-up: the warm-up (if any), then the memory start-up freed (loading,
+    the self-check, the warm-up) given back to the kernel, on the model thread between steps
+    (``kvserve_model.blas.trim_heap``; the heap keeps what steps free, by design, and would
+    keep this too)."""
+    if warm_up is not None:
+        await warm_up
+    freed = await engine.executor.call(trim_heap)
+    if freed:
+        log.info("start-up over: %d MiB of freed memory given back (malloc_trim)", freed >> 20)
 
 
 def _tier_specs(tiers: TierStore | None) -> tuple[tuple[str, int], ...]:
