@@ -68,6 +68,14 @@ async def serving(
 
 if __name__ == "__main__":
     cfg = WorkerConfig.from_args()
+    if cfg.group_hosts and "MLX_RANK" not in os.environ:
+        # Ranks that start on their own (several machines): this one's group environment,
+        # as mlx.launch would have set it (kept through a BLAS re-exec).
+        from worker.group_launch import join_env, resolve_backend
+
+        os.environ.update(
+            join_env(cfg.group_hosts, cfg.group_rank, resolve_backend(cfg.group_backend))
+        )
     if cfg.tensor_parallel > 1 and os.environ.get("MLX_RANK", "0") != "0":
         # A rank other than 0 of a group that mlx.launch started: it follows rank 0.
         from worker.follower import main as follow

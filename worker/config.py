@@ -123,6 +123,11 @@ class WorkerConfig(ServerClientFlags):
     tensor_parallel: int = 1
     group_backend: str = "any"
     group_timeout_s: float = 300.0
+    # A group whose ranks start on their own (several machines; a pod a rank): every rank's
+    # "host:port" in rank order ("{ordinal}" stands for the number ending this host's name, a
+    # StatefulSet pod's ordinal), and this process's rank. Empty: rank 0 starts the others here.
+    group_hosts: str = ""
+    group_rank: int = 0
     # TLS and log_level: ServerClientFlags. The gRPC port serves TLS with tls_cert/tls_key; the
     # same pair is the worker's client certificate when it dials the cache service over TLS
     # (verified against tls_ca).
@@ -175,6 +180,19 @@ def check(c: WorkerConfig) -> str | None:
         return "--group-timeout-s must be >= 0 (0: never)"
     if c.group_backend not in GROUP_BACKENDS:
         return f"--group-backend must be one of {', '.join(GROUP_BACKENDS)}"
+    if c.group_hosts:
+        hosts = c.group_hosts.split(",")
+        if len(hosts) != c.tensor_parallel or c.tensor_parallel < 2:
+            return (
+                f"--group-hosts names {len(hosts)} ranks; --tensor-parallel is "
+                f"{c.tensor_parallel} (they must agree, and be 2 or more)"
+            )
+        if any(h.rpartition(":")[1] != ":" or not h.rpartition(":")[2].isdigit() for h in hosts):
+            return f"--group-hosts must be host:port entries separated by commas: {c.group_hosts}"
+        if not 0 <= c.group_rank < len(hosts):
+            return f"--group-rank must be in 0..{len(hosts) - 1}, got {c.group_rank}"
+    elif c.group_rank:
+        return "--group-rank needs --group-hosts (the ranks' addresses)"
     if c.offload_gb and not c.offload_dir:
         return "--offload-gb needs --offload-dir (where the disk tier's files go)"
     return None
@@ -245,6 +263,9 @@ SETTINGS = Settings(
         "group_timeout_s": "a worker group's longest step (or warm-up call) before rank 0 exits "
         "1 for the group to restart: a rank that stopped answering stalls every collective "
         "(0: never)",
+        "group_hosts": "ranks that start on their own (several machines): every rank's host:port "
+        "in rank order, comma-separated ({ordinal}: the number ending this host's name)",
+        "group_rank": "with --group-hosts: this process's rank (0 serves, the others follow)",
         **tls_help(
             cert="PEM certificate: with --tls-key, the gRPC port serves TLS",
             ca="PEM CA bundle: reach the cache service over TLS, verified against it",

@@ -15,7 +15,7 @@ from kvserve_model.blas import ensure_fast_blas
 from worker.config import WorkerConfig
 from worker.device_defaults import apply_mlx_env
 from worker.engine.stall_watch import ping_interval
-from worker.group_launch import watch_leader, watch_messages
+from worker.group_launch import discard_hostfile, watch_leader, watch_messages
 
 log = logging.getLogger("worker.follower")
 
@@ -31,6 +31,7 @@ def main() -> int:
 
     group = init_group(os.environ.get("KVSERVE_GROUP_BACKEND", "any"))
     log.info("worker group: rank %d of %d joined", group.rank(), group.size())
+    discard_hostfile()  # every rank has joined: the ring's hosts file is read by nobody now
     channel = Channel(group)
 
     def built() -> None:  # from here on rank 0 sends a job or a ping at least this often

@@ -114,6 +114,42 @@ def group_env(size: int, backend: str) -> list[dict[str, str]]:
     raise ValueError(f"a worker group on one machine runs over ring or nccl, not {backend}")
 
 
+def ordinal(hostname: str | None = None) -> str:
+    """The number ending this host's name (a StatefulSet pod ``worker-3``: ``3``); "" if none."""
+    name = hostname if hostname is not None else socket.gethostname()
+    digits = len(name) - len(name.rstrip("0123456789"))
+    return name[len(name) - digits :] if digits else ""
+
+
+def join_env(hosts: str, rank: int, backend: str, hostname: str | None = None) -> dict[str, str]:
+    """The environment ``mx.distributed.init`` reads for rank ``rank`` of a group whose ranks
+    start on their own (``--group-hosts``), as ``mlx.launch`` would set it: the ring gets a
+    hosts file of ``hosts`` (names resolve), NCCL rank 0's host and port as its rendezvous.
+    ``{ordinal}`` in ``hosts`` becomes the number ending this host's name."""
+    if "{ordinal}" in hosts:
+        number = ordinal(hostname)
+        if not number:
+            name = hostname or socket.gethostname()
+            raise ValueError(f"--group-hosts has {{ordinal}} but host name {name!r} ends in none")
+        hosts = hosts.replace("{ordinal}", number)
+    entries = hosts.split(",")
+    base = {
+        "MLX_WORLD_SIZE": str(len(entries)),
+        "MLX_RANK": str(rank),
+        "KVSERVE_GROUP_BACKEND": backend,
+    }
+    if backend == "ring":
+        fd, path = tempfile.mkstemp(prefix="kvserve-group-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump([[entry] for entry in entries], f)
+        return {**base, "MLX_HOSTFILE": path, OWN_HOSTFILE_ENV: path}
+    if backend == "nccl":
+        host, _, port = entries[0].rpartition(":")
+        return {**base, "NCCL_HOST_IP": socket.gethostbyname(host), "NCCL_PORT": port,
+                "NCCL_NVLS_ENABLE": "0"}  # fmt: skip
+    raise ValueError(f"--group-hosts runs over ring or nccl, not {backend}")
+
+
 def discard_hostfile() -> None:
     """On rank 0, once every rank has joined (after the group's first collective): the ring's
     hosts file this process wrote is read by nobody any more; delete it (a start leaves no

@@ -167,10 +167,11 @@ def _answer_when_reachable(base: str, prompt: str) -> dict:
 
 
 def test_ranks_started_on_their_own_form_a_group_and_a_follower_outlives_no_leader(tmp_path):
-    """Several machines, as ``mlx.launch`` (or a pod a rank) starts a group: every rank runs
-    the worker's own command with ``MLX_RANK`` and a hosts file of names, not addresses
-    (``localhost`` here, a pod's DNS name in a cluster). Rank 0 registers the one pool and
-    answers what one process answers; the other follows. Rank 0 then stops without closing its
+    """Several machines: every rank runs the worker's own command, started on its own, and
+    finds the others by name (``localhost`` here, a pod's DNS name in a cluster). Rank 0 as
+    ``mlx.launch`` starts it (``MLX_RANK`` and a hosts file), rank 1 as a pod a rank does
+    (``--group-hosts`` and ``--group-rank``). Rank 0 registers the one pool and answers what
+    one process answers; the other follows. Rank 0 then stops without closing its
     sockets (SIGSTOP: its machine lost): the follower, hearing neither calls nor pings, exits
     1 past its bound rather than waiting in a collective forever."""
     logs = KeptLines(20_000)
@@ -182,18 +183,23 @@ def test_ranks_started_on_their_own_form_a_group_and_a_follower_outlives_no_lead
         alone = [_complete(base, p)["choices"][0]["text"] for p in PROMPTS[:2]]
         single = system.workers[0]
         single.stop()
+        names = [f"localhost:{p}" for p in free_ports(2)]
         hosts = tmp_path / "hosts.json"
-        hosts.write_text(json.dumps([[f"localhost:{p}"] for p in free_ports(2)]))
+        hosts.write_text(json.dumps([[name] for name in names]))
         argv = list(single.argv)
         argv[argv.index("--port") + 1] = port(system.worker_addresses[0])
         argv += ["--tensor-parallel", "2"]
-        env = {**single.env, "MLX_HOSTFILE": str(hosts), "KVWORKER_GROUP_TIMEOUT_S": "3"}
-        for rank in range(2):
+        env = {**single.env, "KVWORKER_GROUP_TIMEOUT_S": "3"}
+        by_rank = [
+            {"MLX_HOSTFILE": str(hosts), "MLX_RANK": "0"},
+            {"KVWORKER_GROUP_HOSTS": ",".join(names), "KVWORKER_GROUP_RANK": "1"},
+        ]
+        for rank, own in enumerate(by_rank):
             child = Child(
                 f"rank{rank}",
                 argv,
                 ready_prefix=single.ready_prefix if rank == 0 else "never",
-                env={**env, "MLX_RANK": str(rank)},
+                env={**env, **own},
                 sink=single.sink,
             )
             ranks.append(child.start())

@@ -5,6 +5,8 @@ rank 0 drives the other through ``worker.model.group``. Greedy tokens identical 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -159,3 +161,52 @@ def test_a_rank_loads_only_its_share_of_the_weights():
     assert count(part) - embedding == pytest.approx((count(full) - embedding) / 2, rel=0.01)
     layer = part.model.layers[0].self_attn
     assert (layer.n_heads, layer.n_kv_heads) == (4, 2)  # 8 and 4 heads, halved
+
+
+def test_ranks_that_start_on_their_own_get_the_environment_mlx_launch_would_set(tmp_path):
+    """``--group-hosts`` (every rank's host:port, ``{ordinal}`` the number ending this host's
+    name, as a StatefulSet pod's) and ``--group-rank``: the ring's hosts file of those names,
+    this rank, the group's size; NCCL: rank 0's address as the rendezvous."""
+    from worker.group_launch import OWN_HOSTFILE_ENV, join_env, ordinal
+
+    assert ordinal("worker-rank1-12") == "12" and ordinal("gpu-node") == ""
+    hosts = "worker-{ordinal}.w.ns.svc:5100,worker-rank1-{ordinal}.r.ns.svc:5100"
+    env = join_env(hosts, 1, "ring", hostname="worker-rank1-3")
+    try:
+        assert (env["MLX_RANK"], env["MLX_WORLD_SIZE"], env["KVSERVE_GROUP_BACKEND"]) == (
+            "1",
+            "2",
+            "ring",
+        )
+        assert json.loads(Path(env["MLX_HOSTFILE"]).read_text()) == [
+            ["worker-3.w.ns.svc:5100"],
+            ["worker-rank1-3.r.ns.svc:5100"],
+        ]
+        assert env[OWN_HOSTFILE_ENV] == env["MLX_HOSTFILE"]  # deleted once the ranks joined
+    finally:
+        os.unlink(env["MLX_HOSTFILE"])
+    nccl = join_env("localhost:6000,localhost:6000", 0, "nccl")
+    assert (nccl["NCCL_HOST_IP"], nccl["NCCL_PORT"]) == ("127.0.0.1", "6000")
+    with pytest.raises(ValueError, match="ends in none"):
+        join_env(hosts, 0, "ring", hostname="gpu-node")
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (["--tensor-parallel", "2", "--group-hosts", "a:1"], "names 1 ranks"),
+        (["--tensor-parallel", "2", "--group-hosts", "a:1,b"], "host:port entries"),
+        (["--tensor-parallel", "2", "--group-hosts", "a:1,b:2", "--group-rank", "2"], "0..1"),
+        (["--group-rank", "1"], "needs --group-hosts"),
+    ],
+)
+def test_group_flags_that_disagree_are_refused(argv, problem):
+    from worker.config import WorkerConfig
+
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+        WorkerConfig.from_args(argv)
+    assert problem in err.getvalue()
+    ok = WorkerConfig.from_args(
+        ["--tensor-parallel", "2", "--group-hosts", "a:1,b:2", "--group-rank", "1"]
+    )
+    assert (ok.group_hosts, ok.group_rank) == ("a:1,b:2", 1)
