@@ -25,6 +25,7 @@ mistake caught.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import os
 import re
@@ -51,7 +52,7 @@ from tests.tls_certs import _make_ca, _make_leaf
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("base", "tls", "tensor-parallel")
+OVERLAYS = ("base", "tls", "tensor-parallel", "multi-host")
 DEPLOY_DOC = ROOT / "docs" / "deploy.md"
 # The oldest version the manifests promise (Kubernetes' own gRPC probes are GA from 1.27)
 # and a recent one.
@@ -493,6 +494,56 @@ def test_probes_ask_the_health_of_the_right_port(overlay, service, certificates,
     assert probe_problems(pod, mounted_files(pod, certificates, tmp_path)) == []
 
 
+def group_problems(objects: list[Object]) -> list[str]:
+    """A worker group spread over pods (the multi-host overlay): every rank's pod parses with
+    the worker's real flags; the ranks agree on the group (its hosts, its size) and each has
+    its own rank; each host entry is that rank's pod name under its headless Service (names
+    published before readiness) at the port its container opens for the group; and the
+    StatefulSets have as many pods each (one rank of every group)."""
+    ranks = [
+        dataclasses.replace(pod_of(objects, "StatefulSet", o["metadata"]["name"]), name="worker")
+        for o in objects
+        if o["kind"] == "StatefulSet" and o["metadata"]["name"].startswith("worker")
+    ]
+    problems = [p for pod in ranks for p in flag_problems(pod)]
+    by_rank = {int(pod.env.get("KVWORKER_GROUP_RANK", "0")): pod for pod in ranks}
+    hosts = {pod.env.get("KVWORKER_GROUP_HOSTS", "") for pod in ranks}
+    if len(hosts) != 1 or len(by_rank) != len(ranks):
+        return [*problems, f"the ranks disagree: hosts {hosts}, ranks {sorted(by_rank)}"]
+    entries = hosts.pop().split(",")
+    if sorted(by_rank) != list(range(len(entries))):
+        problems.append(f"ranks {sorted(by_rank)} for {len(entries)} hosts")
+    for rank, entry in enumerate(entries):
+        pod = by_rank.get(rank)
+        if pod is None:
+            continue
+        spec = pod.workload["spec"]
+        if pod.env.get("KVWORKER_TENSOR_PARALLEL") != str(len(entries)):
+            problems.append(f"rank {rank}: --tensor-parallel is not {len(entries)}")
+        namespace = pod.workload["metadata"].get("namespace", "default")
+        ports = {str(p["containerPort"]) for p in pod.container.get("ports", [])}
+        name = f"{pod.workload['metadata']['name']}-{{ordinal}}.{spec['serviceName']}"
+        host, _, port = entry.rpartition(":")
+        if host != f"{name}.{namespace}.svc" or port not in ports:
+            problems.append(f"rank {rank}: {entry} is not its pod's {name} at an open port")
+        headless = find(objects, "Service", spec["serviceName"]) or {"spec": {}}
+        if headless["spec"].get("clusterIP") != "None" or not selects(headless, pod.workload):
+            problems.append(f"rank {rank}: no headless Service {spec['serviceName']} names it")
+        if headless["spec"].get("publishNotReadyAddresses") is not True:
+            problems.append(f"rank {rank}: its name resolves only once ready")
+    if len({pod.workload["spec"].get("replicas", 1) for pod in ranks}) != 1:
+        problems.append("the ranks' StatefulSets have different replicas")
+    return problems
+
+
+def test_a_group_over_pods_names_each_rank_where_it_listens():
+    objects = render(KUBE / "multi-host")
+    assert len([o for o in objects if o["kind"] == "StatefulSet"]) == 2
+    assert group_problems(objects) == []
+    for name in ("base", "tls", "tensor-parallel"):  # no group over pods: nothing to check
+        assert not any(o["metadata"]["name"] == "worker-rank1" for o in render(KUBE / name))
+
+
 def test_the_overlay_turns_tls_on_everywhere_and_the_base_nowhere():
     base, tls = pods_of(render(KUBE / "base")), pods_of(render(KUBE / "tls"))
     for name in WORKLOADS:
@@ -643,6 +694,32 @@ MUTATIONS: dict[str, tuple[str, Callable[[list[Object]], object]]] = {
         lambda o: _data(o, "kvcache").update(KVCACHE_TLS_CERT="/c", KVCACHE_TLS_KEY="/k"),
     ),
 }
+
+
+def _rank1_env(objects: list[Object], name: str) -> Object:
+    env = get(objects, "StatefulSet", "worker-rank1")["spec"]["template"]["spec"]
+    return next(e for e in env["containers"][0]["env"] if e["name"] == name)
+
+
+GROUP_MUTATIONS: dict[str, Callable[[list[Object]], object]] = {
+    "two ranks 0": lambda o: _rank1_env(o, "KVWORKER_GROUP_RANK").update(value="0"),
+    "a rank named under another Service": lambda o: _rank1_env(o, "KVWORKER_GROUP_HOSTS").update(
+        value=_rank1_env(o, "KVWORKER_GROUP_HOSTS")["value"].replace(".worker-rank1.", ".worker.")
+    ),
+    "a follower's name resolving only once ready": lambda o: get(o, "Service", "worker-rank1")[
+        "spec"
+    ].pop("publishNotReadyAddresses"),
+    "more followers than leaders": lambda o: get(o, "StatefulSet", "worker-rank1")["spec"].update(
+        replicas=3
+    ),
+}
+
+
+@pytest.mark.parametrize("mutation", list(GROUP_MUTATIONS))
+def test_a_mistake_in_a_group_over_pods_is_caught(mutation):
+    objects = render(KUBE / "multi-host")
+    GROUP_MUTATIONS[mutation](objects)
+    assert group_problems(objects), f"{mutation}: not caught"
 
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS))
