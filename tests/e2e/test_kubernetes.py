@@ -498,8 +498,9 @@ def group_problems(objects: list[Object]) -> list[str]:
     """A worker group spread over pods (the multi-host overlay): every rank's pod parses with
     the worker's real flags; the ranks agree on the group (its hosts, its size) and each has
     its own rank; each host entry is that rank's pod name under its headless Service (names
-    published before readiness) at the port its container opens for the group; and the
-    StatefulSets have as many pods each (one rank of every group)."""
+    published before readiness) at the port its container opens for the group; the
+    StatefulSets have as many pods each (one rank of every group); and a NetworkPolicy lets
+    only the group's pods reach the group's port, the gateways still the serving rank's."""
     ranks = [
         dataclasses.replace(pod_of(objects, "StatefulSet", o["metadata"]["name"]), name="worker")
         for o in objects
@@ -533,7 +534,52 @@ def group_problems(objects: list[Object]) -> list[str]:
             problems.append(f"rank {rank}: its name resolves only once ready")
     if len({pod.workload["spec"].get("replicas", 1) for pod in ranks}) != 1:
         problems.append("the ranks' StatefulSets have different replicas")
+    # The group's port (pickled calls, unauthenticated) reachable from the group's pods only;
+    # the serving rank's gRPC port still reachable by the gateways.
+    group_port = int(entries[0].rpartition(":")[2])
+    labels = [pod.workload["spec"]["template"]["metadata"].get("labels", {}) for pod in ranks]
+    for pod, own in zip(ranks, labels, strict=True):
+        rules = [
+            rule
+            for o in objects
+            if o["kind"] == "NetworkPolicy" and matches(o["spec"].get("podSelector", {}), own)
+            for rule in o["spec"].get("ingress", [])
+        ]
+        to_group = [r for r in rules if group_port in {p.get("port") for p in r.get("ports", [])}]
+        if not rules or not to_group:
+            problems.append(f"{pod.workload['metadata']['name']}: port {group_port} open to all")
+        for rule in to_group:
+            froms = [f.get("podSelector") for f in rule.get("from", [])]
+            if (
+                not froms
+                or None in froms
+                or not all(any(matches(sel, lab) for sel in froms) for lab in labels)
+            ):
+                problems.append(f"{pod.workload['metadata']['name']}: {rule} is not the group")
+        grpc = int(pod.env.get("KVWORKER_PORT", "0"))
+        if rules and pod.env.get("KVWORKER_GROUP_RANK", "0") == "0":
+            open_to_all = [r for r in rules if not r.get("from")]
+            if not any(grpc in {p.get("port") for p in r.get("ports", [])} for r in open_to_all):
+                problems.append(f"{pod.workload['metadata']['name']}: gateways cannot dial {grpc}")
     return problems
+
+
+def matches(selector: dict, labels: dict) -> bool:
+    """A label selector (matchLabels, matchExpressions In/NotIn/Exists) on ``labels``."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        value = labels.get(e["key"])
+        op = e["operator"]
+        ok = {
+            "In": value in e.get("values", []),
+            "NotIn": value not in e.get("values", []),
+            "Exists": value is not None,
+            "DoesNotExist": value is None,
+        }[op]
+        if not ok:
+            return False
+    return True
 
 
 def test_a_group_over_pods_names_each_rank_where_it_listens():
@@ -712,6 +758,12 @@ GROUP_MUTATIONS: dict[str, Callable[[list[Object]], object]] = {
     "more followers than leaders": lambda o: get(o, "StatefulSet", "worker-rank1")["spec"].update(
         replicas=3
     ),
+    "the group's port open to every pod": lambda o: get(o, "NetworkPolicy", "worker-group")["spec"][
+        "ingress"
+    ][0].pop("from"),
+    "the gateways shut out": lambda o: get(o, "NetworkPolicy", "worker-group")["spec"][
+        "ingress"
+    ].pop(1),
 }
 
 
