@@ -166,14 +166,51 @@ def _answer_when_reachable(base: str, prompt: str) -> dict:
             time.sleep(0.5)
 
 
-def test_ranks_started_on_their_own_form_a_group_and_a_follower_outlives_no_leader(tmp_path):
+def _start_ranks(single: Child, worker_port: str, tmp_path, timeout_s: int) -> list[Child]:
+    """A group of 2 in place of the one-process worker ``single`` (on its port), each rank
+    started on its own: rank 0 as ``mlx.launch`` starts it (``MLX_RANK`` and a hosts file),
+    rank 1 as a pod a rank does (``--group-hosts`` and ``--group-rank``)."""
+    names = [f"localhost:{p}" for p in free_ports(2)]
+    hosts = tmp_path / f"hosts-{names[0].rpartition(':')[2]}.json"
+    hosts.write_text(json.dumps([[name] for name in names]))
+    argv = list(single.argv)
+    argv[argv.index("--port") + 1] = worker_port
+    argv += ["--tensor-parallel", "2"]
+    env = {**single.env, "KVWORKER_GROUP_TIMEOUT_S": str(timeout_s)}
+    by_rank = [
+        {"MLX_HOSTFILE": str(hosts), "MLX_RANK": "0"},
+        {"KVWORKER_GROUP_HOSTS": ",".join(names), "KVWORKER_GROUP_RANK": "1"},
+    ]
+    ranks = []
+    for rank, own in enumerate(by_rank):
+        child = Child(
+            f"rank{rank}",
+            argv,
+            ready_prefix=single.ready_prefix if rank == 0 else "never",
+            env={**env, **own},
+            sink=single.sink,
+        )
+        ranks.append(child.start())
+    ranks[0].wait_ready(STARTUP_TIMEOUT_S)
+    return ranks
+
+
+def _exits(child: Child, within_s: float = 30) -> int | None:
+    deadline = time.monotonic() + within_s
+    while child.running and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return child.returncode
+
+
+def test_ranks_started_on_their_own_form_a_group_and_outlive_no_peer(tmp_path):
     """Several machines: every rank runs the worker's own command, started on its own, and
-    finds the others by name (``localhost`` here, a pod's DNS name in a cluster). Rank 0 as
-    ``mlx.launch`` starts it (``MLX_RANK`` and a hosts file), rank 1 as a pod a rank does
-    (``--group-hosts`` and ``--group-rank``). Rank 0 registers the one pool and answers what
-    one process answers; the other follows. Rank 0 then stops without closing its
-    sockets (SIGSTOP: its machine lost): the follower, hearing neither calls nor pings, exits
-    1 past its bound rather than waiting in a collective forever."""
+    finds the others by name (``localhost`` here, a pod's DNS name in a cluster). Rank 0
+    registers the one pool and answers what one process answers; the other follows. Then each
+    way a peer can vanish: the follower killed, and rank 0 exits 1 (a failed ping, or a step
+    past its bound);
+    rank 0 stopped without closing its sockets (SIGSTOP: its machine lost), and the follower,
+    hearing neither calls nor pings past its bound, exits 1 rather than waiting in a
+    collective forever."""
     logs = KeptLines(20_000)
     fixture = started_system(logs, workers=1)
     system = next(fixture)
@@ -183,39 +220,27 @@ def test_ranks_started_on_their_own_form_a_group_and_a_follower_outlives_no_lead
         alone = [_complete(base, p)["choices"][0]["text"] for p in PROMPTS[:2]]
         single = system.workers[0]
         single.stop()
-        names = [f"localhost:{p}" for p in free_ports(2)]
-        hosts = tmp_path / "hosts.json"
-        hosts.write_text(json.dumps([[name] for name in names]))
-        argv = list(single.argv)
-        argv[argv.index("--port") + 1] = port(system.worker_addresses[0])
-        argv += ["--tensor-parallel", "2"]
-        env = {**single.env, "KVWORKER_GROUP_TIMEOUT_S": "3"}
-        by_rank = [
-            {"MLX_HOSTFILE": str(hosts), "MLX_RANK": "0"},
-            {"KVWORKER_GROUP_HOSTS": ",".join(names), "KVWORKER_GROUP_RANK": "1"},
-        ]
-        for rank, own in enumerate(by_rank):
-            child = Child(
-                f"rank{rank}",
-                argv,
-                ready_prefix=single.ready_prefix if rank == 0 else "never",
-                env={**env, **own},
-                sink=single.sink,
-            )
-            ranks.append(child.start())
-        ranks[0].wait_ready(STARTUP_TIMEOUT_S)
+        worker_port = port(system.worker_addresses[0])
+        ranks += _start_ranks(single, worker_port, tmp_path, timeout_s=3)
         grouped = [_answer_when_reachable(base, p)["choices"][0]["text"] for p in PROMPTS[:2]]
         assert grouped == alone
         lines = logs.dump()
         assert "worker group: rank 1 of 2 joined" in lines, lines[-3000:]
         assert "tensor parallel over 2 ranks" in lines
-        time.sleep(2)  # idle: rank 0's pings keep the follower waiting
-        assert ranks[1].running
-        ranks[0].signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 30
-        while ranks[1].running and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60  # idle: the background warm-up over
+        while "start-up over" not in logs.dump() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert ranks[1].returncode == 1, logs.dump()[-3000:]
+        ranks[1].kill()  # the follower's machine gone, its sockets closed
+        assert _exits(ranks[0]) == 1, logs.dump()[-3000:]
+        # Idle, a ping fails; inside a step the ring reports the closed socket but the step's
+        # evaluation did not return here, and the stall watch ends it.
+        said = logs.dump()
+        assert "a rank is gone" in said or "a rank stopped answering" in said, said[-3000:]
+        ranks += _start_ranks(single, worker_port, tmp_path, timeout_s=3)
+        time.sleep(2)  # idle: rank 0's pings keep the follower waiting
+        assert ranks[3].running
+        ranks[2].signal(signal.SIGSTOP)
+        assert _exits(ranks[3]) == 1, logs.dump()[-3000:]
         assert "nothing from rank 0" in logs.dump()
     finally:
         for child in ranks:

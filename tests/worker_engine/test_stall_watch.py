@@ -71,6 +71,25 @@ def test_rank_0_pings_its_model_thread_until_it_is_shut_down() -> None:
     assert ping_interval(300) == 10.0 and ping_interval(2) == 0.5
 
 
+def test_a_ping_that_fails_ends_rank_0() -> None:
+    """A follower's socket closed (a rank on another machine exited): the next ping raises,
+    and rank 0 reports it, to exit for the group to restart."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from worker.engine.stall_watch import pings
+
+    def ping() -> None:
+        raise RuntimeError("[ring] connection to a peer was lost")
+
+    failures: list[str] = []
+    reported = threading.Event()
+    model_thread = ThreadPoolExecutor(1)
+    pings(model_thread.submit, ping, 0.05, lambda m: (failures.append(m), reported.set()))
+    assert reported.wait(5)
+    model_thread.shutdown()
+    assert "a rank is gone" in failures[0] and "connection to a peer was lost" in failures[0]
+
+
 def _follower_that_hears(every_s: float | None) -> subprocess.CompletedProcess[str]:
     """A process whose channel hears a message every ``every_s`` (None: never), watched by
     ``watch_messages`` with a 1 s bound, for 3 s."""

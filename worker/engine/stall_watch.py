@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
@@ -86,18 +87,31 @@ def ping_interval(timeout_s: float) -> float:
 
 
 def pings(
-    submit: Callable[[Callable[[], None]], Any], ping: Callable[[], None], every_s: float
+    submit: Callable[[Callable[[], None]], Future[Any]],
+    ping: Callable[[], None],
+    every_s: float,
+    on_failure: Callable[[str], None] = _exit,
 ) -> None:
     """A daemon thread that submits ``ping`` to the model thread every ``every_s`` seconds
     (rank 0 of a group: a job between the others, so the followers hear from it even while
-    no request runs; ``worker.group_launch.watch_messages`` is their side). Stops when the
-    model thread takes no more work."""
+    no request runs; ``worker.group_launch.watch_messages`` is their side). A ping that fails
+    (a follower's socket closed: a rank on another machine exited) ends the process, as a
+    local follower's exit does (``group_launch.Followers``). Stops when the model thread takes
+    no more work."""
+
+    def failed(done: Future[Any]) -> None:
+        error = None if done.cancelled() else done.exception()
+        if error is not None:
+            on_failure(
+                f"worker group: a ping to the other ranks failed ({error}): a rank is gone; "
+                "exiting so the group restarts"
+            )
 
     def loop() -> None:
         while True:
             time.sleep(every_s)
             try:
-                submit(ping)
+                submit(ping).add_done_callback(failed)
             except RuntimeError:  # the model thread was shut down
                 return
 
