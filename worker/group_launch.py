@@ -95,17 +95,13 @@ def group_env(size: int, backend: str) -> list[dict[str, str]]:
     """Each rank's environment for ``mx.distributed.init`` over ``backend`` on this machine."""
     base = {"MLX_WORLD_SIZE": str(size), "KVSERVE_GROUP_BACKEND": backend}
     if backend == "ring":
-        ports = free_ports(size)
-        fd, path = tempfile.mkstemp(prefix="kvserve-group-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump([[f"127.0.0.1:{p}"] for p in ports], f)
+        path = _hostfile([f"127.0.0.1:{p}" for p in free_ports(size)])
         base["MLX_HOSTFILE"] = path
         ranks = [{**base, "MLX_RANK": str(r)} for r in range(size)]
         ranks[0][OWN_HOSTFILE_ENV] = path  # rank 0 deletes it once every rank joined
         return ranks
     if backend == "nccl":
-        port = free_ports(1)[0]
-        base |= {"NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": str(port), "NCCL_NVLS_ENABLE": "0"}
+        base |= _nccl_env("127.0.0.1", str(free_ports(1)[0]))
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         gpus = visible.split(",") if visible else [str(r) for r in range(size)]
         if len(gpus) < size:
@@ -139,15 +135,25 @@ def join_env(hosts: str, rank: int, backend: str, hostname: str | None = None) -
         "KVSERVE_GROUP_BACKEND": backend,
     }
     if backend == "ring":
-        fd, path = tempfile.mkstemp(prefix="kvserve-group-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump([[entry] for entry in entries], f)
+        path = _hostfile(entries)
         return {**base, "MLX_HOSTFILE": path, OWN_HOSTFILE_ENV: path}
     if backend == "nccl":
         host, _, port = entries[0].rpartition(":")
-        return {**base, "NCCL_HOST_IP": socket.gethostbyname(host), "NCCL_PORT": port,
-                "NCCL_NVLS_ENABLE": "0"}  # fmt: skip
+        return {**base, **_nccl_env(socket.gethostbyname(host), port)}
     raise ValueError(f"--group-hosts runs over ring or nccl, not {backend}")
+
+
+def _hostfile(entries: list[str]) -> str:
+    """A ring hosts file (``mlx.launch``'s form: one ``[host:port]`` a rank); its path."""
+    fd, path = tempfile.mkstemp(prefix="kvserve-group-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump([[entry] for entry in entries], f)
+    return path
+
+
+def _nccl_env(host_ip: str, port: str) -> dict[str, str]:
+    """NCCL's rendezvous at rank 0's address (NVLink multicast off: KINDS.md)."""
+    return {"NCCL_HOST_IP": host_ip, "NCCL_PORT": port, "NCCL_NVLS_ENABLE": "0"}
 
 
 def discard_hostfile() -> None:

@@ -40,6 +40,8 @@ import mlx.nn as nn
 import numpy as np
 
 from worker.errors import BatchError, UnsupportedModelError
+from worker.model.kv_pool import check_payloads, describe_layout, write_rate
+from worker.model.spec import LayerSpec
 
 log = logging.getLogger(__name__)
 
@@ -222,9 +224,6 @@ class GroupPool:
         return int(self._pool.bytes_per_block) * self.ranks
 
     def describe_layout(self) -> str:
-        from worker.model.kv_pool import describe_layout
-        from worker.model.spec import LayerSpec
-
         whole = [
             LayerSpec(s.n_kv_heads * self.ranks, s.k_head_dim, s.v_head_dim)
             for s in self._pool.layers
@@ -244,9 +243,7 @@ class GroupPool:
         if not blocks:
             return
         self._pool.check_blocks(blocks)
-        per = self.bytes_per_block
-        if len(payloads) != len(blocks) or any(len(p) != per for p in payloads):
-            raise BatchError(f"block payloads must be {per} bytes each, one per block")
+        check_payloads(blocks, payloads, self.bytes_per_block)
         self._write(list(blocks), np.stack([np.frombuffer(p, np.uint8) for p in payloads]))
 
     def _write(self, blocks: list[int], whole: np.ndarray) -> None:
@@ -258,11 +255,7 @@ class GroupPool:
         their writes), writing zeros into the trash block, as ``KVPool.measure_write_rate``."""
         whole = np.zeros((blocks, self.bytes_per_block), np.uint8)
         trash = [int(self._pool.trash_block)] * blocks
-        self._write(trash, whole)  # first use
-        start = time.perf_counter()
-        self._write(trash, whole)
-        took = time.perf_counter() - start
-        return blocks * self.bytes_per_block / took if took > 0 else 0.0
+        return write_rate(lambda: self._write(trash, whole), blocks * self.bytes_per_block)
 
 
 class GroupRunner:

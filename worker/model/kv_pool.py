@@ -32,7 +32,7 @@ import ctypes
 import mmap
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -118,6 +118,24 @@ def describe_layout(layers: Sequence[LayerSpec], block_size: int, dtype: mx.Dtyp
     ``[heads, block_size, k_dim]`` then V): what a spilled block's bytes mean (worker.tier)."""
     shapes = ",".join(f"{s.n_kv_heads}x{s.k_head_dim}/{s.v_head_dim}" for s in layers)
     return f"head-major;bs={block_size};dtype={dtype};layers={shapes}"
+
+
+def check_payloads(
+    blocks: Sequence[int], payloads: Sequence[bytes | memoryview], per_block: int
+) -> None:
+    """Raise :class:`BatchError` unless there is one payload of ``per_block`` bytes a block."""
+    if len(payloads) != len(blocks) or any(len(p) != per_block for p in payloads):
+        raise BatchError(f"block payloads must be {per_block} bytes each, one per block")
+
+
+def write_rate(write: Callable[[], None], nbytes: int) -> float:
+    """Bytes a second ``write`` (of ``nbytes``) moves, timed on its second run (the first
+    pays its kernels and buffers): a pool's, or a worker group's, measured load path."""
+    write()
+    start = time.perf_counter()
+    write()
+    took = time.perf_counter() - start
+    return nbytes / took if took > 0 else 0.0
 
 
 def bytes_per_block(layers: Sequence[LayerSpec], block_size: int, dtype: mx.Dtype) -> int:
@@ -316,10 +334,7 @@ class KVPool:
         if not blocks:
             return
         self.check_blocks(blocks)
-        per = self.bytes_per_block
-        bad = [len(p) for p in payloads if len(p) != per]
-        if len(payloads) != len(blocks) or bad:
-            raise BatchError(f"block payloads must be {per} bytes each, one per block")
+        check_payloads(blocks, payloads, self.bytes_per_block)
         self.write_payloads(blocks, payloads)
 
     def write_payloads(self, blocks: Sequence[int], payloads: Sequence[bytes | memoryview]) -> None:
@@ -377,15 +392,11 @@ class KVPool:
         ``blocks`` blocks of zeros into the trash block (never read unmasked) on the path
         a load takes here; on the model thread. The tiers weigh loading against computing
         with it before any real load has been timed."""
-        zeros = [bytes(self.bytes_per_block)] * blocks
-        trash = [int(self.trash_block)] * blocks
         if mx.default_device() != mx.cpu and not self._uniform:
             return 0.0  # mixed layer shapes off the CPU: measured by the loads themselves
-        self.write_payloads(trash, zeros)  # first use: kernels, the staging buffer
-        start = time.perf_counter()
-        self.write_payloads(trash, zeros)
-        took = time.perf_counter() - start
-        return blocks * self.bytes_per_block / took if took > 0 else 0.0
+        zeros = [bytes(self.bytes_per_block)] * blocks
+        trash = [int(self.trash_block)] * blocks
+        return write_rate(lambda: self.write_payloads(trash, zeros), blocks * self.bytes_per_block)
 
     def _write_blocks_in_place(
         self, blocks: Sequence[int], payloads: Sequence[bytes | memoryview]
