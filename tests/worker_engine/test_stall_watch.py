@@ -92,7 +92,7 @@ def test_a_ping_that_fails_ends_rank_0() -> None:
 
 def _follower_that_hears(every_s: float | None) -> subprocess.CompletedProcess[str]:
     """A process whose channel hears a message every ``every_s`` (None: never), watched by
-    ``watch_messages`` with a 1 s bound, for 3 s."""
+    ``watch_messages`` with a 2 s bound, for 5 s."""
     code = f"""
 import logging, threading, time
 logging.basicConfig(level="INFO")
@@ -100,9 +100,9 @@ from worker.group_launch import watch_messages
 class Channel:
     received_at = time.monotonic()
 channel = Channel()
-watch_messages(channel, 1.0)
+watch_messages(channel, 2.0)
 every = {every_s!r}
-end = time.monotonic() + 3
+end = time.monotonic() + 5
 while time.monotonic() < end:
     time.sleep(every or 0.05)
     if every:
