@@ -1,8 +1,9 @@
 """`python -m worker`: an MLX compute worker, until SIGINT/SIGTERM.
 
-``worker.server`` (and with it mlx-lm, which imports transformers: 14 s on a GPU machine with
-PyTorch installed) is imported only once the kernel-precompile child runs (``worker.precompile``),
-so that the two overlap."""
+``mlx_lm`` is registered first with its ``__init__`` deferred (``worker.model.mlx_lm_light``):
+importing ``worker.server`` then imports mlx-lm's models but not ``transformers`` (14 s on a GPU
+machine with PyTorch installed), which only the tokenizer needs, and which loads on a thread of
+its own beside the weights and the self-check (``worker.model.loader``)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from kvserve_model.resolve import resolve_model
 from worker import precompile
 from worker.config import WorkerConfig
 from worker.device_defaults import apply_mlx_env
+from worker.model import mlx_lm_light
 from worker.model.device import cuda_available
 
+mlx_lm_light.register_package()  # before anything imports mlx_lm
 log = logging.getLogger("worker")
 
 

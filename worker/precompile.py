@@ -34,11 +34,7 @@ done long before the import, the worker's own self-check 5.6 s either way).
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import importlib
-import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -46,10 +42,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
+
+from worker.model import mlx_lm_light
 
 log = logging.getLogger(__name__)
 
@@ -158,65 +155,14 @@ def publish(source: Path, target: Path) -> int:
 # -- the child ----------------------------------------------------------------------------------
 
 
-def mlx_lm_without_init() -> None:
-    """Register the ``mlx_lm`` package without running its ``__init__``: its submodules
-    ``models.*`` and ``sample_utils`` import only MLX, its ``__init__`` imports transformers."""
-    spec = importlib.util.find_spec("mlx_lm")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("mlx_lm is not installed")
-    package = types.ModuleType("mlx_lm")
-    package.__path__ = list(spec.submodule_search_locations)
-    package.__spec__ = spec
-    sys.modules["mlx_lm"] = package
-
-
-def model_remapping(package: Path) -> dict[str, str]:
-    """``mlx_lm.utils.MODEL_REMAPPING``, read from its source (importing it imports
-    transformers)."""
-    tree = ast.parse((package / "utils.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "MODEL_REMAPPING" for t in node.targets
-        ):
-            return dict(ast.literal_eval(node.value))
-    return {}
-
-
 def build_model(model_dir: Path) -> Any:
-    """The model of ``model_dir`` as ``mlx_lm.utils.load_model`` builds it (weights,
-    ``sanitize``, its quantization predicate), in the worker's compute dtype."""
+    """The model of ``model_dir`` as the worker builds it (``mlx_lm.utils.load_model`` without
+    transformers, ``worker.model.mlx_lm_light``), in the worker's compute dtype."""
     import mlx.core as mx
-    import mlx.nn as nn
 
     from worker.model.loader import compute_dtype
 
-    config = json.loads((model_dir / "config.json").read_text())
-    package = Path(sys.modules["mlx_lm"].__path__[0])
-    model_type = config["model_type"]
-    module = importlib.import_module(
-        f"mlx_lm.models.{model_remapping(package).get(model_type, model_type)}"
-    )
-    model = module.Model(module.ModelArgs.from_dict(config))
-    weights: dict[str, Any] = {}
-    for file in sorted(model_dir.glob("model*.safetensors")):
-        weights.update(cast(dict[str, Any], mx.load(str(file))))
-    if hasattr(model, "sanitize"):
-        weights = model.sanitize(weights)
-    if (quantization := config.get("quantization")) is not None:
-
-        def predicate(path: str, module: nn.Module) -> Any:
-            if path in quantization:
-                return quantization[path]
-            return hasattr(module, "to_quantized") and f"{path}.scales" in weights
-
-        nn.quantize(
-            model,
-            group_size=quantization["group_size"],
-            bits=quantization["bits"],
-            mode=quantization.get("mode", "affine"),
-            class_predicate=predicate,
-        )
-    model.load_weights(list(weights.items()), strict=False)
+    model, config = mlx_lm_light.utils().load_model(model_dir)
     dtype = compute_dtype(config, cpu=mx.default_device() == mx.cpu)
     if dtype is not None:
         model.set_dtype(dtype)
@@ -230,7 +176,7 @@ def main(argv: list[str]) -> int:
     seed, own = os.environ.get(SEED_ENV), os.environ.get(PTX_CACHE_ENV)
     if seed and own and Path(seed).is_dir():
         publish(Path(seed), Path(own))  # what is compiled already is read, not compiled again
-    mlx_lm_without_init()
+    mlx_lm_light.register_package()
     from worker.model.runner import ModelRunner
     from worker.model.self_check import check_paged_parity
 

@@ -75,6 +75,7 @@ async def running(
             config.model, dequantize=config.dequantize, shard=group_sharding(config)
         )
         executor, chosen = build_executor(config, loaded, kernels_ready)
+        tokenizer = loaded.tokenizer  # loaded on its own thread meanwhile (worker.model.loader)
     runner = executor.runner
     server, port = _bound_server(config)
     worker_id = config.pool_id(port)
@@ -89,7 +90,7 @@ async def running(
         _lease_client(config),
         registration,
         _engine_limits(config, executor, chosen, max_context),
-        loaded.tokenizer,
+        tokenizer,
         tiers,
         config.tier_load,
     )

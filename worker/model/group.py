@@ -381,6 +381,9 @@ def build_runner(message: dict[str, Any]) -> Any:
     from worker.model.runner import ModelRunner
 
     loaded = load_model(
-        message["model"], dequantize=message.get("dequantize", "auto"), shard=sharding()
+        message["model"],
+        dequantize=message.get("dequantize", "auto"),
+        shard=sharding(),
+        tokenizer=False,
     )
     return ModelRunner.create(loaded.model, **message["runner"])

@@ -39,8 +39,10 @@ import json
 import logging
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -53,6 +55,7 @@ from kvserve_model.context import context_length, load_config
 from kvserve_model.errors import ModelLoadError
 from kvserve_model.gguf_convert import mark_checked, pending_check
 from kvserve_model.resolve import resolve_model
+from worker.model import mlx_lm_light
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +69,24 @@ QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
-    """A model ready to serve: mlx-lm module, tokenizer wrapper, where it came from."""
+    """A model ready to serve: mlx-lm module, tokenizer wrapper, where it came from.
+
+    The tokenizer loads on a thread of its own (``transformers``' import is most of a cold
+    start on a host with PyTorch: ``worker.model.mlx_lm_light``); :attr:`tokenizer` waits for
+    it, and raises :class:`ModelLoadError` where it failed."""
 
     model: nn.Module
-    tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    tokenizer_future: Future[Any]  # of mlx_lm.tokenizer_utils.TokenizerWrapper
     path: Path
     fingerprint: str
     config: dict[str, Any]
+
+    @property
+    def tokenizer(self) -> Any:
+        try:
+            return self.tokenizer_future.result()
+        except Exception as e:
+            raise ModelLoadError(f"the tokenizer of {self.path} did not load: {e}") from e
 
 
 def load_model(
@@ -80,23 +94,32 @@ def load_model(
     *,
     dequantize: str = "auto",
     shard: Callable[[nn.Module], None] | None = None,
+    tokenizer: bool = True,
 ) -> LoadedModel:
-    """Resolve and load a model with ``mlx_lm.load``, dequantized where :func:`should_dequantize`
-    says, its floating parameters in :func:`compute_dtype`; check it once if it was converted
-    from GGUF (see the module docstring).
+    """Resolve and load a model as ``mlx_lm.load`` does (``mlx_lm.utils.load_model``, then its
+    ``load_tokenizer``), dequantized where :func:`should_dequantize` says, its floating
+    parameters in :func:`compute_dtype`; check it once if it was converted from GGUF (see the
+    module docstring). The tokenizer loads on its own thread meanwhile (:class:`LoadedModel`).
 
     ``shard``: a worker group's (``worker.model.group.shard_model`` over this rank's group). The
     weights are then loaded lazily and sharded before anything is evaluated, so a rank holds
     only its share (a model larger than one device loads), and the GGUF check waits for a load
-    that is not sharded (its generation would all-reduce on one rank only)."""
-    import mlx_lm
-
+    that is not sharded (its generation would all-reduce on one rank only). ``tokenizer=False``
+    (a group's follower, which only runs forwards): none is loaded."""
+    mlx_lm_light.register_package()
     t0 = time.perf_counter()
     path = resolve_model(name_or_path, log=log.info)
     t1 = time.perf_counter()
     try:
-        loaded = mlx_lm.load(str(path), return_config=True, lazy=shard is not None)
-        model, tokenizer, config = cast(tuple[nn.Module, Any, dict[str, Any]], loaded)
+        utils = mlx_lm_light.utils()
+        config = cast(dict[str, Any], utils.load_config(path))
+    except Exception as e:
+        raise ModelLoadError(f"mlx_lm could not read {str(path)!r}: {e}") from e
+    tokens = _load_tokenizer_beside(utils, path, config) if tokenizer else _none_loaded(path)
+    try:
+        model, config = cast(
+            tuple[nn.Module, dict[str, Any]], utils.load_model(path, lazy=shard is not None)
+        )
     except Exception as e:
         raise ModelLoadError(f"mlx_lm.load({str(path)!r}) failed: {e}") from e
     cpu = mx.default_device() == mx.cpu
@@ -104,26 +127,55 @@ def load_model(
     if dtype is not None:  # scales and biases too: a dequantized weight is computed in it
         model.set_dtype(dtype)
     if should_dequantize(model, dequantize, cpu):
-        from mlx_lm.utils import dequantize_model
-
-        model = dequantize_model(model)
+        model = utils.dequantize_model(model)
         log.info("dequantized the weights to %s: the CPU runs them on BLAS", dtype)
     if shard is not None:
         shard(model)
     mx.eval(model.parameters())
-    # transformers warns past model_max_length; the model's own context is the limit.
-    tokenizer._tokenizer.model_max_length = context_length(config)
+    loaded = LoadedModel(model, tokens, path, model_fingerprint(path), config)
     if shard is None and (check := pending_check(path)) is not None:
-        check_converted(model, tokenizer, path, check)
-    fingerprint = model_fingerprint(path)
+        check_converted(model, loaded.tokenizer, path, check)
     log.info(
-        "model loaded in %.2f s (resolve %.2f s, weights and tokenizer %.2f s): %s",
+        "model loaded in %.2f s (resolve %.2f s, weights %.2f s; the tokenizer %s)",
         time.perf_counter() - t0,
         t1 - t0,
         time.perf_counter() - t1,
-        path,
+        "loading on its own thread"
+        if not tokens.done()
+        else "loaded"
+        if tokenizer
+        else "not needed",
     )
-    return LoadedModel(model, tokenizer, path, fingerprint, config)
+    return loaded
+
+
+def _none_loaded(path: Path) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_exception(ModelLoadError(f"no tokenizer was loaded for {path} (tokenizer=False)"))
+    return future
+
+
+def _load_tokenizer_beside(utils: Any, path: Path, config: Mapping[str, Any]) -> Future[Any]:
+    """``mlx_lm.utils.load_tokenizer`` as ``mlx_lm.load`` calls it, on a thread of its own."""
+    future: Future[Any] = Future()
+    eos = config.get("eos_token_id")
+
+    def load() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        t0 = time.perf_counter()
+        try:
+            tokenizer = utils.load_tokenizer(path, None, eos_token_ids=eos)
+            # transformers warns past model_max_length; the model's own context is the limit.
+            tokenizer._tokenizer.model_max_length = context_length(config)
+        except BaseException as e:  # whatever transformers raises: the waiter reports it
+            future.set_exception(e)
+        else:
+            log.info("tokenizer loaded in %.2f s beside the weights", time.perf_counter() - t0)
+            future.set_result(tokenizer)
+
+    threading.Thread(target=load, name="tokenizer-load", daemon=True).start()
+    return future
 
 
 def compute_dtype(config: Mapping[str, Any], cpu: bool) -> mx.Dtype | None:
