@@ -47,9 +47,9 @@ def start(config: WorkerConfig) -> Service:
 
 
 def start_precompile(config: WorkerConfig) -> precompile.Precompile | None:
-    """The CUDA kernels compiled in a child while this process imports mlx-lm
-    (``worker.precompile``); None off CUDA, or where the model does not resolve (the load
-    then says why), with ``--no-precompile``, or where attention is not the CUDA backend's."""
+    """Children that compile the model's kernels beside this process's own (``worker.precompile``);
+    None off CUDA, or where the model does not resolve (the load then says why), with
+    ``--no-precompile``, or where attention is not the CUDA backend's."""
     if not config.precompile or config.attention not in ("auto", "cuda"):
         return None
     try:
@@ -65,8 +65,11 @@ async def serving(
     """The worker, running; yields its ready line."""
     from worker.server import running
 
-    async with running(config, kernels_ready=lambda: precompile.finish(pre)) as w:
-        yield f"WORKER_READY {w.address}"
+    try:
+        async with running(config, self_checked=lambda: precompile.finish(pre)) as w:
+            yield f"WORKER_READY {w.address}"
+    finally:
+        precompile.finish(pre)  # where the start failed before its self-check ended
 
 
 if __name__ == "__main__":

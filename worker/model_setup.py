@@ -68,7 +68,7 @@ def attention_options(config: WorkerConfig) -> AttentionOptions:
 def build_executor(
     config: WorkerConfig,
     loaded: LoadedModel,
-    kernels_ready: Callable[[], None] | None = None,
+    self_checked: Callable[[], None] | None = None,
 ) -> tuple[ModelExecutor, WorkerLimits]:
     """The model thread with its runner and pool, and the limits the engine runs with: flags
     where set, else the device's defaults (``worker.device_defaults``), sized on the model
@@ -78,13 +78,12 @@ def build_executor(
 
     A model whose layers keep recurrent state (``probe`` raises RecurrentStateError) gets the
     dense per-sequence runner instead (``worker.model.dense_runner``), checked the same way.
-    ``kernels_ready`` runs first on the model thread (``worker.precompile.finish``: the
-    kernels a child process compiled meanwhile, put where MLX finds them)."""
+    ``self_checked`` runs on the model thread once the runner is built and checked
+    (``worker.precompile.finish``: the children that compiled kernels beside the self-check
+    are no longer needed)."""
     chosen: list[WorkerLimits] = []
 
     def build() -> Runner:
-        if kernels_ready is not None:
-            kernels_ready()
         group = _join_group(config, loaded)
         try:
             spec = probe(loaded.model)
@@ -98,6 +97,8 @@ def build_executor(
         else:
             runner, limits = _paged_runner(config, loaded, spec, group)
         chosen.append(limits)
+        if self_checked is not None:
+            self_checked()
         return runner
 
     executor = ModelExecutor(build, _draft_builder(config, loaded))

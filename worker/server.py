@@ -65,16 +65,16 @@ class RunningWorker:
 async def running(
     config: WorkerConfig,
     loaded: LoadedModel | None = None,
-    kernels_ready: Callable[[], None] | None = None,
+    self_checked: Callable[[], None] | None = None,
 ) -> AsyncIterator[RunningWorker]:
     """Loads the model (unless given), binds the port, registers the pool, serves. Raises
     StartupError (``kvserve_launch.startup``) for a model it cannot serve or a port it cannot
-    bind. ``kernels_ready``: see :func:`build_executor`."""
+    bind. ``self_checked``: see :func:`build_executor`."""
     with model_errors_as_startup_errors(config.model):
         loaded = loaded or load_model(
             config.model, dequantize=config.dequantize, shard=group_sharding(config)
         )
-        executor, chosen = build_executor(config, loaded, kernels_ready)
+        executor, chosen = build_executor(config, loaded, self_checked)
         tokenizer = loaded.tokenizer  # loaded on its own thread meanwhile (worker.model.loader)
     runner = executor.runner
     server, port = _bound_server(config)

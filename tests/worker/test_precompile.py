@@ -1,10 +1,12 @@
-"""The kernel precompile child (``worker.precompile``): it builds the model as mlx-lm does and
-runs the worker's self-check without importing transformers, and its cache is published so
-that no reader sees a partial module. It runs on CUDA only; its mechanics are tested here on
-the CPU."""
+"""The kernel precompile children (``worker.precompile``): each builds the model as the worker
+does, without importing transformers, runs the self-check's dense forwards in its own order and
+publishes its cache after each so that no reader sees a partial module; the worker stops them
+once its self-check is over. They run on CUDA only; their mechanics are tested here on the
+CPU."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,15 +27,50 @@ print(code, "transformers" in sys.modules, "mlx_lm.utils" in sys.modules)
 """
 
 
-def test_the_child_checks_the_model_without_importing_transformers():
+@pytest.mark.parametrize("role", precompile.ROLES)
+def test_a_child_runs_the_dense_forwards_without_importing_transformers(role, tmp_path):
     model = ensure_tiny_model()
+    own, target = tmp_path / "own", tmp_path / "target"
+    own.mkdir()
+    target.mkdir()
+    (target / "seeded.ptx").write_text("from the worker")
+    env = {**os.environ, precompile.PTX_CACHE_ENV: str(own), precompile.TARGET_ENV: str(target)}
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(model), "8"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [sys.executable, "-c", _CHILD, str(model), "8", role],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["0", "False", "True"]  # mlx_lm.utils, not transformers
-    assert "self-check passed" in done.stderr
+    published = [line for line in done.stderr.splitlines() if line.startswith(precompile.DONE)]
+    assert len(published) == 4  # three prompts and the one-token forwards, each published
+    first = "one-token" if role == "steps-first" else "prompt of"
+    assert first in published[0]
+    assert (own / "seeded.ptx").read_text() == "from the worker"  # seeded: never compiled again
+
+
+def test_an_unknown_role_is_refused():
+    assert precompile.main([str(ensure_tiny_model()), "8", "everything"]) == 2
+
+
+def test_finish_stops_the_children_and_leaves_no_partial_file(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    children = []
+    for role in precompile.ROLES:
+        cache = tmp_path / role
+        cache.mkdir()
+        log = tmp_path / f"{role}.log"
+        log.write_text(f"{precompile.DONE} prompt of 12: 1 new modules in 0.1 s\n")
+        process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        (target / f".module.{process.pid}.ptx").write_text("half")  # stopped mid-publish
+        children.append(precompile.Child(role, process, cache, log))
+    (target / "whole.ptx").write_text("kept")
+    pre = precompile.Precompile(children, target, 0.0)
+    precompile.finish(pre)
+    assert all(c.process.returncode is not None and c.process.returncode < 0 for c in children)
+    assert [p.name for p in target.iterdir()] == ["whole.ptx"]
+    assert not any(c.cache.exists() or c.log.exists() for c in children)
+    precompile.finish(pre)  # idempotent
 
 
 def test_publish_copies_whole_modules_and_keeps_what_is_there(tmp_path):
