@@ -34,6 +34,10 @@ The children hold a copy of the weights each while the worker loads its own, so 
 for a model whose weights, times the children, take at most :data:`MAX_WEIGHTS_SHARE` of the
 GPU's free memory. Best effort throughout: a child that fails, or a model it cannot build, costs
 nothing but the work the worker then does itself.
+
+Measured (H200, the 1B fp16 llama, empty caches, one call; docs/benchmarks.md): ready after
+22.6 and 27.3 s with the children (the self-check 18.4 and 22.8 s), 32.5 s without (27.3 s);
+the single child that ran the whole self-check before the worker's own gave 37.9 s.
 """
 
 from __future__ import annotations
