@@ -98,3 +98,23 @@ print(json.dumps({"registered": registered, "same": utils._load_tokenizer is rea
 """
     )
     assert got == {"registered": False, "same": True}
+
+
+def test_an_mlx_lm_that_needs_more_of_its_tokenizer_module_is_imported_plainly():
+    # The stand-in lacks what a newer mlx_lm.utils might import from tokenizer_utils: the import
+    # falls back to the plain one (transformers and all) rather than failing the worker.
+    got = _run(
+        """
+import json, sys, types
+from worker.model import mlx_lm_light
+mlx_lm_light.register_package()
+real_stand_in = mlx_lm_light._tokenizer_stand_in
+mlx_lm_light._tokenizer_stand_in = lambda: types.ModuleType(mlx_lm_light.TOKENIZER_UTILS)
+utils = mlx_lm_light.utils()
+import mlx_lm.tokenizer_utils as real
+print(json.dumps({"transformers": "transformers" in sys.modules,
+                  "same": utils._load_tokenizer is real.load,
+                  "load_model": callable(utils.load_model)}))
+"""
+    )
+    assert got == {"transformers": True, "same": True, "load_model": True}

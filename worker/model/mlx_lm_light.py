@@ -77,7 +77,9 @@ def register_package() -> bool:
 
 
 def utils() -> types.ModuleType:
-    """``mlx_lm.utils``, imported (where it was not yet) without ``mlx_lm.tokenizer_utils``."""
+    """``mlx_lm.utils``, imported (where it was not yet) without ``mlx_lm.tokenizer_utils``;
+    where that import needs more of the module than the stand-in has (an mlx-lm newer than
+    0.32), the plain import, transformers and all."""
     if "mlx_lm.utils" in sys.modules:
         return sys.modules["mlx_lm.utils"]
     if TOKENIZER_UTILS in sys.modules or not isinstance(sys.modules.get(PACKAGE), _LazyPackage):
@@ -85,14 +87,16 @@ def utils() -> types.ModuleType:
     stand_in = _tokenizer_stand_in()
     sys.modules[TOKENIZER_UTILS] = stand_in
     try:
-        module = importlib.import_module("mlx_lm.utils")
+        return importlib.import_module("mlx_lm.utils")
+    except ImportError:
+        sys.modules.pop("mlx_lm.utils", None)  # half-imported against the stand-in
     finally:
         if sys.modules.get(TOKENIZER_UTILS) is stand_in:
             del sys.modules[TOKENIZER_UTILS]
         package = sys.modules[PACKAGE]
         if package.__dict__.get("tokenizer_utils") is stand_in:
             del package.__dict__["tokenizer_utils"]
-    return module
+    return importlib.import_module("mlx_lm.utils")
 
 
 def tokenizer_utils() -> types.ModuleType:
