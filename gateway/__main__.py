@@ -11,7 +11,9 @@ from gateway.server import running
 from gateway.tokenizer import Tokenizer
 from kvserve_launch.run import Service, run_until_signal
 from kvserve_launch.startup import ModelUnavailable, setting
+from kvserve_model.torchless import keep_torch_out
 
+keep_torch_out()  # before the tokenizer's transformers import (kvserve_model/torchless.py)
 log = logging.getLogger("gateway")
 
 

@@ -17,6 +17,7 @@ from kvserve_launch.run import Service, run_until_signal
 from kvserve_model.blas import describe, ensure_fast_blas, measure_gflops
 from kvserve_model.errors import ModelLoadError
 from kvserve_model.resolve import resolve_model
+from kvserve_model.torchless import keep_torch_out
 from worker import precompile
 from worker.config import WorkerConfig
 from worker.device_defaults import apply_mlx_env
@@ -24,6 +25,7 @@ from worker.model import mlx_lm_light
 from worker.model.device import cuda_available
 
 mlx_lm_light.register_package()  # before anything imports mlx_lm
+keep_torch_out()  # before the tokenizer's transformers import (kvserve_model/torchless.py)
 log = logging.getLogger("worker")
 
 

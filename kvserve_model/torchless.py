@@ -1,0 +1,32 @@
+"""PyTorch kept out of kvserve's processes.
+
+``transformers`` imports PyTorch wherever it is installed, as soon as a tokenizer loads (and
+sympy, and more, with it): on an H100 host whose Python has PyTorch, 12.7 s of the worker's
+imports went to it (``python -X importtime``), and on an H200 host a tokenizer took 12-15 s to
+load in the worker and the gateway alike, where it takes 1-1.5 s on a machine without PyTorch.
+No kvserve process uses PyTorch: tokenizers, chat templates and grammars are plain Python, Rust
+and numpy.
+
+:func:`keep_torch_out` marks ``torch`` as not importable in this process (``sys.modules["torch"]
+= None``, Python's own marker for a module that must not load): ``importlib.util.find_spec``
+then answers None, so ``transformers`` takes the machine for one without PyTorch, and an
+``import torch`` raises ``ModuleNotFoundError``. The worker and the gateway call it first thing.
+``KVSERVE_ALLOW_TORCH=1`` turns it off (a tokenizer whose own code, loaded with
+``trust_remote_code``, needs PyTorch).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ENV = "KVSERVE_ALLOW_TORCH"
+
+
+def keep_torch_out() -> bool:
+    """Make ``torch`` unimportable in this process; False where it is imported already or
+    ``KVSERVE_ALLOW_TORCH=1``."""
+    if os.environ.get(ENV, "") == "1" or sys.modules.get("torch") is not None:
+        return False
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    return True
