@@ -1,11 +1,13 @@
 """PyTorch kept out of kvserve's processes.
 
-``transformers`` imports PyTorch wherever it is installed, as soon as a tokenizer loads (and
-sympy, and more, with it): on an H100 host whose Python has PyTorch, 12.7 s of the worker's
-imports went to it (``python -X importtime``), and on an H200 host a tokenizer took 12-15 s to
-load in the worker and the gateway alike, where it takes 1-1.5 s on a machine without PyTorch.
-No kvserve process uses PyTorch: tokenizers, chat templates and grammars are plain Python, Rust
-and numpy.
+``transformers`` imports PyTorch wherever it is installed, as soon as a tokenizer loads (sympy
+and more with it; ``tests/model/test_torchless.py`` shows the import): on an H100 host whose
+Python has PyTorch, ``mlx_lm.tokenizer_utils`` (transformers, and through it torch, sympy and
+scikit-learn) took 12.7 s of the worker's imports (``python -X importtime``), and on an H200
+host a tokenizer took 12-15 s to load in the worker and the gateway alike, where it takes
+1-1.5 s on a machine without PyTorch. No kvserve process uses PyTorch: tokenizers, chat
+templates and grammars are plain Python, Rust and numpy. (What this saves on a GPU host is not
+measured yet: no GPU was left to this change's session.)
 
 :func:`keep_torch_out` marks ``torch`` as not importable in this process (``sys.modules["torch"]
 = None``, Python's own marker for a module that must not load): ``importlib.util.find_spec``
