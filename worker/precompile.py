@@ -96,8 +96,8 @@ def ptx_cache_dir() -> Path:
 
 
 def start(model_dir: Path, block_size: int, roles: tuple[str, ...] = ROLES) -> Precompile | None:
-    """Spawn the children (only where MLX runs on CUDA) and the threads that publish what they
-    compile as they go; None where there is nothing to do."""
+    """Spawn the children (only where MLX runs on CUDA), each publishing into this process's
+    kernel cache as it goes; None where there is nothing to do."""
     from worker.model.device import cuda_available
 
     if not cuda_available() or not roles:
@@ -185,29 +185,16 @@ def publish(source: Path, target: Path) -> int:
 # -- the child ----------------------------------------------------------------------------------
 
 
-def build_model(model_dir: Path) -> Any:
-    """The model of ``model_dir`` as the worker builds it (``mlx_lm.utils.load_model`` without
-    transformers, ``worker.model.mlx_lm_light``), in the worker's compute dtype."""
-    import mlx.core as mx
-
-    from worker.model.loader import compute_dtype
-
-    model, config = mlx_lm_light.utils().load_model(model_dir)
-    dtype = compute_dtype(config, cpu=mx.default_device() == mx.cpu)
-    if dtype is not None:
-        model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
-
-
 def forwards(model: Any, block_size: int, role: str) -> list[tuple[str, Any]]:
     """The self-check's dense forwards (its prompts, then one step each) in ``role``'s order:
     ``prompts-first``, or ``steps-first`` (a one-token prompt and its steps before the
     prompts). Token ids below 100: any vocabulary has them, and no kernel depends on them."""
-    from worker.model.self_check import DenseSequence, _Plan, _tables
+    from worker.model.self_check import DenseSequence, reference_prompts
 
-    plan = _Plan.make(block_size, 100, _tables(block_size))
-    prompts = [(f"prompt of {len(p)}", lambda p=p: DenseSequence(model, p)) for p in plan.prompts]
+    prompts = [
+        (f"prompt of {len(p)}", lambda p=p: DenseSequence(model, p))
+        for p in reference_prompts(block_size, 100)
+    ]
 
     def steps() -> None:
         seq = DenseSequence(model, [1])
@@ -230,7 +217,9 @@ def main(argv: list[str]) -> int:
         publish(Path(target), Path(own))  # what is compiled already is read, not compiled again
     mlx_lm_light.register_package()
     t1 = time.perf_counter()
-    model = build_model(model_dir)
+    from worker.model.loader import build_model
+
+    model, _ = build_model(model_dir)
     t2 = time.perf_counter()
     for name, run in forwards(model, block_size, role):
         t = time.perf_counter()

@@ -116,10 +116,35 @@ def load_model(
     except Exception as e:
         raise ModelLoadError(f"mlx_lm could not read {str(path)!r}: {e}") from e
     tokens = _load_tokenizer_beside(utils, path, config) if tokenizer else _none_loaded(path)
+    model, config = build_model(path, dequantize=dequantize, shard=shard)
+    loaded = LoadedModel(model, tokens, path, model_fingerprint(path), config)
+    if shard is None and (check := pending_check(path)) is not None:
+        check_converted(model, loaded.tokenizer, path, check)
+    if not tokenizer:
+        state = "not needed"
+    else:
+        state = "loaded" if tokens.done() else "loading on its own thread"
+    log.info(
+        "model loaded in %.2f s (resolve %.2f s, weights %.2f s; the tokenizer %s)",
+        time.perf_counter() - t0,
+        t1 - t0,
+        time.perf_counter() - t1,
+        state,
+    )
+    return loaded
+
+
+def build_model(
+    path: Path, *, dequantize: str = "auto", shard: Callable[[nn.Module], None] | None = None
+) -> tuple[nn.Module, dict[str, Any]]:
+    """The weights of model directory ``path`` as :func:`load_model` holds them, and the
+    config: ``mlx_lm.utils.load_model`` (without transformers, ``worker.model.mlx_lm_light``),
+    its floating parameters in :func:`compute_dtype`, dequantized where :func:`should_dequantize`
+    says, sharded by ``shard``, evaluated. The kernel-precompile children build theirs with it
+    too (``worker.precompile``)."""
     try:
-        model, config = cast(
-            tuple[nn.Module, dict[str, Any]], utils.load_model(path, lazy=shard is not None)
-        )
+        loaded = mlx_lm_light.utils().load_model(path, lazy=shard is not None)
+        model, config = cast(tuple[nn.Module, dict[str, Any]], loaded)
     except Exception as e:
         raise ModelLoadError(f"mlx_lm.load({str(path)!r}) failed: {e}") from e
     cpu = mx.default_device() == mx.cpu
@@ -127,26 +152,12 @@ def load_model(
     if dtype is not None:  # scales and biases too: a dequantized weight is computed in it
         model.set_dtype(dtype)
     if should_dequantize(model, dequantize, cpu):
-        model = utils.dequantize_model(model)
+        model = mlx_lm_light.utils().dequantize_model(model)
         log.info("dequantized the weights to %s: the CPU runs them on BLAS", dtype)
     if shard is not None:
         shard(model)
     mx.eval(model.parameters())
-    loaded = LoadedModel(model, tokens, path, model_fingerprint(path), config)
-    if shard is None and (check := pending_check(path)) is not None:
-        check_converted(model, loaded.tokenizer, path, check)
-    log.info(
-        "model loaded in %.2f s (resolve %.2f s, weights %.2f s; the tokenizer %s)",
-        time.perf_counter() - t0,
-        t1 - t0,
-        time.perf_counter() - t1,
-        "loading on its own thread"
-        if not tokens.done()
-        else "loaded"
-        if tokenizer
-        else "not needed",
-    )
-    return loaded
+    return model, config
 
 
 def _none_loaded(path: Path) -> Future[Any]:

@@ -147,6 +147,12 @@ def check_paged_parity(
 _LENGTHS = (4, 6, 20)  # new tokens of A (after the prefix), B (after block 0), C
 
 
+def reference_prompts(block_size: int, vocab: int) -> list[list[int]]:
+    """The three prompts the check runs through mlx-lm's dense path for a pool of
+    ``block_size`` (the kernel-precompile children run the same: ``worker.precompile``)."""
+    return _Plan.make(block_size, vocab, _tables(block_size)).prompts
+
+
 def _tables(bs: int) -> tuple[list[int], list[int], list[int]]:
     """Block tables for each prompt and one decoded token; B's first block is A's."""
     ends = (bs + 3 + _LENGTHS[0] + 1, bs + _LENGTHS[1] + 1, _LENGTHS[2] + 1)
