@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from worker.errors import BatchError
+from worker.model import cuda_copy
 from worker.model.kv_pool import STAGING_BLOCKS, KVPool
 from worker.model.spec import LayerSpec
 
@@ -64,6 +65,26 @@ def test_the_device_path_stages_in_chunks() -> None:
     dst = KVPool(UNIFORM, n + 2, 4, mx.float16)
     dst._write_uniform(list(range(2, n + 2)), payloads)  # a GPU's path, run here
     assert all(same_block(src, i, dst, i + 2) for i in range(n))
+
+
+@pytest.mark.skipif(not cuda_copy.on_cuda(), reason="needs an NVIDIA GPU (MLX's CUDA backend)")
+def test_on_cuda_loads_take_the_driver_copy() -> None:
+    """On CUDA the staging buffer is pinned and one driver copy moves it into a device array
+    (not MLX's page migrations): the path is taken, round-trips exactly, and the device
+    array is reused, a second load overwriting the first's rows."""
+    n = STAGING_BLOCKS + 5
+    src = filled(UNIFORM, mx.float16, blocks=2 * n)
+    dst = KVPool(UNIFORM, 2 * n, 4, mx.float16)
+    dst.write_blocks(list(range(n)), src.read_blocks(list(range(n, 2 * n))))
+    assert dst._to_device is not None, "the driver copy was refused (see the warning)"
+    dst.write_blocks(list(range(n, 2 * n)), src.read_blocks(list(range(n))))
+    assert all(same_block(src, n + i, dst, i) and same_block(src, i, dst, n + i) for i in range(n))
+
+
+def test_off_cuda_there_is_no_driver_copy() -> None:
+    if cuda_copy.on_cuda():
+        pytest.skip("on CUDA the driver copy is taken")
+    assert cuda_copy.host_to_device(4, 16) is None
 
 
 def test_bad_payloads_and_blocks_are_refused() -> None:

@@ -39,6 +39,7 @@ import numpy as np
 
 from worker.errors import BatchError, PoolConfigError
 from worker.ids import BlockId
+from worker.model.cuda_copy import HostToDevice, host_to_device
 from worker.model.spec import LayerSpec, ModelSpec
 
 DEFAULT_BLOCK_SIZE = 32
@@ -168,7 +169,10 @@ class KVPool:
         self._keys = [mx.zeros((s.n_kv_heads, *shape, s.k_head_dim), dtype) for s in layers]
         self._values = [mx.zeros((s.n_kv_heads, *shape, s.v_head_dim), dtype) for s in layers]
         self._heads = [mx.arange(s.n_kv_heads, dtype=mx.int32)[None, :, None] for s in layers]
-        self._staging: np.ndarray | None = None  # write_blocks' on a GPU, made at first use
+        # write_blocks' staging on a GPU, made at first use: a pinned host buffer and a device
+        # array on CUDA (cuda_copy), else a host buffer that MLX copies from
+        self._staging: np.ndarray | None = None
+        self._to_device: HostToDevice | None = None
         mx.eval(self._keys, self._values)
         if mx.default_device() == mx.cpu:
             release_pages(self.arrays())
@@ -366,26 +370,41 @@ class KVPool:
 
     def _write_uniform(self, blocks: list[int], payloads: Sequence[bytes | memoryview]) -> None:
         """``write_blocks`` on a device with its own kernels (GPU): the payloads copied into a
-        host staging buffer kept between loads (fresh host memory cost its page faults: a
-        218 MB join took 175 ms on an H100 host; filling a device-readable buffer from the
-        host, its page migrations: 105 ms), one transfer of it, then one scatter per layer's
-        K and V on the device; ``STAGING_BLOCKS`` blocks at a time."""
+        host staging buffer kept between loads, moved to the device in one transfer, then
+        one scatter per layer's K and V on the device; ``STAGING_BLOCKS`` blocks at a time.
+
+        On CUDA the staging buffer is pinned and the transfer is one driver copy into a
+        device-resident array (:mod:`worker.model.cuda_copy`); MLX's own path (an array
+        made from the host buffer) is kept for Apple silicon, whose memory is one, and
+        where the driver refuses. On CUDA that path moved the bytes by page migrations
+        when the scatters first touched them: 1.2-2 GB/s on an H100 and an H200. A fresh
+        host buffer per load would pay its page faults as well (a 218 MB join took
+        175 ms on an H100 host)."""
         s, bs = self.layers[0], self.block_size
-        if self._staging is None:
-            self._staging = np.empty((STAGING_BLOCKS, self.bytes_per_block), np.uint8)
-        rows = self._staging
+        rows = self._staging_rows()
         for at in range(0, len(blocks), STAGING_BLOCKS):
             chunk = blocks[at : at + STAGING_BLOCKS]
             n = len(chunk)
             for j, p in enumerate(payloads[at : at + n]):
                 rows[j] = np.frombuffer(p, np.uint8)
-            whole = mx.array(rows[:n]).view(self.dtype)
+            staged = self._to_device.copy(n) if self._to_device else mx.array(rows[:n])
+            whole = staged.view(self.dtype)
             whole = whole.reshape(n, self.num_layers, 2, s.n_kv_heads, bs, s.k_head_dim)
             ids = mx.array(chunk, dtype=mx.int32)
             for layer in range(self.num_layers):
                 self._keys[layer][:, ids] = whole[:, layer, 0].transpose(1, 0, 2, 3)
                 self._values[layer][:, ids] = whole[:, layer, 1].transpose(1, 0, 2, 3)
             mx.eval(self.arrays())  # the staging rows are free again
+
+    def _staging_rows(self) -> np.ndarray:
+        """The host rows a load fills (made at the first load, kept)."""
+        if self._staging is None:
+            self._to_device = host_to_device(STAGING_BLOCKS, self.bytes_per_block)
+            if self._to_device is not None:
+                self._staging = self._to_device.host
+            else:
+                self._staging = np.empty((STAGING_BLOCKS, self.bytes_per_block), np.uint8)
+        return self._staging
 
     def measure_write_rate(self, blocks: int = 32) -> float:
         """Bytes a second :meth:`write_blocks` moves into the pool, measured by writing
