@@ -94,3 +94,26 @@ def test_bad_payloads_and_blocks_are_refused() -> None:
         pool.write_blocks([2], [bytes(good)[:-1]])
     with pytest.raises(BatchError):
         pool.write_blocks([pool.trash_block], [good])
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 17, STAGING_BLOCKS])
+def test_fill_rows_copies_each_payload_into_its_row(n) -> None:
+    """The staging fill (threaded copies): every row is its payload, bytes and memoryviews
+    alike, and rows past the payloads are left alone."""
+    rng = np.random.default_rng(n)
+    rows = np.full((STAGING_BLOCKS + 1, 40), 7, np.uint8)
+    payloads = [rng.integers(0, 256, 40, np.uint8).tobytes() for _ in range(n)]
+    payloads = [memoryview(p) if j % 2 else p for j, p in enumerate(payloads)]
+    cuda_copy.fill_rows(rows, payloads)
+    assert [rows[j].tobytes() for j in range(n)] == [bytes(p) for p in payloads]
+    assert (rows[n:] == 7).all()
+
+
+def test_fill_rows_refuses_what_does_not_fit() -> None:
+    rows = np.zeros((2, 8), np.uint8)
+    with pytest.raises(ValueError, match="8 bytes each"):
+        cuda_copy.fill_rows(rows, [bytes(8), bytes(9)])
+    with pytest.raises(ValueError, match="do not fit"):
+        cuda_copy.fill_rows(rows, [bytes(8)] * 3)
+    with pytest.raises(ValueError, match="do not fit"):
+        cuda_copy.fill_rows(np.zeros((4, 8), np.uint8)[:, :4], [bytes(4)])

@@ -39,7 +39,7 @@ import numpy as np
 
 from worker.errors import BatchError, PoolConfigError
 from worker.ids import BlockId
-from worker.model.cuda_copy import HostToDevice, host_to_device
+from worker.model.cuda_copy import HostToDevice, fill_rows, host_to_device
 from worker.model.spec import LayerSpec, ModelSpec
 
 DEFAULT_BLOCK_SIZE = 32
@@ -385,9 +385,12 @@ class KVPool:
         for at in range(0, len(blocks), STAGING_BLOCKS):
             chunk = blocks[at : at + STAGING_BLOCKS]
             n = len(chunk)
-            for j, p in enumerate(payloads[at : at + n]):
-                rows[j] = np.frombuffer(p, np.uint8)
-            staged = self._to_device.copy(n) if self._to_device else mx.array(rows[:n])
+            if self._to_device is not None:
+                self._to_device.fill(payloads[at : at + n])
+                staged = self._to_device.copy(n)
+            else:
+                fill_rows(rows, payloads[at : at + n])
+                staged = mx.array(rows[:n])
             whole = staged.view(self.dtype)
             whole = whole.reshape(n, self.num_layers, 2, s.n_kv_heads, bs, s.k_head_dim)
             ids = mx.array(chunk, dtype=mx.int32)
