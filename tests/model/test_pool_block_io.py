@@ -13,6 +13,7 @@ from worker.errors import BatchError
 from worker.model import cuda_copy
 from worker.model.kv_pool import STAGING_BLOCKS, KVPool
 from worker.model.spec import LayerSpec
+from worker.tier.store import own
 
 MIXED = [LayerSpec(2, 8, 8), LayerSpec(3, 4, 6)]
 UNIFORM = [LayerSpec(2, 8, 8)] * 3
@@ -75,8 +76,11 @@ def test_on_cuda_loads_take_the_driver_copy() -> None:
     n = STAGING_BLOCKS + 5
     src = filled(UNIFORM, mx.float16, blocks=2 * n)
     dst = KVPool(UNIFORM, 2 * n, 4, mx.float16)
-    dst.write_blocks(list(range(n)), src.read_blocks(list(range(n, 2 * n))))
-    assert dst._to_device is not None, "the driver copy was refused (see the warning)"
+    spilled = src.read_blocks(list(range(n, 2 * n)))
+    assert src._pinned is not None, "the driver copy was refused (see the warning)"
+    assert all(own(p) is p for p in spilled)  # a buffer each: the host tier copies nothing
+    dst.write_blocks(list(range(n)), spilled)
+    assert dst._pinned is not None
     dst.write_blocks(list(range(n, 2 * n)), src.read_blocks(list(range(n))))
     assert all(same_block(src, n + i, dst, i) and same_block(src, i, dst, n + i) for i in range(n))
 
@@ -84,7 +88,7 @@ def test_on_cuda_loads_take_the_driver_copy() -> None:
 def test_off_cuda_there_is_no_driver_copy() -> None:
     if cuda_copy.on_cuda():
         pytest.skip("on CUDA the driver copy is taken")
-    assert cuda_copy.host_to_device(4, 16) is None
+    assert cuda_copy.pinned_staging(4, 16) is None
 
 
 def test_bad_payloads_and_blocks_are_refused() -> None:

@@ -211,3 +211,24 @@ def test_a_host_tier_alone_needs_no_disk() -> None:
     store.enqueue(metas, [payload(0), payload(1)])
     assert store.load(metas) == [payload(0), payload(1)]
     assert [md for _, md in store.manifest()] == ["host", "host"]
+
+
+def test_the_host_tier_keeps_a_payload_only_when_it_is_a_buffer_of_its_own() -> None:
+    """A view into a larger array (the pool's gathered copy on a CPU) is copied, so holding
+    one block does not keep the whole array alive; bytes and a buffer of its own (the pool's
+    per-block copies on a GPU) are kept as they are, with no second copy on the model thread."""
+    import numpy as np
+
+    from worker.tier.store import own
+
+    raw = bytes(range(8))
+    assert own(raw) is raw
+    whole = memoryview(raw)
+    assert own(whole) is whole
+    assert own(whole[2:6]) == raw[2:6] and isinstance(own(whole[2:6]), bytes)
+    gathered = np.arange(16, dtype=np.uint8).reshape(2, 8)
+    row = memoryview(gathered[1])
+    kept = own(row)
+    assert isinstance(kept, bytes) and kept == gathered[1].tobytes()
+    block = np.arange(8, dtype=np.uint8)
+    assert own(block.data) is not None and own(block.data).obj is block

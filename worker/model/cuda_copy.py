@@ -1,15 +1,17 @@
-"""Host-to-device copies into MLX's CUDA arrays through the CUDA driver (ctypes on libcuda).
+"""Copies between host memory and MLX's CUDA arrays through the CUDA driver (ctypes on
+libcuda): the KV tiers' loads and spills on a GPU.
 
 MLX's CUDA backend allocates every array with ``cudaMallocManaged``. An array filled on the
-host therefore moves to the GPU page by page, when a kernel first touches it: loading tier
-blocks that way ran at 1.2-2 GB/s on an H100 and an H200, slower than computing the blocks
-(docs/kv-tiers.md). :class:`HostToDevice` keeps a pinned host buffer and a device-resident
-MLX array of the same size and moves one into the other with one ``cuMemcpyHtoD``, a DMA
-at the link's speed; the MLX kernels then read device memory.
+host therefore moves to the GPU page by page, when a kernel first touches it, and a device
+array read on the host comes back the same way: loading tier blocks ran at 1.2-2 GB/s on an
+H100 and an H200, slower than computing the blocks, and spilling them at ~2.9 GB/s, on the
+model thread (docs/kv-tiers.md). :class:`PinnedStaging` keeps a pinned host buffer and a
+device-resident MLX array of the same size; one ``cuMemcpyHtoD`` or ``cuMemcpyDtoH`` moves
+the bytes at the link's speed (45-49 GB/s on an H200).
 
 Only the driver's stable entry points are used (``cuInit``, ``cuDeviceGet``,
 ``cuDevicePrimaryCtxRetain``, ``cuCtxSetCurrent``, ``cuMemHostRegister_v2``,
-``cuMemcpyHtoD_v2``, ``cuCtxSynchronize``): their signatures are the same in CUDA 12 and 13.
+``cuMemcpyHtoD_v2``, ``cuMemcpyDtoH_v2``, ``cuCtxSynchronize``): their signatures are the same in CUDA 12 and 13.
 The context is the device's primary context, the one MLX's runtime calls use.
 """
 
@@ -20,7 +22,7 @@ import logging
 import mmap
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
@@ -59,6 +61,7 @@ class _Driver:
             "cuMemHostRegister_v2": [ptr, c_size, c_uint],
             "cuMemHostUnregister": [ptr],
             "cuMemcpyHtoD_v2": [ctypes.c_uint64, ptr, c_size],
+            "cuMemcpyDtoH_v2": [ptr, ctypes.c_uint64, c_size],
         }
         for name, args in signatures.items():
             fn = getattr(lib, name)
@@ -83,10 +86,12 @@ def _address(array: mx.array | np.ndarray) -> int:
     return int(host.ctypes.data)
 
 
-class HostToDevice:
+class PinnedStaging:
     """A pinned host buffer of ``rows x row_bytes`` bytes (:attr:`host`, filled by the
     caller) and a device MLX array of the same shape (:attr:`device`, uint8) that
-    :meth:`copy` fills from it. One per pool, made at its first load, kept."""
+    :meth:`to_device` fills from it; :meth:`from_device` fills the host buffer from any
+    device array. One per pool, made at its first load or spill, kept; used on the model
+    thread only."""
 
     def __init__(self, rows: int, row_bytes: int, ordinal: int = 0) -> None:
         self._driver = _Driver(ordinal)
@@ -109,7 +114,7 @@ class HostToDevice:
     def _set_current(self) -> None:
         self._driver.call("cuCtxSetCurrent", self._driver.context)
 
-    def copy(self, rows: int) -> mx.array:
+    def to_device(self, rows: int) -> mx.array:
         """Copies the first ``rows`` rows of :attr:`host` into :attr:`device` and returns
         them (a view of the device array). No MLX computation may be reading
         :attr:`device` (the caller evaluates what read it before refilling :attr:`host`);
@@ -121,6 +126,20 @@ class HostToDevice:
         # bytes visible to MLX's streams whatever the driver chose.
         self._driver.call("cuCtxSynchronize")
         return self.device[:rows]
+
+    def from_device(self, source: mx.array, first: int, rows: int) -> np.ndarray:
+        """Copies rows ``first`` .. ``first + rows - 1`` of ``source`` (an evaluated,
+        C-contiguous uint8 ``[n, row_bytes]`` device array) into the first rows of
+        :attr:`host` and returns them (a view: valid until the next copy)."""
+        if source.dtype != mx.uint8 or source.ndim != 2 or source.shape[1] != self.row_bytes:
+            raise ValueError(f"expected uint8 rows of {self.row_bytes} bytes, got {source.shape}")
+        if first < 0 or rows < 0 or first + rows > source.shape[0] or rows > len(self.host):
+            raise ValueError(f"rows {first}..{first + rows} outside {source.shape[0]} or staging")
+        self._set_current()
+        start = _address(source) + first * self.row_bytes
+        self._driver.call("cuMemcpyDtoH_v2", _address(self.host), start, rows * self.row_bytes)
+        self._driver.call("cuCtxSynchronize")
+        return self.host[:rows]
 
     def fill(self, payloads: Sequence[bytes | memoryview]) -> None:
         """Copies one payload into each of the first rows of :attr:`host` (:func:`fill_rows`)."""
@@ -147,7 +166,27 @@ def fill_rows(rows: np.ndarray, payloads: Sequence[bytes | memoryview]) -> None:
         for j in range(first, last):
             ctypes.memmove(base + j * row, sources[j].ctypes.data, row)
 
-    n = len(sources)
+    _spread(copy, len(sources))
+
+
+def copy_rows(rows: np.ndarray) -> list[memoryview]:
+    """Each row of ``rows`` (C-contiguous uint8) copied into a buffer of its own, on several
+    threads (the fresh buffers' page faults are paid there too)."""
+    n, row = rows.shape
+    out: list[memoryview | None] = [None] * n
+
+    def copy(first: int, last: int) -> None:
+        for j in range(first, last):
+            block = np.empty(row, np.uint8)
+            ctypes.memmove(block.ctypes.data, rows[j].ctypes.data, row)
+            out[j] = block.data
+
+    _spread(copy, n)
+    return [m for m in out if m is not None]
+
+
+def _spread(copy: Callable[[int, int], None], n: int) -> None:
+    """Runs ``copy(first, last)`` over ``0 .. n - 1`` split among the filling threads."""
     if n <= 2 or FILL_THREADS == 1:
         copy(0, n)
         return
@@ -172,14 +211,14 @@ def _unpin(driver: _Driver, memory: mmap.mmap, address: int) -> None:
     del memory  # the mapping is released with the buffer's last reference
 
 
-def host_to_device(rows: int, row_bytes: int) -> HostToDevice | None:
-    """A :class:`HostToDevice` on a CUDA GPU, or None elsewhere or where the driver refuses
+def pinned_staging(rows: int, row_bytes: int) -> PinnedStaging | None:
+    """A :class:`PinnedStaging` on a CUDA GPU, or None elsewhere or where the driver refuses
     (logged: loads then take MLX's own path, page migrations)."""
     if not on_cuda():
         return None
     try:
         # MLX computes on the first visible GPU (a worker group gives each rank its own).
-        return HostToDevice(rows, row_bytes, 0)
+        return PinnedStaging(rows, row_bytes, 0)
     except (OSError, AttributeError, CudaDriverError) as err:
-        log.warning("tier loads take MLX's managed-memory path (no driver copy: %s)", err)
+        log.warning("tier copies take MLX's managed-memory path (no driver copy: %s)", err)
         return None

@@ -40,6 +40,18 @@ DEFAULT_BACKLOG_BYTES = 256 << 20
 LOAD_THREADS = 4
 
 
+def own(payload: Payload) -> Payload:
+    """``payload`` as a buffer of its own: as it is when it is one (the pool's copies on a
+    GPU), else a copy (a view would keep the whole array the pool gathered its blocks in
+    alive for as long as any one of them is held)."""
+    if isinstance(payload, bytes):
+        return payload
+    whole = payload.obj  # what the view is of: its own memory unless it has a base (numpy)
+    if getattr(whole, "base", None) is None and memoryview(whole).nbytes == payload.nbytes:
+        return payload
+    return bytes(payload)
+
+
 @dataclass(slots=True)
 class TierCounters:
     spilled_blocks: int = 0  # queued for writing
@@ -177,10 +189,8 @@ class TierStore:
         with self._lock:
             for meta, payload in zip(metas, payloads, strict=True):
                 if self.host is not None:
-                    # A copy of its own: a view would keep the whole array the pool's copy
-                    # gathered it in alive for as long as any one of its blocks is held.
                     self._stored.append((meta, "host"))
-                    self._dropped += [(k, "host") for k in self.host.put(meta, bytes(payload))]
+                    self._dropped += [(k, "host") for k in self.host.put(meta, own(payload))]
                 if self.disk is None or meta.key in self._pending:
                     continue
                 self._pending[meta.key] = (meta, payload)
