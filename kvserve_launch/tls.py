@@ -23,11 +23,12 @@ import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import grpc
+from typing import TYPE_CHECKING, Any
 
 from kvserve_launch.startup import StartupError, setting
+
+if TYPE_CHECKING:  # grpc itself is imported where a credential or channel is made: the
+    import grpc  # launcher reads PEMs and builds an ssl context here and holds no grpc (10 MiB)
 
 ChannelOptions = Sequence[tuple[str, Any]]
 
@@ -53,6 +54,8 @@ def server_credentials(
     cert without a key, and a client CA without both (:func:`check_server`)."""
     if not (cert and key):
         return None
+    import grpc
+
     pair = (read_pem(key, env_prefix, "tls_key"), read_pem(cert, env_prefix, "tls_cert"))
     if not client_ca:
         return grpc.ssl_server_credentials([pair])
@@ -89,6 +92,8 @@ class Dialer:
                 "certificate_chain": read_pem(cert, env_prefix, "tls_cert"),
             }
         roots = read_pem(ca, env_prefix, "tls_ca")
+        import grpc
+
         return cls(grpc.ssl_channel_credentials(root_certificates=roots, **identity), server_name)
 
     def _options(self, options: ChannelOptions) -> list[tuple[str, Any]]:
@@ -97,12 +102,16 @@ class Dialer:
         return list(options)
 
     def aio(self, address: str, options: ChannelOptions = ()) -> grpc.aio.Channel:
+        import grpc
+
         if self.credentials is None:
             return grpc.aio.insecure_channel(address, options=list(options))
         return grpc.aio.secure_channel(address, self.credentials, options=self._options(options))
 
     def blocking(self, address: str, options: ChannelOptions = ()) -> grpc.Channel:
         """A synchronous channel (the admin CLI, the container health check)."""
+        import grpc
+
         if self.credentials is None:
             return grpc.insecure_channel(address, options=list(options))
         return grpc.secure_channel(address, self.credentials, options=self._options(options))

@@ -275,6 +275,18 @@ def test_the_launcher_holds_no_mlx_after_choosing_the_blas_and_the_model() -> No
     assert not loaded & {*MLX}
 
 
+def test_the_launcher_holds_no_grpc_while_it_waits_for_the_system() -> None:
+    """The launcher's own work (its TLS checks and the /health poll's ssl context) loads no
+    gRPC: it talks to its children over HTTP and their output (grpc was 10 of its 53 MiB)."""
+    loaded = _loaded_after(
+        "import kvserve_launch.system, kvserve_launch.__main__\n"
+        "from kvserve_launch.tls import check_server, client_ssl_context\n"
+        "check_server('', '')"
+    )
+    assert "kvserve_launch" in loaded
+    assert not loaded & {"grpc", "grpc_health"}, sorted(loaded & {"grpc", "grpc_health"})
+
+
 def test_the_engine_and_the_model_path_load_no_rpc_and_no_edge() -> None:
     """Whatever path their imports take: the engine's loop and the model's runners load no gRPC,
     no protos and nothing of the worker's edge or assembly (it is the assembly that builds the

@@ -135,6 +135,8 @@ class PinnedStaging:
             raise ValueError(f"expected uint8 rows of {self.row_bytes} bytes, got {source.shape}")
         if first < 0 or rows < 0 or first + rows > source.shape[0] or rows > len(self.host):
             raise ValueError(f"rows {first}..{first + rows} outside {source.shape[0]} or staging")
+        if not np.array(source, copy=False).flags.c_contiguous:
+            raise ValueError("the source rows must be one contiguous array")
         self._set_current()
         start = _address(source) + first * self.row_bytes
         self._driver.call("cuMemcpyDtoH_v2", _address(self.host), start, rows * self.row_bytes)
