@@ -312,6 +312,10 @@ def test_the_decision_rule_takes_a_clear_win_only() -> None:
     choice = decide_decode(times, 2)
     assert choice.path == "blocks" and choice.kernel_threads == 1
     assert decide_decode({"blocks": 1.0, "gather": 2.0, "kernel": 0.5}, 1).kernel_threads == 1
+    # What a decode the kernel does not serve takes: the better MLX path, by the same rule.
+    assert decide_decode({"blocks": 1.0, "gather": 0.8, "kernel": 0.5}, 2).pool_path == "gather"
+    assert decide_decode({"blocks": 1.0, "gather": 0.95, "kernel": 0.5}, 2).pool_path == "blocks"
+    assert decide_decode({"blocks": 1.0, "gather": 0.8}, 2).pool_path == "gather"
 
 
 @cpu_only

@@ -141,6 +141,9 @@ class DecodeChoice:
     """Threads the kernel measured ``kernel_s`` on (and runs on, where it is the path)."""
     kernel_other_s: float = 0.0
     """The kernel on its other thread count (one, or every core): 0 where not measured."""
+    pool_path: str = ""
+    """The CPU's faster MLX path, ``"blocks"`` or ``"gather"``: what a decode the kernel does
+    not serve takes ("" elsewhere)."""
 
     def describe(self) -> str:
         if not self.blocks_s:

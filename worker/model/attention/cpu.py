@@ -168,12 +168,12 @@ def decide_decode(took: dict[str, float], most_threads: int) -> DecodeChoice:
     pool_path = _pool_path(blocks, gather)
     best = blocks if pool_path == "blocks" else gather
     if "kernel" not in took:
-        return DecodeChoice(pool_path, blocks, gather)
+        return DecodeChoice(pool_path, blocks, gather, pool_path=pool_path)
     kernel_s, threads, other_s = took["kernel"], most_threads, took.get("kernel-1", 0.0)
     if other_s and other_s < GATHER_MARGIN * kernel_s:
         kernel_s, threads, other_s = other_s, 1, kernel_s
     path = "kernel" if kernel_s < GATHER_MARGIN * best else pool_path
-    return DecodeChoice(path, blocks, gather, kernel_s, threads, other_s)
+    return DecodeChoice(path, blocks, gather, kernel_s, threads, other_s, pool_path)
 
 
 def _pool_path(blocks_s: float, gather_s: float) -> str:
@@ -287,7 +287,7 @@ class CpuBackend(AttentionBackend):
         took = {name: statistics.median(t[1:]) for name, t in times.items()}
         choice = decide_decode(took, cpu_decode.max_threads())
         self.decode_path = choice.path
-        self.pool_path = _pool_path(choice.blocks_s, choice.gather_s)
+        self.pool_path = choice.pool_path
         self.kernel_threads = choice.kernel_threads if choice.path == "kernel" else 0
         return choice
 
