@@ -11,8 +11,9 @@ the bytes at the link's speed (45-49 GB/s on an H200).
 
 Only the driver's stable entry points are used (``cuInit``, ``cuDeviceGet``,
 ``cuDevicePrimaryCtxRetain``, ``cuCtxSetCurrent``, ``cuMemHostRegister_v2``,
-``cuMemcpyHtoD_v2``, ``cuMemcpyDtoH_v2``, ``cuCtxSynchronize``): their signatures are the same in CUDA 12 and 13.
-The context is the device's primary context, the one MLX's runtime calls use.
+``cuMemHostUnregister``, ``cuMemcpyHtoD_v2``, ``cuMemcpyDtoH_v2``, ``cuCtxSynchronize``):
+their signatures are the same in CUDA 12 and 13. The context is the device's primary
+context, the one MLX's runtime calls use.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class PinnedStaging:
         self._unpin = weakref.finalize(
             self, _unpin, self._driver, self._memory, _address(self.host)
         )
-        # Filled by a kernel, so its pages start on the device, where copy() writes them.
+        # Filled by a kernel, so its pages start on the device, where to_device() writes them.
         self.device = mx.zeros((rows, row_bytes), mx.uint8)
         mx.eval(self.device)
         self.row_bytes = row_bytes
