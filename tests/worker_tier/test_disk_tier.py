@@ -230,5 +230,5 @@ def test_the_host_tier_keeps_a_payload_only_when_it_is_a_buffer_of_its_own() -> 
     row = memoryview(gathered[1])
     kept = own(row)
     assert isinstance(kept, bytes) and kept == gathered[1].tobytes()
-    block = np.arange(8, dtype=np.uint8)
-    assert own(block.data) is not None and own(block.data).obj is block
+    own_buffer = np.arange(8, dtype=np.uint8).data
+    assert own(own_buffer) is own_buffer

@@ -89,7 +89,7 @@ def _address(array: mx.array | np.ndarray) -> int:
 
 class PinnedStaging:
     """A pinned host buffer of ``rows x row_bytes`` bytes (:attr:`host`, filled by the
-    caller) and a device MLX array of the same shape (:attr:`device`, uint8) that
+    caller: :func:`fill_rows`) and a device MLX array of the same shape (:attr:`device`, uint8) that
     :meth:`to_device` fills from it; :meth:`from_device` fills the host buffer from any
     device array. One per pool, made at its first load or spill, kept; used on the model
     thread only."""
@@ -104,9 +104,7 @@ class PinnedStaging:
         self._driver.call("cuMemHostRegister_v2", _address(self.host), nbytes, 0)
         # Unpinned before its memory goes (a later buffer at the same address could not be
         # pinned again otherwise); the callback holds the mapping until then.
-        self._unpin = weakref.finalize(
-            self, _unpin, self._driver, self._memory, _address(self.host)
-        )
+        weakref.finalize(self, _unpin, self._driver, self._memory, _address(self.host))
         # Filled by a kernel, so its pages start on the device, where to_device() writes them.
         self.device = mx.zeros((rows, row_bytes), mx.uint8)
         mx.eval(self.device)
@@ -136,21 +134,14 @@ class PinnedStaging:
             raise ValueError(f"expected uint8 rows of {self.row_bytes} bytes, got {source.shape}")
         if first < 0 or rows < 0 or first + rows > source.shape[0] or rows > len(self.host):
             raise ValueError(f"rows {first}..{first + rows} outside {source.shape[0]} or staging")
-        if not np.array(source, copy=False).flags.c_contiguous:
+        view = np.array(source, copy=False)  # no copy: the unified address
+        if not view.flags.c_contiguous:
             raise ValueError("the source rows must be one contiguous array")
         self._set_current()
-        start = _address(source) + first * self.row_bytes
+        start = _address(view) + first * self.row_bytes
         self._driver.call("cuMemcpyDtoH_v2", _address(self.host), start, rows * self.row_bytes)
         self._driver.call("cuCtxSynchronize")
         return self.host[:rows]
-
-    def fill(self, payloads: Sequence[bytes | memoryview]) -> None:
-        """Copies one payload into each of the first rows of :attr:`host` (:func:`fill_rows`)."""
-        fill_rows(self.host, payloads)
-
-    def close(self) -> None:
-        """Unpins the host buffer (the device array goes with its last reference)."""
-        self._unpin()
 
 
 def fill_rows(rows: np.ndarray, payloads: Sequence[bytes | memoryview]) -> None:

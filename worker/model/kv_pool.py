@@ -397,12 +397,8 @@ class KVPool:
         for at in range(0, len(blocks), STAGING_BLOCKS):
             chunk = blocks[at : at + STAGING_BLOCKS]
             n = len(chunk)
-            if self._pinned is not None:
-                self._pinned.fill(payloads[at : at + n])
-                staged = self._pinned.to_device(n)
-            else:
-                fill_rows(rows, payloads[at : at + n])
-                staged = mx.array(rows[:n])
+            fill_rows(rows, payloads[at : at + n])  # the pinned buffer itself on CUDA
+            staged = self._pinned.to_device(n) if self._pinned else mx.array(rows[:n])
             whole = staged.view(self.dtype)
             whole = whole.reshape(n, self.num_layers, 2, s.n_kv_heads, bs, s.k_head_dim)
             ids = mx.array(chunk, dtype=mx.int32)
