@@ -1,5 +1,5 @@
 """Token masks: the bits llguidance fills select exactly the tokens whose logits survive, on
-either unpacking path, for the rows given and no other."""
+either unpacking path, for the rows given and no other; and they reach the device intact."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from worker.model.grammar import apply_masks
+from worker.model import cuda_copy
+from worker.model.grammar import MaskUpload, apply_masks
 
 
 @pytest.mark.parametrize("on_device", [False, True])
@@ -26,3 +27,39 @@ def test_masks_keep_exactly_the_allowed_tokens(on_device: bool, vocab: int) -> N
         assert np.array_equal(out[row][allowed], np.asarray(logits)[row][allowed])
     for row in set(range(batch)) - set(rows):  # unconstrained rows: untouched
         assert np.array_equal(out[row], np.asarray(logits)[row])
+
+
+def _random_masks(rows: int, words: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(-(2**31), 2**31, size=(rows, words), dtype=np.int64).astype(np.int32)
+
+
+def test_mask_upload_gives_the_masks_bytes_on_any_device() -> None:
+    """Each call's device rows are that call's masks, bit for bit (on a CUDA GPU through the
+    pinned buffer, rewritten each call and grown for a wider batch; elsewhere mx.array)."""
+    upload = MaskUpload()
+    for seed, rows in enumerate([3, 32, 5, 70, 70]):
+        masks = _random_masks(rows, 1536, seed)
+        got = upload(masks)
+        assert got.dtype == mx.int32 and got.shape == masks.shape
+        assert np.array_equal(np.asarray(got), masks)
+    other = _random_masks(4, 2, 9)  # another vocabulary: another buffer
+    assert np.array_equal(np.asarray(upload(other)), other)
+
+
+def test_masks_applied_through_an_upload_match_the_plain_path() -> None:
+    vocab, batch, rows = 49152 + 7, 6, [1, 4]
+    masks = _random_masks(len(rows), -(-vocab // 32), 3)
+    logits = mx.array(np.random.default_rng(4).normal(size=(batch, vocab)).astype(np.float32))
+    plain = np.asarray(apply_masks(logits, rows, masks, on_device=True))
+    upload = MaskUpload()
+    for _ in range(2):  # the second call rewrites the same device rows
+        got = np.asarray(apply_masks(logits, rows, masks, on_device=True, upload=upload))
+        assert np.array_equal(got, plain)
+
+
+@pytest.mark.skipif(not cuda_copy.on_cuda(), reason="needs an NVIDIA GPU (MLX's CUDA backend)")
+def test_on_cuda_masks_take_the_driver_copy() -> None:
+    upload = MaskUpload()
+    upload(_random_masks(2, 8, 0))
+    assert upload._staging is not None  # the pinned buffer, not MLX's managed-memory path

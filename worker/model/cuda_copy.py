@@ -205,14 +205,14 @@ def _unpin(driver: _Driver, memory: mmap.mmap, address: int) -> None:
     del memory  # the mapping is released with the buffer's last reference
 
 
-def pinned_staging(rows: int, row_bytes: int) -> PinnedStaging | None:
+def pinned_staging(rows: int, row_bytes: int, purpose: str = "tier copies") -> PinnedStaging | None:
     """A :class:`PinnedStaging` on a CUDA GPU, or None elsewhere or where the driver refuses
-    (logged: loads then take MLX's own path, page migrations)."""
+    (logged, naming ``purpose``: its copies then take MLX's own path, page migrations)."""
     if not on_cuda():
         return None
     try:
         # MLX computes on the first visible GPU (a worker group gives each rank its own).
         return PinnedStaging(rows, row_bytes, 0)
     except (OSError, AttributeError, CudaDriverError) as err:
-        log.warning("tier copies take MLX's managed-memory path (no driver copy: %s)", err)
+        log.warning("%s take MLX's managed-memory path (no driver copy: %s)", purpose, err)
         return None

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -157,6 +157,7 @@ class MaskPrefetch:
         self._pool: Any = None
         # (the matchers, their masks being filled, the vocabulary size)
         self._pending: tuple[list[Any], Any, int] | None = None
+        self.upload = MaskUpload()  # the masks' way to the device (the sampler's)
         self.used = 0  # steps whose masks were prefetched (tests, the benchmark)
 
     def start(self, matchers: Sequence[Any], vocab_size: int) -> None:
@@ -192,7 +193,40 @@ class MaskPrefetch:
             return None
         masks: np.ndarray = future.result()
         self.used += 1
+        if rows == list(range(len(held))):  # the usual step: the same rows, in order
+            return masks
         return masks[rows]
+
+
+class MaskUpload:
+    """A step's packed masks moved to the device. On a CUDA GPU through a pinned host buffer
+    and one driver copy (``worker.model.cuda_copy``): ``mx.array`` of a numpy array there
+    writes into managed memory whose pages sit on the device, and each page faults back to
+    the host; 32 rows of SmolLM2's vocabulary (196 KB) took 340 us of the step's host time
+    that way on an H200 and 50 us through the driver. Elsewhere, or where the driver
+    refuses, ``mx.array``. One a worker (its MaskPrefetch's), used on the model thread: the
+    device rows it returns are rewritten by its next call, so whatever reads them must be
+    evaluated before then (a step reads its sampled tokens before it returns)."""
+
+    def __init__(self) -> None:
+        self._staging: Any = None
+        self._refused = False
+
+    def __call__(self, masks: np.ndarray) -> mx.array:
+        rows, words = masks.shape
+        staging = self._staging
+        if staging is None or staging.row_bytes != 4 * words or len(staging.host) < rows:
+            if self._refused:
+                return mx.array(masks)
+            from worker.model.cuda_copy import pinned_staging
+
+            staging = pinned_staging(max(rows, 64), 4 * words, "structured output's masks")
+            if staging is None:  # not a CUDA GPU (or the driver refused: logged)
+                self._refused = True
+                return mx.array(masks)
+            self._staging = staging
+        staging.host[:rows] = np.ascontiguousarray(masks, dtype=np.int32).view(np.uint8)
+        return staging.to_device(rows).view(mx.int32)
 
 
 _BITS: dict[int, tuple[mx.array, mx.array]] = {}
@@ -207,13 +241,18 @@ def _bit_index(vocab: int) -> tuple[mx.array, mx.array]:
 
 
 def apply_masks(
-    logits: mx.array, rows: Sequence[int], masks: np.ndarray, on_device: bool | None = None
+    logits: mx.array,
+    rows: Sequence[int],
+    masks: np.ndarray,
+    on_device: bool | None = None,
+    upload: Callable[[np.ndarray], mx.array] = mx.array,
 ) -> mx.array:
     """``logits`` with every token a row's mask disallows set to -inf (rows[k] takes
     masks[k]); the other rows unchanged: one ``where`` for the batch. The bits are unpacked
     where that is cheap: by numpy on the CPU (unpacking them with MLX ops there cost 10x
     more), on the device on a GPU (the packed words are 32x fewer bytes to copy over);
-    ``on_device`` chooses (None: by the default device)."""
+    ``on_device`` chooses (None: by the default device); ``upload`` moves them there
+    (:class:`MaskUpload`)."""
     batch, vocab = logits.shape
     if list(rows) != list(range(batch)):
         full = np.full((batch, masks.shape[1]), -1, dtype=np.int32)  # every bit set: no mask
@@ -221,9 +260,17 @@ def apply_masks(
         masks = full
     if on_device if on_device is not None else mx.default_device() == mx.gpu:
         words, bits = _bit_index(vocab)
-        packed = mx.take(mx.array(masks), words, axis=1)
-        allowed = (mx.right_shift(packed, bits) & 1).astype(mx.bool_)
-    else:
-        unpacked = np.unpackbits(masks.view(np.uint8), axis=1, count=vocab, bitorder="little")
-        allowed = mx.array(unpacked.view(np.bool_))
+        return _masked_on_device(logits, upload(masks), words, bits)
+    unpacked = np.unpackbits(masks.view(np.uint8), axis=1, count=vocab, bitorder="little")
+    return mx.where(mx.array(unpacked.view(np.bool_)), logits, mx.array(-mx.inf, logits.dtype))
+
+
+@mx.compile
+def _masked_on_device(
+    logits: mx.array, packed: mx.array, words: mx.array, bits: mx.array
+) -> mx.array:
+    """``logits`` where the packed mask's bit is set, else -inf: compiled, so the unpacking
+    and the ``where`` are one kernel after the gather (a GPU step is host-bound: fewer
+    graph nodes, fewer launches)."""
+    allowed = (mx.right_shift(mx.take(packed, words, axis=1), bits) & 1).astype(mx.bool_)
     return mx.where(allowed, logits, mx.array(-mx.inf, logits.dtype))

@@ -196,7 +196,8 @@ def adjust_logits(
             logits = logits.at[mx.array(row_idx), mx.array(tok_idx)].add(add)
     if constrained:
         assert masks is not None
-        logits = apply_masks(logits, [r[0] for r in constrained], masks)
+        upload = prefetched.upload if prefetched is not None else mx.array
+        logits = apply_masks(logits, [r[0] for r in constrained], masks, upload=upload)
     return logits, failed
 
 
