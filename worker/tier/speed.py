@@ -62,16 +62,23 @@ def load_beats_compute(
     return bytes_per_block / read_rate < s_per_token * block_size
 
 
-def matmul_flops(dtype: object, n: int = 2048, repeats: int = 4) -> float:
+def matmul_flops(dtype: object, n: int = 0, repeats: int = 0) -> float:
     """Floating-point operations a second this device's matmuls reach, in ``dtype``: timed on
-    ``repeats`` products of ``n x n`` matrices after one untimed (on the model thread)."""
+    ``repeats`` products of ``n x n`` matrices after one untimed (on the model thread),
+    evaluated together. A GPU gets larger products (n 4,096, 8 of them) and one wait: one
+    2,048 product a wait measured an H200 at about a third of what an 8B llama's prefill
+    reaches, its launch and sync counted as compute, and the "lower bound" of a prefill
+    token's cost below came out 2.5x the real cost: the disk tier loaded what computed
+    faster. (0: the device's default.)"""
     import mlx.core as mx
 
+    gpu = mx.default_device() != mx.cpu
+    n = n or (4096 if gpu else 2048)
+    repeats = repeats or (8 if gpu else 4)
     a = mx.random.normal((n, n)).astype(dtype)  # type: ignore[arg-type]
     mx.eval(a @ a)
     start = time.perf_counter()
-    for _ in range(repeats):
-        mx.eval(a @ a)
+    mx.eval(*[a @ a for _ in range(repeats)])
     took = time.perf_counter() - start
     return repeats * 2 * n**3 / took if took > 0 else 0.0
 
