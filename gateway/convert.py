@@ -26,6 +26,19 @@ _FINISH_TO_PB = {
 }
 _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 
+# What a log-probability JSON cannot carry is sent as this, vLLM's choice: a token the grammar
+# (or a -100 bias) rules out has -inf, and a top_logprobs list longer than the tokens a
+# grammar allows holds some (JSON has no infinities: the response failed to serialize).
+MIN_LOGPROB = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    """``value`` within [MIN_LOGPROB, 0]: -inf and NaN (a model that produced NaN logits) are
+    MIN_LOGPROB, a rounding above 0 is 0."""
+    if not value >= MIN_LOGPROB:
+        return MIN_LOGPROB
+    return min(value, 0.0)
+
 
 def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(
@@ -83,9 +96,9 @@ def chunk_from_pb(msg: pb.GenerateResponse) -> Chunk:
         logprobs=tuple(
             TokenLogprob(
                 lp.token_id,
-                lp.logprob,
+                finite_logprob(lp.logprob),
                 lp.token,
-                tuple(TopLogprob(t.token_id, t.logprob, t.token) for t in lp.top),
+                tuple(TopLogprob(t.token_id, finite_logprob(t.logprob), t.token) for t in lp.top),
             )
             for lp in logprobs
         )

@@ -36,7 +36,13 @@ from gateway.errors import (
     openai_error_body,
 )
 from gateway.metrics import CONTENT_TYPE
-from gateway.middleware import CLIENT_CLOSED, BodyLimit, ClientConcurrency, RequestMetrics
+from gateway.middleware import (
+    CLIENT_CLOSED,
+    BodyLimit,
+    ClientConcurrency,
+    InternalErrors,
+    RequestMetrics,
+)
 from gateway.openai_serving import Served
 from gateway.openapi_schema import document_bodies
 from gateway.protocol import (
@@ -63,6 +69,9 @@ def create_app(gw: Gateway) -> FastAPI:
         summary="OpenAI-compatible API over a shared, paged, prefix-indexed KV cache",
         version="0.1.0",
     )
+    # The first added is the innermost: InternalErrors answers inside the metrics and the
+    # concurrency slot, which then see its 500 like any other response.
+    app.add_middleware(InternalErrors)
     app.add_middleware(BodyLimit, max_bytes=gw.config.max_body_bytes)
     app.add_middleware(ClientConcurrency, limiter=gw.concurrency)
     app.add_middleware(RequestMetrics, metrics=gw.metrics)

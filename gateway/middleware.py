@@ -1,13 +1,15 @@
 """The HTTP edge's ASGI middlewares: each wraps the whole app and acts before (or after) any
 route runs, so what it refuses never reaches a parser or a worker.
 
-``BodyLimit`` (413 before a body is read past the limit), ``ClientConcurrency`` (429 past a
+``InternalErrors`` (a 500 for what no handler took, the connection kept), ``BodyLimit`` (413
+before a body is read past the limit), ``ClientConcurrency`` (429 past a
 client's concurrent requests, the slot held to the response's end), ``RequestMetrics`` (counts
 and latencies by endpoint and status, to the last byte of a stream).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -25,9 +27,45 @@ from gateway.errors import (
 )
 from gateway.metrics import GatewayMetrics
 
+log = logging.getLogger(__name__)
+
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 ENDPOINTS = (*GENERATE, "/v1/models", "/health", "/metrics")
 CLIENT_CLOSED = 499  # nginx's code for "the client went away first"
+
+
+class InternalErrors:
+    """A 500 with an OpenAI error body for an exception no handler took, on the same connection.
+
+    Starlette's last resort (``ServerErrorMiddleware``) sends its 500 and then re-raises, so the
+    server logs it again and drops the connection: a keep-alive client's next request on it was
+    reset (seen: a response that failed to serialize, then the client's next call failed with
+    ECONNRESET). Here the exception ends with the response. Once a response has started (a
+    stream), nothing more can be said in it: re-raised, and the server ends the stream."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:
+            if started:
+                raise
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            status, body = error_body(e)
+            await JSONResponse(body, status_code=status)({"type": "http"}, _no_receive, send)
 
 
 class BodyLimit:

@@ -128,6 +128,52 @@ def test_bad_constraints_are_a_400_naming_the_field(client: OpenAI, http: httpx.
     assert r.choices[0].message.content == "ok"
 
 
+def test_logprobs_of_constrained_tokens_are_json(http: httpx.Client) -> None:
+    """A grammar leaves fewer tokens than top_logprobs asks for: the rest have -inf, which JSON
+    cannot carry (the response failed to serialize: a 500, and the connection dropped). They
+    come as -9999.0, vLLM's value, on both APIs, streamed and not; chosen tokens stay finite."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    chat = {"model": MODEL, "messages": ASK, "max_tokens": 24, "temperature": 0,
+            "logprobs": True, "top_logprobs": 20, "response_format": fmt}  # fmt: skip
+    completion = {"model": MODEL, "prompt": "x", "max_tokens": 24, "logprobs": 20,
+                  "guided_json": schema}  # fmt: skip
+
+    def entries(path: str, body: dict) -> list[tuple[float, list[float]]]:
+        r = http.post(path, json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        if path.endswith("chat/completions"):
+            content = choice["logprobs"]["content"]
+            return [(e["logprob"], [t["logprob"] for t in e["top_logprobs"]]) for e in content]
+        lp = choice["logprobs"]
+        tops = [list(t.values()) for t in lp["top_logprobs"]]  # by text: equal texts merge
+        return list(zip(lp["token_logprobs"], tops, strict=True))
+
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"{name} in a streamed event")
+
+    def streamed(path: str, body: dict) -> int:
+        events = 0
+        with http.stream("POST", path, json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    json.loads(line[6:], parse_constant=no_constants)
+                    events += 1
+        return events
+
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+        got = entries(path, body)
+        assert got and all(-9999.0 < chosen <= 0.0 for chosen, _ in got), got
+        wanted = 20 if "messages" in body else 1
+        assert all(len(top) >= wanted and all(-9999.0 <= v <= 0.0 for v in top) for _, top in got)
+        assert any(-9999.0 in top for _, top in got), "the grammar ruled nothing out"
+        assert streamed(path, body) > 1
+    assert http.get("/health").status_code == 200  # on the same connection
+
+
 def test_speculation_is_switched_off_and_said(http: httpx.Client) -> None:
     resp = http.post(
         "/v1/completions",

@@ -272,3 +272,41 @@ def test_outage_backs_off_and_logs_rarely(caplog: pytest.LogCaptureFixture) -> N
     assert len(lines) <= now[0] / 10 + 1 < 200
     outage.recovered()
     assert outage.retry_in() == 0
+
+
+async def test_an_unexpected_error_is_a_500_and_the_connection_stays(
+    cache: RunningService, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception no handler takes is a 500 with an OpenAI error body, and the client's
+    keep-alive connection serves its next request. Starlette's last resort re-raised after its
+    500, and the server then dropped the connection: the next request on it was reset."""
+    worker = await FakeWorker("w0", cache.address).start()
+    try:
+        async with (
+            running(gateway_config(cache.address), tokenizer) as gw,
+            httpx.AsyncClient(base_url=f"http://{gw.http_address}", timeout=30) as http,
+        ):
+
+            async def boom(*_: Any) -> None:
+                raise RuntimeError("a bug")
+
+            monkeypatch.setattr(gw.gateway.chat, "create", boom)
+
+            def port(r: httpx.Response) -> int:
+                return int(r.extensions["network_stream"].get_extra_info("client_addr")[1])
+
+            first = await http.get("/health")
+            for _ in range(3):
+                r = await http.post(
+                    "/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                )
+                assert r.status_code == 500
+                err = r.json()["error"]
+                assert err["type"] == "server_error" and "a bug" not in err["message"]
+                await asyncio.sleep(0.2)  # a closing server would have closed it by now
+                after = await http.get("/health")
+                assert after.status_code in (200, 503)
+                assert port(after) == port(r) == port(first), "the connection was dropped"
+    finally:
+        await worker.close()
