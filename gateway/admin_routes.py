@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,6 +20,7 @@ from gateway.chat import template_messages
 from gateway.core import Gateway
 from gateway.errors import InvalidRequest
 from gateway.protocol import ChatMessage, TokenId, parse_json
+from kvserve_model.sampling_limits import UINT32_MAX
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 
 
@@ -123,7 +124,10 @@ def _add_inspect_routes(router: APIRouter, gw: Gateway) -> None:
 
     @router.get("/tree")
     async def tree(
-        request: Request, pool: str, namespace: str = "", max_depth: int = 0
+        request: Request,
+        pool: str,
+        namespace: str = "",
+        max_depth: int = Query(0, ge=0, le=UINT32_MAX, description="0: the whole tree"),
     ) -> dict[str, Any]:
         """One pool's radix index: nodes with token counts, blocks, refcounts, last use."""
         req = pb.InspectTreeRequest(pool_id=pool, namespace=namespace, max_depth=max_depth)

@@ -16,7 +16,9 @@ import pytest
 from gateway.core import Gateway
 from gateway.http_app import create_app
 from gateway.tokenizer import Tokenizer
-from tests.gateway.conftest import gateway_config
+from kvcache_service.server import RunningService
+from tests.gateway.conftest import ADMIN_TOKEN, gateway_config
+from tests.gateway.fake_worker import FakeWorker
 
 
 def closed_port() -> int:
@@ -264,6 +266,13 @@ async def test_admin_needs_a_pool_and_a_prefix(client):
     assert_error(await client.post("/admin/cache/evict", json={"pool": "w0"}), 400)
     assert_error(await client.post("/admin/cache/evict", json={"pool": "w0", "bogus": 1}), 400)
     assert_error(await client.get("/admin/cache/tree"), 400, param="pool")
+    # Query numbers past their proto field's range: a 400, not a 500 from building the message.
+    for depth in (-1, 2**32, 2**64, "deep"):
+        resp = await client.get(f"/admin/cache/tree?pool=w0&max_depth={depth}")
+        assert_error(resp, 400, param="max_depth")
+    for nodes in (0, 2**64):
+        resp = await client.get(f"/admin/dashboard/tree?pool=w0&max_nodes={nodes}")
+        assert_error(resp, 400, param="max_nodes")
 
 
 @pytest.mark.parametrize("top_k", ["vocab + 1", 2**31 - 1, 2**31, 2**63, 2**64])
@@ -286,3 +295,33 @@ async def test_sampling_values_past_the_limits_are_400(client, field, value):
         "/v1/completions", json={"prompt": "hi", "max_tokens": 4, field: value}
     )
     assert_error(resp, 400, param=field)
+
+
+async def test_no_query_parameter_value_is_a_500(cache: RunningService, tokenizer: Tokenizer):
+    """Every GET route's query parameters (from the OpenAPI document, so a new route is covered
+    too), given values past any range a proto field or a handler takes, against a real cache
+    service with a registered pool: a 4xx (or a 200), never a 500."""
+    worker = await FakeWorker("w0", cache.address).start()
+    gw = Gateway.build(gateway_config(cache.address), tokenizer)
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    transport = httpx.ASGITransport(app=create_app(gw))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            spec = (await c.get("/openapi.json")).json()
+            tried = 0
+            for path, ops in spec["paths"].items():
+                params = ops.get("get", {}).get("parameters", [])
+                query = [p for p in params if p["in"] == "query"]
+                if not query or "{" in path:
+                    continue
+                base = {p["name"]: "w0" for p in query if p.get("required")}
+                for p in query:
+                    for value in (-1, -(2**63), 2**32, 2**64, 1e308, "x" * 5000, "\x00"):
+                        params = {**base, p["name"]: value}
+                        resp = await c.get(path, params=params, headers=headers)
+                        assert resp.status_code < 500, (path, p["name"], value, resp.text)
+                        tried += 1
+            assert tried >= 20  # the admin tree and the dashboard's, at least
+    finally:
+        await gw.close()
+        await worker.close()
