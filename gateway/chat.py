@@ -29,7 +29,7 @@ from gateway.protocol import (
     ToolCallOut,
     TopLogprobOut,
 )
-from gateway.rendering import Renderer, finish
+from gateway.rendering import Renderer, finish, prompt_logprobs_out
 from gateway.structured import request_constraint
 from gateway.tools import (
     CallDelta,
@@ -133,7 +133,13 @@ class ChatServing:
             structured,
         )
         view = ChatView(
-            request_id, model, self.s.created(), req.n, top if req.logprobs else None, tools
+            request_id,
+            model,
+            self.s.created(),
+            req.n,
+            top if req.logprobs else None,
+            tools,
+            req.prompt_logprobs,
         )
         streams = self.s.open(sequences, arrival)
         if req.stream and tools is not None:
@@ -161,10 +167,19 @@ class ChatView(Renderer):
         n: int,
         top_logprobs: int | None,
         tools: ToolPlan | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
         super().__init__(request_id, model, created, n)
         self.top_logprobs = top_logprobs
         self.tools = tools
+        self.prompt_logprobs = prompt_logprobs
+
+    def extras(self, results: dict[int, Completion]) -> dict[str, Any]:
+        """vLLM's ``prompt_logprobs``, where asked for: one prompt, so the response's."""
+        if self.prompt_logprobs is None or not results:
+            return {}
+        first = results[min(results)]
+        return {"prompt_logprobs": prompt_logprobs_out(first.prompt_logprobs, self.prompt_logprobs)}
 
     def _logprobs(self, lps: Sequence[TokenLogprob]) -> ChatLogprobs | None:
         if self.top_logprobs is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import cast
 
 from pydantic import BaseModel
@@ -16,7 +17,7 @@ from gateway.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from gateway.rendering import Renderer, finish
+from gateway.rendering import Renderer, finish, prompt_logprobs_out
 from gateway.structured import request_constraint
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
@@ -73,11 +74,6 @@ class CompletionServing:
             raise InvalidRequest("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise InvalidRequest("best_of must equal n when set", param="best_of")
-        if req.echo and req.logprobs is not None:
-            raise InvalidRequest(
-                "echo with logprobs needs prompt logprobs, which are not supported",
-                param="echo",
-            )
         items = self.items(req.prompt)
         self.s.check_common(req, len(items) * req.n)
         prompts = await self.prompts(items)
@@ -96,11 +92,21 @@ class CompletionServing:
             0 if logprobs is None else max(1, logprobs),
             structured,
         )
-        echoes = None
+        echoes = firsts = None
         if req.echo:
             texts = await self.prompt_texts(req.prompt, prompts)
             echoes = [texts[k // req.n] for k in range(len(sequences))]
-        view = CompletionView(request_id, model, self.s.created(), req.n, logprobs, echoes)
+        if req.echo and logprobs is not None:
+            # The prompt's tokens get logprobs too (the worker's prompt_logprobs, which
+            # computes the whole prompt: no cached prefix), the first one none (OpenAI's).
+            top = max(logprobs, req.prompt_logprobs or 0)
+            sequences = [
+                replace(s, sampling=replace(s.sampling, prompt_logprobs=top)) for s in sequences
+            ]
+            decode = self.s.tokenizer.decode
+            firsts = [decode(prompts[k // req.n][:1]) for k in range(len(sequences))]
+        view = CompletionView(request_id, model, self.s.created(), req.n, logprobs, echoes, firsts)
+        view.prompt_logprobs = req.prompt_logprobs
         served = await view.serve(self.s.open(sequences, arrival), req)
         return self.s.noted(served, req, structured)
 
@@ -120,45 +126,75 @@ class CompletionView(Renderer):
         n: int,
         logprobs: int | None,
         echoes: list[str] | None,
+        firsts: list[str] | None = None,
     ) -> None:
+        """``firsts``: with ``echo`` and ``logprobs``, each choice's first prompt token as
+        text; the prompt's tokens then come first in its logprobs (the first with none)."""
         super().__init__(request_id, model, created, n)
         self.logprobs = logprobs
         self.echoes = echoes
+        self.firsts = firsts
+        self.prompt_logprobs: int | None = None  # vLLM's, in each choice where asked for
         # Streaming: the length of each choice's text so far, its next token's text_offset.
-        self.offsets = {i: len(text) for i, text in enumerate(echoes or ())}
+        # With the prompt's logprobs the echo goes with the first chunk, which brings them.
+        self.offsets = {} if firsts else {i: len(text) for i, text in enumerate(echoes or ())}
 
-    def _logprobs(self, lps: Sequence[TokenLogprob], offset: int) -> CompletionLogprobs | None:
+    def _logprobs(
+        self, lps: Sequence[TokenLogprob], offset: int, first: str | None = None
+    ) -> CompletionLogprobs | None:
+        """``first``: the prompt's first token, which ``lps`` (the prompt's tokens after it,
+        then generated ones) follow, with no logprob of its own."""
         if self.logprobs is None:
             return None
+        head = [] if first is None else [first]
         offsets = []
-        for lp in lps:
+        for text in (*head, *(lp.token for lp in lps)):
             offsets.append(offset)
-            offset += len(lp.token)
+            offset += len(text)
+        tops = [{t.token: t.logprob for t in lp.top[: self.logprobs]} for lp in lps]
         return CompletionLogprobs(
-            tokens=[lp.token for lp in lps],
-            token_logprobs=[lp.logprob for lp in lps],
-            top_logprobs=[{t.token: t.logprob for t in lp.top[: self.logprobs]} for lp in lps],
+            tokens=[*head, *(lp.token for lp in lps)],
+            token_logprobs=[*(None for _ in head), *(lp.logprob for lp in lps)],
+            top_logprobs=[*(None for _ in head), *tops],
             text_offset=offsets,
         )
 
     def choice(self, index: int, done: Completion) -> CompletionChoice:
         prefix = self.echoes[index] if self.echoes else ""
+        if self.firsts:
+            lps = [*done.prompt_logprobs, *done.logprobs]
+            logprobs = self._logprobs(lps, 0, self.firsts[index])
+        else:
+            logprobs = self._logprobs(done.logprobs, len(prefix))
+        extra = {}
+        if self.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = prompt_logprobs_out(
+                done.prompt_logprobs, self.prompt_logprobs
+            )
         return CompletionChoice(
             index=index,
             text=prefix + done.text,
-            logprobs=self._logprobs(done.logprobs, len(prefix)),
+            logprobs=logprobs,
             finish_reason=finish(done.finish_reason),
+            **extra,
         )
 
     def opening(self) -> list[BaseModel]:
+        if self.firsts:
+            return []
         return [CompletionChoice(index=i, text=text) for i, text in enumerate(self.echoes or ())]
 
     def delta(self, index: int, chunk: Chunk) -> CompletionChoice:
-        offset = self.offsets.get(index, 0)
-        self.offsets[index] = offset + len(chunk.text)
+        if self.firsts and self.echoes and index not in self.offsets:  # its first chunk
+            text = self.echoes[index] + chunk.text
+            lps = [*chunk.prompt_logprobs, *chunk.logprobs]
+            logprobs = self._logprobs(lps, 0, self.firsts[index])
+            self.offsets[index] = len(text)
+        else:
+            offset = self.offsets.get(index, 0)
+            text = chunk.text
+            logprobs = self._logprobs(chunk.logprobs, offset)
+            self.offsets[index] = offset + len(text)
         return CompletionChoice(
-            index=index,
-            text=chunk.text,
-            logprobs=self._logprobs(chunk.logprobs, offset),
-            finish_reason=finish(chunk.finish_reason),
+            index=index, text=text, logprobs=logprobs, finish_reason=finish(chunk.finish_reason)
         )

@@ -6,6 +6,9 @@ Only this module, the worker client and the gRPC servicer import ``worker_pb2``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from gateway.generation import (
     Chunk,
     FinishReason,
@@ -64,6 +67,8 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         msg.seed = s.seed
     if s.structured_output is not None:
         msg.structured_output.CopyFrom(structured_to_pb(s.structured_output))
+    if s.prompt_logprobs is not None:
+        msg.prompt_logprobs = s.prompt_logprobs
     return msg
 
 
@@ -90,20 +95,12 @@ def chunk_from_pb(msg: pb.GenerateResponse) -> Chunk:
     # Once per token per stream: the common message (no logprobs, no usage) takes no
     # generator and no nested message reads.
     logprobs = msg.logprobs
+    prompt_logprobs = msg.prompt_logprobs
     return Chunk(
         token_ids=tuple(msg.token_ids),
         text=msg.text,
-        logprobs=tuple(
-            TokenLogprob(
-                lp.token_id,
-                finite_logprob(lp.logprob),
-                lp.token,
-                tuple(TopLogprob(t.token_id, finite_logprob(t.logprob), t.token) for t in lp.top),
-            )
-            for lp in logprobs
-        )
-        if logprobs
-        else (),
+        logprobs=_logprobs_from_pb(logprobs) if logprobs else (),
+        prompt_logprobs=_logprobs_from_pb(prompt_logprobs) if prompt_logprobs else (),
         finish_reason=_FINISH_FROM_PB.get(msg.finish_reason) if msg.finish_reason else None,
         usage=(
             Usage(msg.usage.prompt_tokens, msg.usage.cached_tokens, msg.usage.completion_tokens)
@@ -114,8 +111,37 @@ def chunk_from_pb(msg: pb.GenerateResponse) -> Chunk:
     )
 
 
+def _logprobs_from_pb(lps: Any) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        TokenLogprob(
+            lp.token_id,
+            finite_logprob(lp.logprob),
+            lp.token,
+            tuple(TopLogprob(t.token_id, finite_logprob(t.logprob), t.token) for t in lp.top),
+            lp.rank,
+        )
+        for lp in lps
+    )
+
+
+def _logprobs_to_pb(lps: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            token=lp.token,
+            top=[
+                pb.TopLogprob(token_id=t.token_id, logprob=t.logprob, token=t.token) for t in lp.top
+            ],
+            rank=lp.rank,
+        )
+        for lp in lps
+    ]
+
+
 def chunk_to_pb(c: Chunk, request_id: str) -> pb.GenerateResponse:
-    if not c.logprobs and c.usage is None and c.finish_reason is None:  # once per token
+    once_per_token = not c.logprobs and not c.prompt_logprobs
+    if once_per_token and c.usage is None and c.finish_reason is None:
         return pb.GenerateResponse(
             request_id=request_id, token_ids=c.token_ids, text=c.text, worker_id=c.worker_id
         )
@@ -123,18 +149,8 @@ def chunk_to_pb(c: Chunk, request_id: str) -> pb.GenerateResponse:
         request_id=request_id,
         token_ids=c.token_ids,
         text=c.text,
-        logprobs=[
-            pb.TokenLogprob(
-                token_id=lp.token_id,
-                logprob=lp.logprob,
-                token=lp.token,
-                top=[
-                    pb.TopLogprob(token_id=t.token_id, logprob=t.logprob, token=t.token)
-                    for t in lp.top
-                ],
-            )
-            for lp in c.logprobs
-        ],
+        logprobs=_logprobs_to_pb(c.logprobs),
+        prompt_logprobs=_logprobs_to_pb(c.prompt_logprobs),
         finish_reason=_FINISH_TO_PB[c.finish_reason],
         worker_id=c.worker_id,
     )

@@ -52,6 +52,7 @@ class TokenLogprob:
     logprob: float
     token: str
     top: tuple[TopLogprob, ...] = ()
+    rank: int = 0  # in the vocabulary, 1: the most likely; 0: not computed
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,9 @@ class Chunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     worker_id: str = ""
+    # On a sequence's first chunk, when its sampling asked for prompt_logprobs: each prompt
+    # token's after the first.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(slots=True)
@@ -88,11 +92,13 @@ class Completion:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     worker_id: str = ""
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, chunk: Chunk) -> None:
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
+        self.prompt_logprobs.extend(chunk.prompt_logprobs)
         self.worker_id = chunk.worker_id or self.worker_id
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason

@@ -73,6 +73,10 @@ class OpenAIServing:
             self.tokenizer.check_token_ids(req.stop_token_ids, "stop_token_ids")
         if req.cache_salt:
             self.limits.check_namespace(req.cache_salt)
+        if req.prompt_logprobs is not None and req.stream:
+            raise InvalidRequest(
+                "prompt_logprobs are not available when stream is true", param="prompt_logprobs"
+            )
 
     def sampling(
         self,
@@ -108,6 +112,7 @@ class OpenAIServing:
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             structured_output=structured,
+            prompt_logprobs=req.prompt_logprobs,
         )
         check_sampling(params, self.tokenizer.vocab_size)
         return params

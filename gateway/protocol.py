@@ -125,6 +125,9 @@ class SamplingRequest(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's: each prompt token's logprob (given the tokens before it) and this many top
+    # alternatives, in the choices (completions) or the response (chat); not with stream.
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class CompletionRequest(SamplingRequest):
@@ -178,13 +181,24 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs; with ``echo`` the prompt's tokens come first, the very first
+    with None (nothing predicts it)."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
 
 
+# vLLM's prompt_logprobs, where asked for (an extra field: absent otherwise): per prompt
+# token, None for the first, then {token id: {"logprob", "rank", "decoded_token"}} for the
+# prompt's own token and the top alternatives.
+PromptLogprobsOut = list[dict[str, dict[str, Any]] | None]
+
+
 class CompletionChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")  # prompt_logprobs, where asked for
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -248,6 +262,8 @@ class ChatChoice(BaseModel):
 
 
 class ChatCompletionResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")  # prompt_logprobs, where asked for
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))

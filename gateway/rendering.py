@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 from pydantic import BaseModel
 
 from gateway.errors import GatewayError, RequestAborted, UpstreamError, error_body
-from gateway.generation import Chunk, Completion, FinishReason, Usage
+from gateway.generation import Chunk, Completion, FinishReason, TokenLogprob, Usage
 from gateway.openai_serving import Served
-from gateway.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from gateway.protocol import PromptLogprobsOut, PromptTokensDetails, SamplingRequest, UsageInfo
 from gateway.streams import SSE_DONE, merge, sse
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,24 @@ def check_finished(chunk: Chunk) -> None:
 
 def finish(reason: FinishReason | None) -> str | None:
     return str(reason) if reason else None
+
+
+def prompt_logprobs_out(lps: Sequence[TokenLogprob], top: int) -> PromptLogprobsOut:
+    """vLLM's ``prompt_logprobs`` of a prompt whose tokens after the first have ``lps``: None
+    for the first, then the token's own entry and its ``top`` alternatives by id."""
+    out: PromptLogprobsOut = [None]
+    for lp in lps:
+        entry = {
+            str(t.token_id): {"logprob": t.logprob, "rank": k, "decoded_token": t.token}
+            for k, t in enumerate(lp.top[:top], start=1)
+        }
+        entry[str(lp.token_id)] = {
+            "logprob": lp.logprob,
+            "rank": lp.rank or None,
+            "decoded_token": lp.token,
+        }
+        out.append(entry)
+    return out
 
 
 async def prime(merged: Merged) -> tuple[int, Chunk]:
@@ -144,8 +162,12 @@ class Renderer(ABC):
             if done.usage is not None:
                 usage.add(i, done.usage)
             choices.append(self.choice(i, done))
-        body = self._object(self.response_type, choices, usage.info())
+        body = self._object(self.response_type, choices, usage.info(), **self.extras(results))
         return body, [results[i].worker_id for i in sorted(results)]
+
+    def extras(self, results: dict[int, Completion]) -> dict[str, Any]:
+        """Top-level fields of the whole response beyond OpenAI's, from its choices."""
+        return {}
 
     async def events(
         self, first: tuple[int, Chunk], merged: Merged, include_usage: bool
@@ -176,10 +198,19 @@ class Renderer(ABC):
         yield SSE_DONE
 
     def _object(
-        self, kind: type[BaseModel], choices: list[BaseModel], usage: UsageInfo | None
+        self,
+        kind: type[BaseModel],
+        choices: list[BaseModel],
+        usage: UsageInfo | None,
+        **extras: Any,
     ) -> BaseModel:
         return kind(
-            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            **extras,
         )
 
     def _event(self, choices: list[BaseModel], usage: UsageTotals | None = None) -> str:

@@ -65,6 +65,8 @@ def check_sampling(p: SamplingParams, vocab_size: int) -> None:
     _in("min_p", p.min_p, 0.0, 1.0)
     _in("repetition_penalty", p.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
     _in("logprobs", p.logprobs, 0, MAX_LOGPROBS)
+    if p.prompt_logprobs is not None:
+        _in("prompt_logprobs", p.prompt_logprobs, 0, MAX_LOGPROBS)
     _in("max_tokens", p.max_tokens, 0, UINT32_MAX)
     if p.seed is not None:
         _in("seed", p.seed, INT64_MIN, INT64_MAX)

@@ -55,6 +55,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # What the output must match; None: unconstrained.
     structured_output: StructuredOutput | None = None
+    # Top-n alternatives for each prompt token's own log-probability; None: none (vLLM's
+    # prompt_logprobs). The prompt is then computed whole, no cached prefix reused.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -105,4 +108,5 @@ class SamplingParams:
                 if msg.HasField("structured_output")
                 else None
             ),
+            prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         )

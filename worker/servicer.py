@@ -228,6 +228,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         resp.worker_id = self.worker_id
         if seq.params.logprobs:
             resp.logprobs.extend(self._logprob(s) for s in event.logprobs)
+        if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            self._prompt_logprobs(seq, resp)
         if event.finish is not None:
             resp.finish_reason = FINISH_REASON[event.finish]
             usage = resp.usage
@@ -235,6 +237,27 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             usage.cached_tokens = seq.cached_tokens or 0
             usage.completion_tokens = len(seq.output)
         return resp
+
+    def _prompt_logprobs(self, seq: Sequence, resp: pb.GenerateResponse) -> None:
+        """The prompt's logprobs, on the first message once every position has them (a request
+        that ends before its prompt is computed, aborted, sends none)."""
+        got = seq.prompt_logprobs
+        if len(got) < len(seq.prompt) - 1:
+            return
+        decode = self.engine.tokenizer.decode
+        for p in range(1, len(seq.prompt)):
+            token = seq.prompt[p]
+            logprob, rank, top = got[p]
+            resp.prompt_logprobs.append(
+                pb.TokenLogprob(
+                    token_id=token,
+                    logprob=logprob,
+                    rank=rank,
+                    token=decode([token]),
+                    top=[pb.TopLogprob(token_id=t, logprob=lp, token=decode([t])) for t, lp in top],
+                )
+            )
+        seq.prompt_logprobs_sent = True
 
     def _logprob(self, s) -> pb.TokenLogprob:
         decode = self.engine.tokenizer.decode

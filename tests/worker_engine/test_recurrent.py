@@ -171,3 +171,19 @@ def test_a_continuation_the_runner_does_not_hold_is_refused() -> None:
     runner.forward([SeqInput([1, 2, 3], [0], 0, 7)])
     runner.retain({8})
     assert runner.live_sequences == 0
+
+
+async def test_prompt_logprobs_equal_mlx_lms(system: System, family: str) -> None:
+    """Prompt logprobs from the dense runner (every position of each prefill chunk) against
+    mlx-lm's forward of the whole prompt on its own copy of the model."""
+    stub = await system.add_worker(max_step_tokens=32)  # a 70-token prompt in 3 chunks
+    p = prompt(9, 70)
+    messages = [m async for m in stub.Generate(request(p, max_tokens=2, prompt_logprobs=1))]
+    entries = messages[0].prompt_logprobs
+    logits = families.build(family)(mx.array(p)[None]).astype(mx.float32)[0]
+    want = np.asarray(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    assert [e.token_id for e in entries] == p[1:]
+    got = [e.logprob for e in entries]
+    assert got == pytest.approx([float(want[i - 1, p[i]]) for i in range(1, len(p))], abs=1e-4)
+    assert all(len(e.top) == 1 and e.rank >= 1 for e in entries)
+    await _idle(system)

@@ -19,13 +19,14 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Protocol, cast
 
 import mlx.core as mx
+import numpy as np
 
 from worker.engine import lookahead
 from worker.engine.sampling_params import Accepted, RowFailed, Sampled
@@ -91,6 +92,22 @@ class Speculation:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """A prefill item whose prompt tokens' log-probabilities are asked for: ``targets[j]`` is
+    the prompt token that the chunk's position j predicts (-1: none, past the prompt), with
+    ``top`` alternatives each."""
+
+    item: int
+    targets: list[int]
+    top: int
+
+
+# (target's logprob, its rank in the vocabulary, top alternatives as (id, logprob)) per
+# chunk position that has a target
+PromptEntry = tuple[float, int, tuple[tuple[int, float], ...]]
+
+
+@dataclass(frozen=True, slots=True)
 class _Job:
     inputs: list[SeqInput]
     copies: list[tuple[int, int]]
@@ -100,6 +117,46 @@ class _Job:
     # The engine expects the next step to decode the same sequences: the executor may start
     # that forward now (``worker.engine.lookahead``).
     same_next: bool = False
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    # Filled by the run: by item, an entry per chunk position (None where it has no target).
+    prompt_out: dict[int, list[PromptEntry | None]] | None = None
+
+
+def _prompt_logprobs(step: Step) -> Iterator[PromptLogprobs]:
+    """The step's prefill items whose sequence asked for prompt logprobs: each chunk position
+    p predicts prompt token p + 1."""
+    for i, item in enumerate(step.items):
+        seq = item.seq
+        top = seq.params.prompt_logprobs
+        if top is None or item.speculative or item.start >= len(seq.prompt) - 1:
+            continue
+        n = len(seq.prompt)
+        targets = [
+            seq.prompt[p + 1] if p + 1 < n else -1
+            for p in range(item.start, item.start + len(item.token_ids))
+        ]
+        yield PromptLogprobs(i, targets, top)
+
+
+def prompt_entries(logits: mx.array, want: PromptLogprobs) -> list[PromptEntry | None]:
+    """Each chunk position's target log-probability and top alternatives, from its fp32
+    logits ``[positions, vocab]`` (the raw model's: before bias, penalties or a grammar, which
+    apply to generated tokens; vLLM's prompt logprobs are the raw ones too)."""
+    lp = np.asarray(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    out: list[PromptEntry | None] = []
+    for j, target in enumerate(want.targets):
+        if target < 0:
+            out.append(None)
+            continue
+        row = lp[j]
+        top: tuple[tuple[int, float], ...] = ()
+        if want.top:
+            ids = np.argpartition(-row, want.top - 1)[: want.top]
+            ids = ids[np.argsort(-row[ids], kind="stable")]
+            top = tuple((int(t), float(row[t])) for t in ids)
+        value = row[target]
+        out.append((float(value), int(np.count_nonzero(row > value)) + 1, top))
+    return out
 
 
 @cache
@@ -151,11 +208,26 @@ class ModelExecutor:
                 tokens = item.seq.tokens if item.draft_slots else []
                 speculations.append(Speculation(i, item.drafts, item.draft_slots, tokens))
         inputs = [SeqInput(i.token_ids, i.block_table, i.start, i.lease_id) for i in step.items]
-        job = _Job(inputs, step.copies, samples, live, tuple(speculations), step.same_next)
+        prompt_lps = tuple(_prompt_logprobs(step))
+        job = _Job(
+            inputs,
+            step.copies,
+            samples,
+            live,
+            tuple(speculations),
+            step.same_next,
+            prompt_lps,
+            {} if prompt_lps else None,
+        )
         sampled, took = await self._submit(job)
         out: list[Sampled | Accepted | RowFailed | None] = [None] * len(step.items)
         for row, s in zip(samples, sampled, strict=True):
             out[row.item] = s
+        for index, entries in (job.prompt_out or {}).items():
+            chunk = step.items[index]
+            for j, entry in enumerate(entries):
+                if entry is not None:
+                    chunk.seq.prompt_logprobs[chunk.start + j + 1] = entry
         return out, took
 
     async def run_batch(
@@ -222,8 +294,14 @@ class ModelExecutor:
         decodes = [
             i for i, s in enumerate(job.inputs) if len(s.token_ids) == 1 and i not in speculative
         ]
+        # A prefill chunk whose prompt logprobs are asked for runs with the prefills (whose
+        # forward can return every position's logits) even if it is one token long.
+        whole = {p.item: p for p in job.prompt_logprobs}
+        decodes = [i for i in decodes if i not in whole]
         prefills = [
-            i for i, s in enumerate(job.inputs) if len(s.token_ids) > 1 and i not in speculative
+            i
+            for i, s in enumerate(job.inputs)
+            if (len(s.token_ids) > 1 or i in whole) and i not in speculative
         ]
         seconds = [0.0, 0.0]
         ahead, self._ahead = self._ahead, None
@@ -254,7 +332,17 @@ class ModelExecutor:
                 overlap = look or (
                     hasattr(paged, "forward_async") and any(r[1].grammar is not None for r in rows)
                 )
-                logits = paged.forward_async(inputs) if overlap else self.runner.forward(inputs)
+                asked = [(k, whole[i]) for k, i in enumerate(items) if i in whole]
+                if asked:
+                    every = self.runner.forward_all(inputs)
+                    logits = mx.stack([x[-1] for x in every])
+                    assert job.prompt_out is not None
+                    for k, want in asked:
+                        job.prompt_out[want.item] = prompt_entries(every[k], want)
+                elif overlap:
+                    logits = paged.forward_async(inputs)
+                else:
+                    logits = self.runner.forward(inputs)
             failed: dict[int, RowFailed] = {}
             if look and any(r[1].adjusts for r in rows):
                 # Bias, penalties and masks come from what is known now (every token before

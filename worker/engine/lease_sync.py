@@ -350,7 +350,8 @@ class LeaseSync:
                 seq.tokens,
                 seq.namespace,
                 min(self.policy.reserve_tokens, seq.max_tokens - len(seq.output)),
-                not self.policy.prefix_caching,
+                # Prompt logprobs need every prompt position's logits: no cached prefix.
+                not self.policy.prefix_caching or seq.params.prompt_logprobs is not None,
             )
             for seq in batch
         ]

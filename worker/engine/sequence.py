@@ -191,6 +191,14 @@ class Sequence:
     draft_tokens: int = 0
     accepted_drafts: int = 0
     acceptance: float = 1.0
+    # params.prompt_logprobs: by prompt position (1 .. len(prompt) - 1), that token's
+    # log-probability given the tokens before it, its rank in the vocabulary and the top
+    # alternatives (id, logprob), filled as prefill chunks run (a recompute after preemption
+    # writes the same keys); sent once, with the first output.
+    prompt_logprobs: dict[int, tuple[float, int, tuple[tuple[int, float], ...]]] = field(
+        default_factory=dict
+    )
+    prompt_logprobs_sent: bool = False
 
     # -- the lease and the waits for one: the lease sync's -----------------------------------------
     lease: Lease | None = None

@@ -146,12 +146,14 @@ class DenseRunner:
         return mx.stack([self._forward_one(i, s) for i, s in enumerate(seqs)])
 
     def forward_all(self, seqs: Sequence[SeqInput]) -> list[mx.array]:
-        """Logits at every position are what speculative decoding verifies drafts with; a
-        recurrent state cannot roll rejected drafts back, so the intake refuses speculation
-        on this runner and nothing calls this."""
-        raise BatchError("the dense runner does not verify drafts (no speculative decoding)")
+        """fp32 logits ``[len(token_ids), vocab]`` at every position of each sequence: what
+        prompt logprobs read. (Speculative decoding, the paged runner's other caller, is
+        refused on this runner: a recurrent state cannot roll rejected drafts back.)"""
+        if not seqs:
+            raise BatchError("a forward needs at least one sequence")
+        return [self._forward_one(i, s, every=True) for i, s in enumerate(seqs)]
 
-    def _forward_one(self, i: int, s: SeqInput) -> mx.array:
+    def _forward_one(self, i: int, s: SeqInput, every: bool = False) -> mx.array:
         vocab = self.spec.vocab_size
         if min(s.token_ids) < 0 or max(s.token_ids) >= vocab:
             raise BatchError(f"sequence {i}: token ids outside 0..{vocab - 1}")
@@ -169,7 +171,7 @@ class DenseRunner:
                 )
             else:
                 entry = found
-        logits = self._step(entry, list(s.token_ids))
+        logits = self._step(entry, list(s.token_ids), every)
         if s.seq_key is not None:
             self._caches[s.seq_key] = entry
         return logits
@@ -182,8 +184,10 @@ class DenseRunner:
             self._step(entry, [0] * start)
         return entry
 
-    def _step(self, entry: _SeqCache, tokens: list[int]) -> mx.array:
-        out = self.model(mx.array([tokens]), cache=entry.cache)[0, -1].astype(mx.float32)
+    def _step(self, entry: _SeqCache, tokens: list[int], every: bool = False) -> mx.array:
+        """The last token's logits (``every``: each token's)."""
+        logits = self.model(mx.array([tokens]), cache=entry.cache)[0]
+        out = (logits if every else logits[-1]).astype(mx.float32)
         # Evaluated with the state, as mlx-lm's generate_step does: no graph outlives the step.
         mx.eval(out, [c.state for c in entry.cache])
         entry.tokens += len(tokens)

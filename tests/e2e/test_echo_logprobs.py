@@ -1,0 +1,135 @@
+"""``echo`` with ``logprobs`` on /v1/completions, as an evaluation harness scores text
+(lm-evaluation-harness's loglikelihood requests: the prompt echoed with its tokens' logprobs,
+``max_tokens`` 1): on the real processes, with the official ``openai`` client, streamed and
+not. The values themselves are checked against the dense mlx-lm forward in
+tests/worker_engine/test_prompt_logprobs.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from kvserve_launch.process import KeptLines as LogSink
+from kvserve_launch.system import System
+from kvserve_model.tiny_model import TINY_MODEL_NAME
+from tests.e2e.conftest import started_system
+
+MODEL = TINY_MODEL_NAME
+TEXT = "The quick brown fox jumps over the lazy dog. " * 6  # ~270 byte tokens: 2+ chunks
+
+
+@pytest.fixture(scope="module")
+def system(logs: LogSink) -> Iterator[System]:
+    yield from started_system(logs, workers=1)
+
+
+@pytest.fixture(scope="module")
+def client(system: System) -> OpenAI:
+    return OpenAI(base_url=f"http://{system.http_address}/v1", api_key="unused", timeout=120)
+
+
+def test_the_prompt_is_scored(client: OpenAI) -> None:
+    r = client.completions.create(
+        model=MODEL, prompt=TEXT, max_tokens=1, temperature=0, echo=True, logprobs=3
+    )
+    choice = r.choices[0]
+    lp = choice.logprobs
+    assert r.usage is not None and lp is not None and lp.token_logprobs and lp.top_logprobs
+    n = r.usage.prompt_tokens + r.usage.completion_tokens
+    assert len(lp.tokens or ()) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert choice.text.startswith(TEXT) and "".join(lp.tokens or ()) == choice.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and -9999.0 < v <= 0.0 for v in lp.token_logprobs[1:])
+    assert all(t is not None and 1 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(map(len, (lp.tokens or [])[:i])) for i in range(n)]
+    # The same request again, its prefix now cached: the same numbers (no cached prefix is
+    # used for it, every position's logits are computed).
+    again = client.completions.create(
+        model=MODEL, prompt=TEXT, max_tokens=1, temperature=0, echo=True, logprobs=3
+    )
+    assert again.choices[0].logprobs is not None
+    assert again.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+
+def test_streamed_as_returned_whole(client: OpenAI, system: System) -> None:
+    body = dict(model=MODEL, prompt=["ab ab ab ab", TEXT], max_tokens=4, temperature=0,
+                echo=True, logprobs=2, n=2)  # fmt: skip
+    whole = client.completions.create(**body)  # type: ignore[call-overload]
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[str]] = {}
+    values: dict[int, list[float | None]] = {}
+    with httpx.stream(
+        "POST", f"http://{system.http_address}/v1/completions", json={**body, "stream": True},
+        timeout=120,
+    ) as r:  # fmt: skip
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                i = c["index"]
+                texts[i] = texts.get(i, "") + c["text"]
+                if c["logprobs"]:
+                    tokens.setdefault(i, []).extend(c["logprobs"]["tokens"])
+                    values.setdefault(i, []).extend(c["logprobs"]["token_logprobs"])
+    assert len(whole.choices) == 4
+    for choice in whole.choices:
+        i = choice.index
+        assert choice.logprobs is not None
+        assert texts[i] == choice.text and tokens[i] == choice.logprobs.tokens
+        assert values[i][0] is None
+        assert values[i][1:] == pytest.approx(choice.logprobs.token_logprobs[1:], abs=1e-5)
+
+
+def test_prompt_logprobs_out_of_range_is_400(system: System) -> None:
+    r = httpx.post(
+        f"http://{system.http_address}/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 1, "echo": True, "logprobs": 21},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_vllm_prompt_logprobs(system: System, client: OpenAI) -> None:
+    """vLLM's ``prompt_logprobs``: in each choice (completions) or the response (chat), None
+    for the first token, then the prompt token's own entry (its rank in the vocabulary) and
+    the top alternatives; the same values echo's logprobs give; absent where not asked."""
+    url = f"http://{system.http_address}/v1"
+    body = {"model": MODEL, "prompt": TEXT, "max_tokens": 1, "temperature": 0}
+    plain = httpx.post(f"{url}/completions", json=body, timeout=120).json()
+    assert "prompt_logprobs" not in plain["choices"][0] and "prompt_logprobs" not in plain
+    r = httpx.post(f"{url}/completions", json={**body, "prompt_logprobs": 2}, timeout=120)
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    echo = (
+        client.completions.create(
+            model=MODEL, prompt=TEXT, max_tokens=1, temperature=0, echo=True, logprobs=2
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert echo is not None and echo.token_logprobs is not None
+    n = r.json()["usage"]["prompt_tokens"]
+    assert len(got) == n and got[0] is None
+    for entry, want in zip(got[1:], echo.token_logprobs[1:n], strict=True):
+        assert 2 <= len(entry) <= 3  # the token itself, and the top 2 (it may be one of them)
+        ranks = sorted(e["rank"] for e in entry.values())
+        assert ranks[:2] == [1, 2] or ranks[0] == 1
+        own = [e for e in entry.values() if e["logprob"] == pytest.approx(want, abs=1e-5)]
+        assert own and all(e["rank"] >= 1 for e in own)
+    chat = httpx.post(
+        f"{url}/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+              "prompt_logprobs": 0, "n": 2},
+        timeout=120,
+    ).json()  # fmt: skip
+    prompt = chat["prompt_logprobs"]
+    assert len(prompt) == chat["usage"]["prompt_tokens"] and prompt[0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in prompt[1:])
+    stream = httpx.post(
+        f"{url}/completions", json={**body, "prompt_logprobs": 1, "stream": True}, timeout=120
+    )
+    assert stream.status_code == 400 and stream.json()["error"]["param"] == "prompt_logprobs"
