@@ -139,23 +139,34 @@ def _prompt_logprobs(step: Step) -> Iterator[PromptLogprobs]:
 
 
 def prompt_entries(logits: mx.array, want: PromptLogprobs) -> list[PromptEntry | None]:
-    """Each chunk position's target log-probability and top alternatives, from its fp32
+    """Each chunk position's target log-probability, rank and top alternatives, from its fp32
     logits ``[positions, vocab]`` (the raw model's: before bias, penalties or a grammar, which
-    apply to generated tokens; vLLM's prompt logprobs are the raw ones too)."""
-    lp = np.asarray(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    apply to generated tokens; vLLM's prompt logprobs are the raw ones too). Computed for the
+    whole chunk at once in MLX; only ``[positions, top]`` values come back to the host."""
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    targets = mx.array([max(t, 0) for t in want.targets])[:, None]
+    chosen = mx.take_along_axis(lp, targets, axis=-1)
+    ranks = (lp > chosen).sum(axis=-1) + 1
+    parts = [chosen[:, 0], ranks]
+    if want.top:
+        ids = mx.argpartition(-lp, kth=want.top - 1, axis=-1)[:, : want.top]
+        parts += [ids, mx.take_along_axis(lp, ids, axis=-1)]
+    mx.eval(*parts)
+    values, rank = np.asarray(parts[0]).tolist(), np.asarray(parts[1]).tolist()
+    if want.top:
+        top_ids, top_lp = np.asarray(parts[2]), np.asarray(parts[3])
+        order = np.argsort(-top_lp, axis=-1, kind="stable")
+        top_ids = np.take_along_axis(top_ids, order, axis=-1).tolist()
+        top_lp = np.take_along_axis(top_lp, order, axis=-1).tolist()
     out: list[PromptEntry | None] = []
     for j, target in enumerate(want.targets):
         if target < 0:
             out.append(None)
             continue
-        row = lp[j]
         top: tuple[tuple[int, float], ...] = ()
         if want.top:
-            ids = np.argpartition(-row, want.top - 1)[: want.top]
-            ids = ids[np.argsort(-row[ids], kind="stable")]
-            top = tuple((int(t), float(row[t])) for t in ids)
-        value = row[target]
-        out.append((float(value), int(np.count_nonzero(row > value)) + 1, top))
+            top = tuple(zip(top_ids[j], top_lp[j], strict=True))
+        out.append((values[j], rank[j], top))
     return out
 
 
