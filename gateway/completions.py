@@ -105,8 +105,16 @@ class CompletionServing:
             ]
             decode = self.s.tokenizer.decode
             firsts = [decode(prompts[k // req.n][:1]) for k in range(len(sequences))]
-        view = CompletionView(request_id, model, self.s.created(), req.n, logprobs, echoes, firsts)
-        view.prompt_logprobs = req.prompt_logprobs
+        view = CompletionView(
+            request_id,
+            model,
+            self.s.created(),
+            req.n,
+            logprobs,
+            echoes,
+            firsts,
+            req.prompt_logprobs,
+        )
         served = await view.serve(self.s.open(sequences, arrival), req)
         return self.s.noted(served, req, structured)
 
@@ -127,14 +135,16 @@ class CompletionView(Renderer):
         logprobs: int | None,
         echoes: list[str] | None,
         firsts: list[str] | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
         """``firsts``: with ``echo`` and ``logprobs``, each choice's first prompt token as
-        text; the prompt's tokens then come first in its logprobs (the first with none)."""
+        text; the prompt's tokens then come first in its logprobs (the first with none).
+        ``prompt_logprobs``: vLLM's, in each choice, with this many alternatives."""
         super().__init__(request_id, model, created, n)
         self.logprobs = logprobs
         self.echoes = echoes
         self.firsts = firsts
-        self.prompt_logprobs: int | None = None  # vLLM's, in each choice where asked for
+        self.prompt_logprobs = prompt_logprobs
         # Streaming: the length of each choice's text so far, its next token's text_offset.
         # With the prompt's logprobs the echo goes with the first chunk, which brings them.
         self.offsets = {} if firsts else {i: len(text) for i, text in enumerate(echoes or ())}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
@@ -244,28 +244,24 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         got = seq.prompt_logprobs
         if len(got) < len(seq.prompt) - 1:
             return
-        decode = self.engine.tokenizer.decode
         for p in range(1, len(seq.prompt)):
-            token = seq.prompt[p]
             logprob, rank, top = got[p]
-            resp.prompt_logprobs.append(
-                pb.TokenLogprob(
-                    token_id=token,
-                    logprob=logprob,
-                    rank=rank,
-                    token=decode([token]),
-                    top=[pb.TopLogprob(token_id=t, logprob=lp, token=decode([t])) for t, lp in top],
-                )
-            )
+            resp.prompt_logprobs.append(self._token_logprob(seq.prompt[p], logprob, top, rank))
         seq.prompt_logprobs_sent = True
 
     def _logprob(self, s) -> pb.TokenLogprob:
+        return self._token_logprob(s.token, s.logprob, s.top)
+
+    def _token_logprob(
+        self, token: int, logprob: float, top: Iterable[tuple[int, float]], rank: int = 0
+    ) -> pb.TokenLogprob:
         decode = self.engine.tokenizer.decode
         return pb.TokenLogprob(
-            token_id=s.token,
-            logprob=s.logprob,
-            token=decode([s.token]),
-            top=[pb.TopLogprob(token_id=t, logprob=lp, token=decode([t])) for t, lp in s.top],
+            token_id=token,
+            logprob=logprob,
+            token=decode([token]),
+            top=[pb.TopLogprob(token_id=t, logprob=lp, token=decode([t])) for t, lp in top],
+            rank=rank,
         )
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.WorkerInfo:

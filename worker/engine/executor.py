@@ -30,6 +30,7 @@ import numpy as np
 
 from worker.engine import lookahead
 from worker.engine.sampling_params import Accepted, RowFailed, Sampled
+from worker.engine.sequence import PromptEntry
 from worker.engine.stall_watch import StallWatch
 from worker.engine.step import Step
 from worker.engine.step_budget import ForwardTime
@@ -100,11 +101,6 @@ class PromptLogprobs:
     item: int
     targets: list[int]
     top: int
-
-
-# (target's logprob, its rank in the vocabulary, top alternatives as (id, logprob)) per
-# chunk position that has a target
-PromptEntry = tuple[float, int, tuple[tuple[int, float], ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,18 +298,15 @@ class ModelExecutor:
         by_item = {r.item: r for r in job.samples}
         out: dict[int, Sampled | Accepted | RowFailed] = {}  # by item
         speculative = {sp.item for sp in job.speculations}
-        decodes = [
-            i for i, s in enumerate(job.inputs) if len(s.token_ids) == 1 and i not in speculative
-        ]
         # A prefill chunk whose prompt logprobs are asked for runs with the prefills (whose
         # forward can return every position's logits) even if it is one token long.
         whole = {p.item: p for p in job.prompt_logprobs}
-        decodes = [i for i in decodes if i not in whole]
         prefills = [
             i
             for i, s in enumerate(job.inputs)
             if (len(s.token_ids) > 1 or i in whole) and i not in speculative
         ]
+        decodes = [i for i in range(len(job.inputs)) if i not in speculative and i not in prefills]
         seconds = [0.0, 0.0]
         ahead, self._ahead = self._ahead, None
         if job.speculations:

@@ -138,6 +138,11 @@ def _release_held_space(detok: Any) -> None:
     detok._unflushed = ""
 
 
+# One prompt token's (log-probability given the tokens before it, rank in the vocabulary, top
+# alternatives as (id, logprob)): Sequence.prompt_logprobs' values.
+PromptEntry = tuple[float, int, tuple[tuple[int, float], ...]]
+
+
 @dataclass(eq=False)
 class Sequence:
     """A request's state, mutated on the event loop only. Its fields come in three sections,
@@ -195,9 +200,7 @@ class Sequence:
     # log-probability given the tokens before it, its rank in the vocabulary and the top
     # alternatives (id, logprob), filled as prefill chunks run (a recompute after preemption
     # writes the same keys); sent once, with the first output.
-    prompt_logprobs: dict[int, tuple[float, int, tuple[tuple[int, float], ...]]] = field(
-        default_factory=dict
-    )
+    prompt_logprobs: dict[int, PromptEntry] = field(default_factory=dict)
     prompt_logprobs_sent: bool = False
 
     # -- the lease and the waits for one: the lease sync's -----------------------------------------
