@@ -30,6 +30,7 @@ kernel).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -108,6 +109,9 @@ def cases(rng: np.random.Generator, small: bool) -> list[Case]:
         Case(f32, 128, 8, 2, [300, 1000, 17], nq=5, q_lens=[5, 3, 1]),
         Case(bf16, 64, 1, 4, [100, 260], nq=17),
         Case(f16, 128, 8, 2, [700, 64], nq=17, q_lens=[17, 9], window=100),
+        Case(f16, 64, 8, 4, [8000 - i for i in range(32)]),  # the 1B model's decode at 8k
+        Case(bf16, 64, 8, 4, [3000, 129], nq=2, window=700, bs=16),  # 16 rows: one tensor tile
+        Case(f16, 128, 4, 2, [1, 15, 16, 17, 4000], bs=16),
     ]
     if small:
         big = [
@@ -163,8 +167,8 @@ def check(small: bool, start: int = 0, stop: int = 1000) -> bool:
         + ", ".join(f"{NAMES[t]} {c:.3g}" for t, c in TOLERANCE.items())
     )
     print(
-        "| case | splits | kernel vs f64 | tol | SDPA vs f64 | kernel vs SDPA | ok | (wall)\n"
-        "|---|---|---|---|---|---|---|"
+        "| case | kernel | splits | kernel vs f64 | tol | SDPA vs f64 | kernel vs SDPA | ok | (wall)\n"
+        "|---|---|---|---|---|---|---|---|"
     )
     ok = True
     worst: dict[str, float] = {}
@@ -183,20 +187,20 @@ def check(small: bool, start: int = 0, stop: int = 1000) -> bool:
         tol = TOLERANCE[case.dtype] * max(1.0, float(np.abs(ref).max()))
         sdpa = as_f32(gathered_sdpa(batch, pool_k, pool_v, q, scale, case.window))
         sdpa_err = float(np.abs(sdpa - ref).max())
-        rep_nq = case.rep * batch.query_len
-        tiles = -(-rep_nq // gpu_decode.rows_per_tile(case.rep, batch.query_len))
-        auto = gpu_decode.choose_splits(
-            batch.size * case.h * tiles,
-            gpu_decode.visible_blocks(batch.key_blocks, case.bs, batch.query_len, case.window),
-        )
-        for splits in (auto, 1 if auto > 1 else min(3, batch.key_blocks)):
+        kernels = ["tc", "core"] if gpu_decode.uses_tensor_cores(pool_k) else ["core"]
+        runs = []
+        for kern in kernels:
+            auto = gpu_decode.splits_for(q, pool_k, batch.key_blocks, case.window, kern)
+            runs += [(kern, auto), (kern, 1 if auto > 1 else min(3, batch.key_blocks))]
+        for kern, splits in runs:
             # An output the kernel leaves unwritten shows.
             mlx_fixes.dirty_buffer_cache(q, pool_k, pool_v, tables, ends, q_lens)
             got = as_f32(
                 gpu_decode.paged_decode_attention(
-                    q, pool_k, pool_v, tables, ends, scale, case.window, q_lens, splits=splits
+                    q, pool_k, pool_v, tables, ends, scale, case.window, q_lens, splits=splits,
+                    kernel=kern,
                 )
-            )
+            )  # fmt: skip
             err = float(np.abs(got - ref).max())
             vs_sdpa = float(np.abs(got - sdpa).max())
             good = bool(err <= tol and np.isfinite(got).all())
@@ -204,7 +208,7 @@ def check(small: bool, start: int = 0, stop: int = 1000) -> bool:
             name = NAMES[case.dtype]
             worst[name] = max(worst.get(name, 0.0), err)
             print(
-                f"| {case.describe()} | {splits} | {err:.3g} | {tol:.3g} | {sdpa_err:.3g} | "
+                f"| {case.describe()} | {kern} | {splits} | {err:.3g} | {tol:.3g} | {sdpa_err:.3g} | "
                 f"{vs_sdpa:.3g} | {'ok' if good else 'FAIL'} | {time.perf_counter() - began:.1f} s",
                 flush=True,
             )
@@ -251,82 +255,100 @@ def timed(fn: Callable[[mx.array], mx.array], q: mx.array, chain: int, repeats: 
 
 
 def bench(small: bool) -> None:
-    print("\n## (b) decode attention: 32 query / 8 KV heads, head dim 128, fp16, block size 32")
-    h, hq, d, bs, dtype = 8, 32, 128, 32, mx.float16
-    shapes = [(b, c) for b in (1, 8, 32) for c in (1024, 4096, 16384)]
+    """Decode attention at a few shapes: the kernel's two variants (tensor cores, CUDA cores)
+    against dense SDPA on contiguous K/V and gather-then-SDPA, then the tensor-core variant's
+    split count and pipeline (warps, stages)."""
+    dtype, bs = mx.float16, 32
+    # (label, KV heads, query heads, head dim, [(batch, context)])
+    models = [
+        ("32 q / 8 KV heads, D 128", 8, 32, 128, [(b, c) for b in (1, 8, 32) for c in (1024, 4096, 16384)]),
+        ("32 q / 4 KV heads, D 64 (GQA 8)", 4, 32, 64, [(1, 4096), (8, 4096), (32, 1024), (32, 8000)]),
+        ("16 q / 16 KV heads, D 64 (no GQA)", 16, 16, 64, [(8, 4096), (32, 4096)]),
+    ]  # fmt: skip
     if small:
-        shapes = [(1, 256), (2, 512)]
-        h, hq = 2, 8
+        models = [("small", 2, 8, 64, [(1, 256), (2, 512)])]
     chain, repeats = (2, 2) if small else (10, 7)
-    scale = d**-0.5
-    rows = []
-    sweep_at: dict[tuple[int, int], tuple] = {}
-    print(
-        "| batch x context | dense SDPA | gather then SDPA | kernel | kernel / dense | "
-        "gather / dense | splits | kernel GB/s |\n|---|---|---|---|---|---|---|---|"
-    )
     rng = np.random.default_rng(1)
-    for b, ctx in shapes:
-        n = ctx // bs
-        num_blocks = b * n
-        order = rng.permutation(num_blocks)
-        seqs = [SeqInput([0], order[i * n : (i + 1) * n].tolist(), ctx - 1) for i in range(b)]
-        batch = ForwardBatch(seqs, bs, num_blocks)
-        tables, ends, q_lens = batch.kernel_inputs()
-        keys = mx.random.split(mx.random.key(b * ctx), 3)
-        pool_k = mx.random.normal((h, num_blocks + 1, bs, d), key=keys[0]).astype(dtype)
-        pool_v = mx.random.normal((h, num_blocks + 1, bs, d), key=keys[1]).astype(dtype)
-        q = mx.random.normal((b, hq, 1, d), key=keys[2]).astype(dtype)
-        heads = mx.arange(h)[None, :, None]
-        k_dense = pool_k[heads, batch.tables].reshape(b, h, ctx, d)
-        v_dense = pool_v[heads, batch.tables].reshape(b, h, ctx, d)
-        mx.eval(pool_k, pool_v, q, k_dense, v_dense, tables, ends, q_lens)
-
-        def dense(x, k_dense=k_dense, v_dense=v_dense):
-            return mx.fast.scaled_dot_product_attention(x, k_dense, v_dense, scale=scale)
-
-        def gather(x, batch=batch, pool_k=pool_k, pool_v=pool_v):
-            return gathered_sdpa(batch, pool_k, pool_v, x, scale, None)
-
-        def kernel(x, pool_k=pool_k, pool_v=pool_v, tables=tables, ends=ends, q_lens=q_lens):
-            return gpu_decode.paged_decode_attention(
-                x, pool_k, pool_v, tables, ends, scale, None, q_lens
-            )
-
-        began = time.perf_counter()
-        mx.eval(kernel(q))
-        first = time.perf_counter() - began
-        t_dense = timed(dense, q, chain, repeats)
-        t_gather = timed(gather, q, chain, repeats)
-        t_kernel = timed(kernel, q, chain, repeats)
-        splits = gpu_decode.choose_splits(b * h, n)
-        gbps = 2 * b * h * ctx * d * dtype.size / t_kernel / 1e9
-        rows.append((b, ctx, t_dense, t_gather, t_kernel))
+    for label, h, hq, d, shapes in models:
+        scale = d**-0.5
+        print(f"\n## (b) decode attention, {label}, fp16, block size {bs}")
         print(
-            f"| {b} x {ctx} | {t_dense * 1e6:.0f} us | {t_gather * 1e6:.0f} us | "
-            f"{t_kernel * 1e6:.0f} us | {t_kernel / t_dense:.2f} | {t_gather / t_dense:.2f} | "
-            f"{splits} | {gbps:.0f} | first call {first * 1e3:.0f} ms",
-            flush=True,
+            "| batch x context | dense SDPA | gather then SDPA | tensor cores | CUDA cores | "
+            "tc / dense | core / dense | tc / core | splits tc, core | tc GB/s | core GB/s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|"
         )
-        if (b, ctx) in ((1, 4096), (8, 4096), (8, 16384), (32, 4096), (32, 16384), (2, 512)):
-            sweep_at[(b, ctx)] = (q, pool_k, pool_v, tables, ends, q_lens, n)
-        del k_dense, v_dense
-    print("\nkernel time by number of splits (us; * = the automatic choice)")
-    for (b, ctx), (q, pool_k, pool_v, tables, ends, q_lens, n) in sweep_at.items():
-        auto = gpu_decode.choose_splits(b * h, n)
-        line = []
-        for s in (1, 2, 4, 8, 16, 32, 64):
-            if s > n:
-                break
+        for b, ctx in shapes:
+            n = -(-ctx // bs)
+            num_blocks = b * n
+            order = rng.permutation(num_blocks)
+            seqs = [SeqInput([0], order[i * n : (i + 1) * n].tolist(), ctx - 1) for i in range(b)]
+            batch = ForwardBatch(seqs, bs, num_blocks)
+            tables, ends, q_lens = batch.kernel_inputs()
+            keys = mx.random.split(mx.random.key(b * ctx), 3)
+            pool_k = mx.random.normal((h, num_blocks + 1, bs, d), key=keys[0]).astype(dtype)
+            pool_v = mx.random.normal((h, num_blocks + 1, bs, d), key=keys[1]).astype(dtype)
+            q = mx.random.normal((b, hq, 1, d), key=keys[2]).astype(dtype)
+            heads = mx.arange(h)[None, :, None]
+            k_dense = pool_k[heads, batch.tables].reshape(b, h, n * bs, d)[:, :, :ctx]
+            v_dense = pool_v[heads, batch.tables].reshape(b, h, n * bs, d)[:, :, :ctx]
+            mx.eval(pool_k, pool_v, q, k_dense, v_dense, tables, ends, q_lens)
 
-            def f(x, s=s, pool_k=pool_k, pool_v=pool_v, tables=tables, ends=ends, q_lens=q_lens):
-                return gpu_decode.paged_decode_attention(
-                    x, pool_k, pool_v, tables, ends, d**-0.5, None, q_lens, splits=s
-                )
+            def dense(x, k_dense=k_dense, v_dense=v_dense, scale=scale):
+                return mx.fast.scaled_dot_product_attention(x, k_dense, v_dense, scale=scale)
 
-            t = timed(f, q, chain, repeats)
-            line.append(f"{s}{'*' if s == auto else ''}: {t * 1e6:.0f}")
-        print(f"  {b} x {ctx}: " + ", ".join(line), flush=True)
+            def gather(x, batch=batch, pool_k=pool_k, pool_v=pool_v, scale=scale):
+                return gathered_sdpa(batch, pool_k, pool_v, x, scale, None)
+
+            variant = functools.partial(_variant, (pool_k, pool_v, tables, ends, q_lens), scale)
+            t_dense = timed(dense, q, chain, repeats)
+            t_gather = timed(gather, q, chain, repeats)
+            t_tc = timed(variant("tc"), q, chain, repeats)
+            t_core = timed(variant("core"), q, chain, repeats)
+            s_tc = gpu_decode.splits_for(q, pool_k, n, None, "tc")
+            s_core = gpu_decode.splits_for(q, pool_k, n, None, "core")
+            kv = 2 * b * h * ctx * d * dtype.size
+            print(
+                f"| {b} x {ctx} | {t_dense * 1e6:.0f} us | {t_gather * 1e6:.0f} us | "
+                f"{t_tc * 1e6:.0f} us | {t_core * 1e6:.0f} us | {t_tc / t_dense:.2f} | "
+                f"{t_core / t_dense:.2f} | {t_tc / t_core:.2f} | {s_tc}, {s_core} | "
+                f"{kv / t_tc / 1e9:.0f} | {kv / t_core / 1e9:.0f} |",
+                flush=True,
+            )
+            if (b >= 8 and ctx >= 4096) or small:
+                line = []
+                for s in (1, 2, 4, 8, 16, 32):
+                    if s <= n // 4:
+                        t = timed(variant("tc", splits=s), q, chain, repeats)
+                        line.append(f"{s}{'*' if s == s_tc else ''}: {t * 1e6:.0f}")
+                print(f"  tensor cores by splits (us; * automatic): {', '.join(line)}")
+                line = []
+                for nw, st in ((4, 2), (2, 2), (2, 3), (1, 2), (1, 3), (1, 4)):
+                    if nw * st * 2 * gpu_decode.TC_KEYS * (d + 8) * 2 > 48 * 1024:
+                        continue
+                    t = timed(variant("tc", warps=nw, stages=st), q, chain, repeats)
+                    line.append(f"{nw}w x {st}st: {t * 1e6:.0f}")
+                print(f"  tensor cores by warps x stages (us): {', '.join(line)}", flush=True)
+            del k_dense, v_dense, pool_k, pool_v, variant
+
+
+def _variant(
+    arrays: tuple[mx.array, ...],
+    scale: float,
+    kern: str,
+    splits: int | None = None,
+    warps: int | None = None,
+    stages: int | None = None,
+) -> Callable[[mx.array], mx.array]:
+    """One decode kernel variant over ``arrays`` (pool K, V, tables, ends, query lengths)."""
+    pool_k, pool_v, tables, ends, q_lens = arrays
+
+    def f(x: mx.array) -> mx.array:
+        return gpu_decode.paged_decode_attention(
+            x, pool_k, pool_v, tables, ends, scale, None, q_lens, splits=splits, kernel=kern,
+            warps=warps, stages=stages,
+        )  # fmt: skip
+
+    return f
 
 
 def _gap(logits: mx.array) -> float:
@@ -477,7 +499,7 @@ def _stand_in_for_the_kernel() -> None:
     """--cpu-dry-run: the float64 reference plays both kernels (decode and prefill), and the
     runner takes their paths."""
 
-    def kernel(q, pool_k, pool_v, tables, ends, scale, window=None, q_lens=None, splits=None):
+    def kernel(q, pool_k, pool_v, tables, ends, scale, window=None, q_lens=None, **_):
         out = gpu_decode.reference_attention(
             as_f32(q), as_f32(pool_k), as_f32(pool_v), np.array(tables), np.array(ends),
             scale, window, None if q_lens is None else np.array(q_lens),

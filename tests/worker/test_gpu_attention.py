@@ -76,6 +76,66 @@ def test_every_input_and_output_is_used():
             assert re.search(rf"\b{name}\b", body), (kind, name)
 
 
+@pytest.mark.parametrize("kind", ["single", "partial"])
+def test_the_tensor_core_variant_shares_the_merge_and_is_cuda_only(kind):
+    header, body = gpu_decode.render("cuda", kind, tc=True)
+    _, core = gpu_decode.render("cuda", kind)
+    assert "$" not in body and "mma.sync" in header and "cp.async" in header
+    merge = body[body.index("// Merge the warps' (max, sum, output) rows") :]
+    assert core.endswith(merge)  # one merge and write for both variants
+    for name in gpu_decode._INPUTS[kind] + gpu_decode._OUTPUTS[kind]:
+        assert re.search(rf"\b{name}\b", body), name
+    with pytest.raises(ValueError, match="tensor-core"):
+        gpu_decode.render("metal", kind, tc=True)
+    with pytest.raises(ValueError, match="tensor-core"):
+        gpu_decode.render("cuda", "reduce", tc=True)
+
+
+def test_which_pools_take_tensor_cores(monkeypatch):
+    monkeypatch.delenv(gpu_decode.KERNEL_ENV, raising=False)
+    takes = gpu_decode.uses_tensor_cores
+    for dtype in (mx.float16, mx.bfloat16):
+        for d in (64, 128):
+            for bs in (16, 32, 64):
+                assert takes(mx.zeros((2, 4, bs, d), dtype))
+    assert not takes(mx.zeros((2, 4, 32, 64), mx.float32))  # no fp32 mma
+    assert not takes(mx.zeros((2, 4, 32, 256), mx.float16))  # registers: CUDA cores
+    assert not takes(mx.zeros((2, 4, 32, 32), mx.float16))
+    assert not takes(mx.zeros((2, 4, 8, 64), mx.float16))  # a 16-key chunk would straddle
+    assert not takes(mx.zeros((2, 4, 32, 64), mx.float16), backend="metal")
+    monkeypatch.setenv(gpu_decode.KERNEL_ENV, "core")
+    assert not takes(mx.zeros((2, 4, 32, 64), mx.float16))
+
+
+def test_the_tensor_core_pipeline_fits_static_shared_memory():
+    for d in gpu_decode.TC_HEAD_DIMS:
+        nw, st = gpu_decode.tc_pipeline(d)
+        assert st >= 2 and nw * st * 2 * gpu_decode.TC_KEYS * (d + 8) * 2 <= 48 * 1024
+        merge = (nw * gpu_decode.TC_ROWS * d + 2 * nw * gpu_decode.TC_ROWS) * 4
+        assert merge <= 48 * 1024
+    assert gpu_decode.tc_pipeline(64) == (4, 2)
+    assert gpu_decode.tc_pipeline(128) == (2, 2)
+    assert gpu_decode.tc_pipeline(128, stages=3) == (1, 3)  # the most warps that fit
+    assert gpu_decode.tc_pipeline(64, warps=1) == (1, 3)
+    with pytest.raises(ValueError):
+        gpu_decode.tc_pipeline(128, warps=4, stages=3)
+
+
+def test_a_tensor_core_plan_tiles_16_rows():
+    q_shape, pool_shape = (3, 32, 2, 64), (8, 100, 32, 64)  # rep 4 x 2 queries: 8 rows
+    plan = gpu_decode._plan(q_shape, pool_shape, mx.float16, 30, None, None, "cuda",
+                            (True, None, None))  # fmt: skip
+    template = dict(plan.template)
+    assert plan.tc and template["RT"] == 16 and template["ST"] == 2 and template["NW"] == 4
+    assert plan.grid == (128 * 3 * 8 * plan.splits, 1, 1) and plan.threads == 128
+    core = gpu_decode._plan(q_shape, pool_shape, mx.float16, 30, None, None, "cuda",
+                            (False, None, None))  # fmt: skip
+    assert not core.tc and dict(core.template)["RT"] == 8 and "ST" not in dict(core.template)
+    q17 = (3, 32, 17, 64)  # 4 x 17 = 68 rows: five tiles of 16
+    assert gpu_decode._plan(q17, pool_shape, mx.float16, 30, None, None, "cuda",
+                            (True, None, None)).grid[1] == 5  # fmt: skip
+
+
 def test_the_metal_twin_builds_without_a_gpu():
     """Only built (MLX checks nothing until it runs): it is untested on hardware."""
     for kind in KINDS:
@@ -491,6 +551,41 @@ def test_kernel_matches_the_reference(dtype, lengths, nq, q_lens, window, d, rep
         *f32, np.array(tables), np.array(ends), scale, window, np.array(query_lens)
     )
     tol = {mx.float32: 1e-4, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}[dtype]
+    assert np.abs(np.array(got.astype(mx.float32)) - want).max() <= tol * max(1, np.abs(want).max())
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize(
+    ("lengths", "nq", "q_lens", "window", "d", "rep", "bs"),
+    [
+        ([1, 9, 30, 64], 1, None, None, 64, 4, 16),
+        ([300, 17], 1, None, 20, 128, 8, 32),
+        ([45, 45], 5, None, None, 128, 1, 16),
+        ([45, 20, 33], 5, [5, 2, 1], 9, 64, 2, 32),
+        ([2000, 31], 1, None, None, 64, 8, 32),  # several splits
+        ([700, 64], 17, [17, 9], 100, 128, 4, 16),  # 68 rows: five tiles
+    ],
+)
+@pytest.mark.parametrize("splits", [None, 1])
+def test_tensor_core_kernel_matches_the_reference(dtype, lengths, nq, q_lens, window, d, rep,
+                                                   bs, splits):  # fmt: skip
+    rng = np.random.default_rng(sum(lengths) + nq + bs)
+    batch, pool_k, pool_v, q = _random_case(
+        rng, lengths, nq, bs=bs, h=2, rep=rep, d=d, q_lens=q_lens
+    )
+    pool_k, pool_v, q = pool_k.astype(dtype), pool_v.astype(dtype), q.astype(dtype)
+    tables, ends, query_lens = batch.kernel_inputs()
+    scale = d**-0.5
+    mlx_fixes.dirty_buffer_cache(q, pool_k, pool_v, tables, ends, query_lens)
+    got = gpu_decode.paged_decode_attention(
+        q, pool_k, pool_v, tables, ends, scale, window, query_lens, splits=splits, kernel="tc"
+    )
+    f32 = [np.array(a.astype(mx.float32)) for a in (q, pool_k, pool_v)]
+    want = gpu_decode.reference_attention(
+        *f32, np.array(tables), np.array(ends), scale, window, np.array(query_lens)
+    )
+    tol = {mx.float16: 2e-3, mx.bfloat16: 1.6e-2}[dtype]
     assert np.abs(np.array(got.astype(mx.float32)) - want).max() <= tol * max(1, np.abs(want).max())
 
 

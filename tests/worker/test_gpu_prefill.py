@@ -271,7 +271,7 @@ def test_both_kernels_launch_one_pass_or_split_then_reduce(splits, monkeypatch):
     for: which variants run, with which grids and output shapes, on any machine."""
     calls = []
 
-    def stand_in(*names):
+    def stand_in(*names, **_):
         def call(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
             calls.append((names[-1], grid, threadgroup, output_shapes, output_dtypes))
             return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]

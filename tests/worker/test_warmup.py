@@ -109,21 +109,25 @@ def test_the_default_plan_covers_prefill_decode_and_sampling() -> None:
     assert any(p.top_k and p.repetition_penalty != 1.0 for p in params)
 
 
-def kernel_variant(step, heads: int, rep: int, bs: int) -> tuple[int, bool]:
-    """The GPU kernel variant a forward of ``step`` launches: rows per tile, split or not."""
+def kernel_variant(step, heads: int, rep: int, bs: int, tc: bool) -> tuple[int, bool]:
+    """The GPU kernel variant a forward of ``step`` launches: rows per tile, split or not
+    (``tc``: the tensor-core variant, whose tiles are always 16 rows)."""
     nq = max(len(i.token_ids) for i in step.inputs)
-    rt = gpu_decode.rows_per_tile(rep, nq)
+    rt = gpu_decode.TC_ROWS if tc else gpu_decode.rows_per_tile(rep, nq)
     tiles = -(-(rep * nq) // rt)
     key_blocks = max(-(-i.end // bs) for i in step.inputs)
-    splits = gpu_decode.choose_splits(len(step.inputs) * heads * tiles, key_blocks)
+    warps = gpu_decode.tc_pipeline(64)[0] if tc else gpu_decode.WARPS
+    splits = gpu_decode.choose_splits(len(step.inputs) * heads * tiles, key_blocks, warps)
     return rt, splits > 1
 
 
+@pytest.mark.parametrize("tc", [False, True])
 @pytest.mark.parametrize("heads", [1, 8, 32])
 @pytest.mark.parametrize("rep", [1, 2, 3, 4, 8])
-def test_the_gpu_plan_compiles_every_kernel_variant_a_request_can_reach(heads, rep) -> None:
+def test_the_gpu_plan_compiles_every_kernel_variant_a_request_can_reach(heads, rep, tc) -> None:
     """Every (rows per tile, one pass or split) that a decode, a verify of up to 16 drafts or
-    a short prefill chunk can launch is launched by the warm-up, not by a user's request."""
+    a short prefill chunk can launch is launched by the warm-up, not by a user's request: on
+    CUDA cores (rows per tile by the call's rows) and on tensor cores (16 rows a tile)."""
     bs = 32
     steps = plan(
         block_size=bs,
@@ -135,12 +139,12 @@ def test_the_gpu_plan_compiles_every_kernel_variant_a_request_can_reach(heads, r
         kernel_variants=True,
     )
     covered = {
-        kernel_variant(s, heads, rep, bs)
+        kernel_variant(s, heads, rep, bs, tc)
         for s in steps
         if max(len(i.token_ids) for i in s.inputs) <= gpu_decode.MAX_QUERIES
     }
     reachable = {
-        (gpu_decode.rows_per_tile(rep, nq), split)
+        (gpu_decode.TC_ROWS if tc else gpu_decode.rows_per_tile(rep, nq), split)
         for nq in range(1, gpu_decode.MAX_QUERIES + 1)
         for split in (False, True)
     }

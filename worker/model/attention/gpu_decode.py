@@ -27,6 +27,19 @@ The algorithm (split-K, "flash decoding"):
 - With one split the kernel writes the normalized output in the model's dtype; with several it
   writes fp32 partial outputs and their (max, sum), and a second kernel merges the splits.
 
+That is the CUDA-core variant. In half precision with head dim 64 or 128 and blocks of a
+multiple of 16 keys, CUDA takes a **tensor-core variant** (``main_tc`` in the source;
+:func:`uses_tensor_cores`): with GQA the CUDA-core one issues more instructions per byte than the
+SM can (each K/V element costs an fp32 FMA per query row, plus the shuffles), so it read the
+1B model's K/V at 2.2 TB/s of an H200's 4.8. The tensor-core variant keeps the thread blocks,
+splits and merge, and changes how a warp reads: 16 rows (the KV head's rows, padding past them)
+against 16 keys at a time through ``mma.sync.m16n8k16`` (fp32 accumulation, ``P`` rounded to the
+model's dtype for ``P V`` as flash attention does), the keys copied into shared memory ahead of
+use (``cp.async``, two or three stages a warp, ``tc_pipeline``), V's fragments transposed by
+``ldmatrix``; the softmax bookkeeping is per row and quad, not per lane group. The helpers (mma,
+ldmatrix, cp.async) are the prefill kernel's, which needs the same sm80+ GPU. Measurements:
+``docs/gpu-attention.md``; ``KVSERVE_DECODE_KERNEL=core`` keeps the CUDA-core variant.
+
 Masking is computed, not read: query ``i`` of a sequence whose pool holds ``ends[b]`` tokens
 after this forward and which computes ``q_lens[b]`` queries sits at position
 ``ends[b] - q_lens[b] + min(i, q_lens[b] - 1)`` (padded rows repeat the last real one, as
@@ -47,6 +60,7 @@ kernel's contract; the choice of when to call it is the backends' (``cuda.py``, 
 from __future__ import annotations
 
 import functools
+import os
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,6 +82,15 @@ MAX_SPLITS = 64
 WARPS = 4  # warps per thread block
 MAX_ROWS_PER_TILE = 8  # query rows (query heads of a KV head x queries) a thread block serves
 MAX_QUERIES = 17  # a decode and up to 16 speculative drafts; longer calls are prefill
+TC_ROWS = 16  # rows of the tensor-core variant's tile: one mma.m16n8k16's
+TC_KEYS = 16  # keys it takes at once
+TC_HEAD_DIMS = (64, 128)
+# (warps, stages) by head dim, measured on an H200 (docs/gpu-attention.md, "The tensor-core
+# variant"): at 64 four warps of two stages were the fastest or tied; at 128 two of two are the
+# configuration checked for correctness there (one warp of three was up to 14% faster, 32 x 16k,
+# but has only been timed).
+TC_PIPELINES = {64: (4, 2), 128: (2, 2)}
+KERNEL_ENV = "KVSERVE_DECODE_KERNEL"  # "core": CUDA cores even where tensor cores serve
 HEAD_DIMS = (16, 32, 64, 128, 256)  # D / 8 lanes a key: a power of two up to a warp
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 LOG2E = 1.4426950408889634
@@ -139,11 +162,14 @@ def visible_blocks(key_blocks: int, block_size: int, nq: int, window: int | None
 # and KvPack come from the backend's header.
 
 _SOURCE = sections("paged_decode.cu")
-_MAIN_BODY = _SOURCE["main"]
+_MAIN_BODY = _SOURCE["main"] + "\n" + _SOURCE["merge"]
+_TC_BODY = _SOURCE["main_tc"] + "\n" + _SOURCE["merge"]
 _WRITE_SINGLE = _SOURCE["write_single"]
 _WRITE_PARTIAL = _SOURCE["write_partial"]
 _REDUCE_BODY = _SOURCE["reduce"]
 _CUDA_HEADER = _SOURCE["cuda_header"]
+# The tensor-core variant's helpers (mma, ldmatrix, cp.async) are the prefill kernel's.
+_TC_HEADER = sections("paged_prefill.cu")["header"] + "\n" + _CUDA_HEADER
 _METAL_HEADER = sections("paged_decode.metal")["metal_header"]
 
 _BACKENDS: dict[str, dict[str, str]] = {
@@ -164,16 +190,19 @@ _BACKENDS: dict[str, dict[str, str]] = {
 }
 
 
-def render(backend: str, kind: str) -> tuple[str, str]:
+def render(backend: str, kind: str, tc: bool = False) -> tuple[str, str]:
     """(header, body) of one kernel for ``backend`` ("cuda" or "metal"): ``kind`` "single"
-    (one split, normalized output), "partial" (split outputs) or "reduce" (merge of splits)."""
+    (one split, normalized output), "partial" (split outputs) or "reduce" (merge of splits);
+    ``tc``: the tensor-core variant of "single" and "partial" (CUDA only)."""
+    if tc and (backend != "cuda" or kind == "reduce"):
+        raise ValueError(f"no tensor-core {kind} kernel for {backend}")
     names = _BACKENDS[backend]
     if kind == "reduce":
         body = _REDUCE_BODY
     else:
         write = _WRITE_SINGLE if kind == "single" else _WRITE_PARTIAL
-        body = _MAIN_BODY.replace("$write", write)
-    header = _CUDA_HEADER if backend == "cuda" else _METAL_HEADER
+        body = (_TC_BODY if tc else _MAIN_BODY).replace("$write", write)
+    header = _TC_HEADER if tc else _CUDA_HEADER if backend == "cuda" else _METAL_HEADER
     return header, Template(body).substitute(names)
 
 
@@ -186,11 +215,11 @@ _OUTPUTS = {"single": ["out"], "partial": ["o_part", "ml_part"], "reduce": ["out
 
 
 @functools.cache
-def _kernel(backend: str, kind: str) -> Callable[..., list[mx.array]]:
-    header, body = render(backend, kind)
+def _kernel(backend: str, kind: str, tc: bool = False) -> Callable[..., list[mx.array]]:
+    header, body = render(backend, kind, tc)
     make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
     return make(  # type: ignore[return-value]
-        name=f"kvserve_paged_attention_{kind}",
+        name=f"kvserve_paged_attention_{'tc_' if tc else ''}{kind}",
         input_names=_INPUTS[kind],
         output_names=_OUTPUTS[kind],
         source=body,
@@ -227,6 +256,9 @@ def paged_decode_attention(
     *,
     splits: int | None = None,
     backend: str = "cuda",
+    kernel: str | None = None,
+    warps: int | None = None,
+    stages: int | None = None,
 ) -> mx.array:
     """Attention of ``queries`` ``[B, Hq, Nq, D]`` over the pool blocks of each sequence.
 
@@ -238,14 +270,24 @@ def paged_decode_attention(
     ``query_lens[b]`` real queries and rows past them repeat the last one's position.
     ``window``: key ``p`` is visible to a query at ``q`` iff ``q - window < p <= q``. Returns
     ``[B, Hq, Nq, D]`` in the queries' dtype; accumulates in fp32. Block ids are not checked:
-    they must index ``pool_k``. ``splits`` overrides :func:`choose_splits` (benchmarks).
-    ``backend="metal"`` builds the Metal twin: untested on hardware.
+    they must index ``pool_k``. ``backend="metal"`` builds the Metal twin: untested on
+    hardware. For benchmarks and tests: ``splits`` overrides :func:`choose_splits`, ``kernel``
+    picks the variant ("tc" tensor cores, "core" CUDA cores; default: :func:`uses_tensor_cores`)
+    and ``warps`` / ``stages`` the tensor-core variant's warps and copy stages.
     """
     if window is not None and window <= 0:
         raise ValueError(f"window must be positive, got {window}")
     dtype = pool_k.dtype
+    tc = uses_tensor_cores(pool_k, backend) if kernel is None else kernel == "tc"
     plan = _plan(
-        tuple(queries.shape), tuple(pool_k.shape), dtype, tables.shape[1], window, splits, backend
+        tuple(queries.shape),
+        tuple(pool_k.shape),
+        dtype,
+        tables.shape[1],
+        window,
+        splits,
+        backend,
+        (tc, warps, stages),
     )
     b, _, nq, _ = queries.shape
     if query_lens is None:
@@ -255,8 +297,8 @@ def paged_decode_attention(
         lambda: mx.array([scale * LOG2E, float(window or 0)], dtype=mx.float32),
     )
     inputs = [queries.astype(dtype), pool_k, pool_v, tables, context_lens, query_lens, params]
-    kernel = functools.partial(_kernel, backend)
-    out = launch(kernel, inputs, plan.template, plan.grid, plan.threads, plan.splits, backend)
+    variant = functools.partial(_kernel, backend, tc=plan.tc)
+    out = launch(variant, inputs, plan.template, plan.grid, plan.threads, plan.splits, backend)
     return out if queries.dtype == dtype else out.astype(queries.dtype)
 
 
@@ -268,6 +310,7 @@ class _Plan:
     grid: tuple[int, int, int]
     threads: int
     splits: int
+    tc: bool
 
 
 @functools.lru_cache(maxsize=256)
@@ -279,18 +322,25 @@ def _plan(
     window: int | None,
     splits: int | None,
     backend: str,
+    variant: tuple[bool, int | None, int | None],
 ) -> _Plan:
     """The launch of :func:`paged_decode_attention` for these shapes, worked out once: every
     layer of a forward, and every step of a steady batch, makes the same call (host time is
-    most of a small model's decode step on a GPU)."""
+    most of a small model's decode step on a GPU). ``variant``: (tensor cores, their warps and
+    stages, None for the defaults)."""
     b, hq, nq, d = q_shape
     h, _, bs, _ = pool_shape
     rep = hq // h
-    rt = rows_per_tile(rep, nq)
+    tc, warps, stages = variant
+    if tc:
+        rt = TC_ROWS
+        nw, st = tc_pipeline(d, warps, stages)
+    else:
+        rt = rows_per_tile(rep, nq)
+        nw = WARPS
+        while nw > 1 and (nw * rt * d + 2 * nw * rt) * 4 > _SMEM_LIMIT[backend]:
+            nw //= 2
     tiles = -(-(rep * nq) // rt)
-    nw = WARPS
-    while nw > 1 and (nw * rt * d + 2 * nw * rt) * 4 > _SMEM_LIMIT[backend]:
-        nw //= 2
     if splits is None:
         splits = choose_splits(b * h * tiles, visible_blocks(max_blocks, bs, nq, window), nw)
     template: list[tuple[str, Any]] = [
@@ -301,8 +351,51 @@ def _plan(
         ("BS", bs),
         ("NW", nw),
     ]
+    if tc:
+        template.append(("ST", st))
     grid = (32 * nw * b * h * splits, tiles, 1)
-    return _Plan(template, grid, 32 * nw, splits)
+    return _Plan(template, grid, 32 * nw, splits, tc)
+
+
+def uses_tensor_cores(pool: mx.array, backend: str = "cuda") -> bool:
+    """Whether decodes over ``pool`` (one layer's ``[H, num_blocks, block_size, D]``) take the
+    tensor-core variant: on CUDA, half precision, head dims :data:`TC_HEAD_DIMS`, blocks of a
+    multiple of 16 keys (a chunk never straddles blocks), unless the environment's
+    ``KVSERVE_DECODE_KERNEL`` is ``core`` (docs/configuration.md)."""
+    return (
+        backend == "cuda"
+        and os.environ.get(KERNEL_ENV, "auto") != "core"
+        and pool.dtype in (mx.float16, mx.bfloat16)
+        and pool.shape[-1] in TC_HEAD_DIMS
+        and pool.shape[2] % TC_KEYS == 0
+    )
+
+
+def tc_pipeline(d: int, warps: int | None = None, stages: int | None = None) -> tuple[int, int]:
+    """(warps, stages) of the tensor-core variant at head dim ``d``: :data:`TC_PIPELINES`'
+    measured choice, else the most warps (at most :data:`WARPS`), then the most stages (2 or
+    3), whose copy buffers fit CUDA's 48 KB of static shared memory; ``warps`` / ``stages`` fix
+    either (benchmarks)."""
+    if warps is None and stages is None and d in TC_PIPELINES:
+        return TC_PIPELINES[d]
+    for nw in [warps] if warps else [WARPS, WARPS // 2, 1]:
+        for st in [stages] if stages else [3, 2]:
+            if nw * st * 2 * TC_KEYS * (d + 8) * 2 <= _SMEM_LIMIT["cuda"]:
+                return nw, st
+    raise ValueError(f"no tensor-core pipeline fits head dim {d} ({warps} warps, {stages} stages)")
+
+
+def splits_for(
+    queries: mx.array,
+    pool_k: mx.array,
+    max_blocks: int,
+    window: int | None = None,
+    kernel: str | None = None,
+) -> int:
+    """The splits :func:`paged_decode_attention` chooses for this call (benchmarks, tests)."""
+    tc = uses_tensor_cores(pool_k) if kernel is None else kernel == "tc"
+    shapes = (tuple(queries.shape), tuple(pool_k.shape), pool_k.dtype, max_blocks, window)
+    return _plan(*shapes, None, "cuda", (tc, None, None)).splits
 
 
 def launch(

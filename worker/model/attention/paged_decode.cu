@@ -206,6 +206,221 @@ __device__ __forceinline__ void kv_unpack(const KvPack<T>& r, float* out) {
         }
     }
     KV_BARRIER;
+// @section main_tc
+
+    // Tensor-core variant (fp16/bf16, sm80+; the helpers are paged_prefill.cu's header). Same
+    // inputs, outputs and thread blocks as "main"; RT is 16 (one mma's rows: rows past the
+    // KV head's rows are padding) and ST the stages of each warp's copy pipeline.
+    // Inputs: q [B, HQ, NQ, D] T; pool_k, pool_v [H, NB, BS, D] T; tables [B, MB] int32;
+    // ends [B], q_lens [B] int32; params [2] float32 = (scale * log2(e), window or 0).
+    constexpr int KT = 16;           // keys a warp takes at once: one k-step of P . V
+    constexpr int CPB = BS / KT;     // chunks of a block
+    constexpr int LD = D + 8;        // shared-memory row, padded 16 bytes (distinct banks)
+    constexpr int DK = D / 16;       // k-steps of q . k
+    constexpr int DN = D / 8;        // n-tiles of the output
+    constexpr int VEC = D / 8;       // 16-byte pieces a key row
+    constexpr int STAGE = 2 * KT * LD;  // 16-bit elements a stage: K rows, then V rows
+    constexpr int COPY_BYTES = NW * ST * STAGE * 2;
+    constexpr int MERGE_BYTES = (NW * RT * D + 2 * NW * RT) * 4;
+    __shared__ __align__(16) unsigned char kv_smem[COPY_BYTES > MERGE_BYTES ? COPY_BYTES : MERGE_BYTES];
+    const int B = q_shape[0];
+    const int NQ = q_shape[2];
+    const int H = pool_k_shape[0];
+    const int NB = pool_k_shape[1];
+    const int MB = tables_shape[1];
+    const int HQ = H * REP;
+    const int S = gridDim.x / (B * H);
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane >> 2;         // fragment row (and row + 8)
+    const int t4 = lane & 3;         // fragment column pair
+    const int cta = blockIdx.x;
+    const int tile = blockIdx.y;
+    const int s = cta % S;
+    const int h = (cta / S) % H;
+    const int b = cta / (S * H);
+    const int ctx = ends[b];
+    const int qlen = q_lens[b];
+    const float qscale = params[0];
+    const int W = int(params[1]);
+    const int rows = REP * NQ;
+
+    // The keys some row of the tile sees: [lo, hi).
+    int lo = ctx;
+    int hi = 0;
+    for (int j = 0; j < RT; ++j) {
+        const int row = tile * RT + j;
+        if (row < rows) {
+            const int pos = ctx - qlen + KV_MIN(row % NQ, qlen - 1);
+            lo = KV_MIN(lo, W > 0 ? KV_MAX(0, pos - W + 1) : 0);
+            hi = KV_MAX(hi, pos + 1);
+        }
+    }
+    // This thread's two rows (head-major, as "main": row r * NQ + i), g and g + 8.
+    int qpos[2];
+    bool ok[2];
+    size_t qrow[2];
+    for (int x = 0; x < 2; ++x) {
+        const int row = tile * RT + g + 8 * x;
+        ok[x] = row < rows;
+        const int rr = ok[x] ? row : tile * RT;
+        qpos[x] = ctx - qlen + KV_MIN(rr % NQ, qlen - 1);
+        qrow[x] = (size_t)(b * HQ + h * REP) * NQ + rr;
+    }
+    // Q fragments (row-major A), unscaled: qa[k][0..3] for k-step k.
+    unsigned int qa[DK][4];
+    {
+        const unsigned int* q0 = reinterpret_cast<const unsigned int*>(q + qrow[0] * D);
+        const unsigned int* q1 = reinterpret_cast<const unsigned int*>(q + qrow[1] * D);
+        for (int k = 0; k < DK; ++k) {
+            qa[k][0] = q0[k * 8 + t4];
+            qa[k][1] = q1[k * 8 + t4];
+            qa[k][2] = q0[k * 8 + 4 + t4];
+            qa[k][3] = q1[k * 8 + 4 + t4];
+        }
+    }
+
+    // This split's share of the visible blocks [lo / BS, ceil(hi / BS)), as in "main".
+    const int first = lo / BS;
+    const int span = KV_MAX(0, (hi + BS - 1) / BS - first);
+    const int per = (span + S - 1) / S;
+    const int begin = first + KV_MIN(span, s * per);
+    const int end = first + KV_MIN(span, (s + 1) * per);
+    // Warp w takes blocks begin + w, begin + w + NW, ..., KT keys (a chunk) at a time, through
+    // ST shared-memory stages of its own: chunk c + ST - 1 loads while chunk c is used.
+    const int my_blocks = end - begin > warp ? (end - begin - warp + NW - 1) / NW : 0;
+    const int chunks = my_blocks * CPB;
+    unsigned short* stages = reinterpret_cast<unsigned short*>(kv_smem) + warp * ST * STAGE;
+    const uint4* pk = reinterpret_cast<const uint4*>(pool_k);
+    const uint4* pv = reinterpret_cast<const uint4*>(pool_v);
+    auto load_chunk = [&](int c) {
+        const int blk = begin + warp + (c / CPB) * NW;
+        const int phys = tables[(size_t)b * MB + blk];
+        const size_t src = (((size_t)h * NB + phys) * BS + (c % CPB) * KT) * VEC;
+        unsigned short* dst = stages + (c % ST) * STAGE;
+        for (int p = lane; p < KT * VEC; p += 32) {
+            const int key = p / VEC;
+            const int col = p % VEC;
+            pf_cp_async(dst + key * LD + col * 8, pk + src + p);
+            pf_cp_async(dst + (KT + key) * LD + col * 8, pv + src + p);
+        }
+    };
+
+    float o[DN][4];
+    for (int n = 0; n < DN; ++n) {
+        o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    }
+    float m[2] = {KV_EMPTY, KV_EMPTY};  // running max, scaled (base 2)
+    float l[2] = {0.0f, 0.0f};          // running sum of this lane's keys (the quad's: at the end)
+    const int mat = lane >> 3;
+
+    for (int c = 0; c < ST - 1; ++c) {
+        if (c < chunks) {
+            load_chunk(c);
+        }
+        pf_cp_commit();
+    }
+    for (int c = 0; c < chunks; ++c) {
+        if (c + ST - 1 < chunks) {
+            load_chunk(c + ST - 1);
+        }
+        pf_cp_commit();
+        pf_cp_wait<ST - 1>();  // chunk c's copies (this lane's) are done
+        __syncwarp();          // and every lane's
+        const int k0 = (begin + warp + (c / CPB) * NW) * BS + (c % CPB) * KT;
+        if (k0 < hi && (W <= 0 || k0 + KT > lo)) {
+            const unsigned short* ks = stages + (c % ST) * STAGE;
+            const unsigned short* vs = ks + KT * LD;
+            // Scores of 16 rows x 16 keys, raw: sc[n] covers keys n * 8 .. n * 8 + 7.
+            float sc[2][4];
+            for (int n = 0; n < 2; ++n) {
+                sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+                const unsigned int* krow =
+                    reinterpret_cast<const unsigned int*>(ks + (n * 8 + g) * LD);
+                for (int k = 0; k < DK; ++k) {
+                    pf_mma<T>(sc[n], qa[k], krow[k * 8 + t4], krow[k * 8 + 4 + t4]);
+                }
+            }
+            // Mask, running max and rescale, per row x.
+            float corr[2];
+            for (int x = 0; x < 2; ++x) {
+                float top = KV_EMPTY;
+                for (int n = 0; n < 2; ++n) {
+                    for (int e = 0; e < 2; ++e) {
+                        const int p = k0 + n * 8 + 2 * t4 + e;
+                        const bool seen = ok[x] && p <= qpos[x] && (W <= 0 || p > qpos[x] - W);
+                        const float v = seen ? sc[n][2 * x + e] : KV_EMPTY;
+                        sc[n][2 * x + e] = v;
+                        top = fmaxf(top, v);
+                    }
+                }
+                top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+                top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+                const float mn = fmaxf(m[x], top == KV_EMPTY ? KV_EMPTY : top * qscale);
+                corr[x] = pf_exp2(m[x] - mn);
+                m[x] = mn;
+                l[x] *= corr[x];
+            }
+            for (int n = 0; n < DN; ++n) {
+                o[n][0] *= corr[0];
+                o[n][1] *= corr[0];
+                o[n][2] *= corr[1];
+                o[n][3] *= corr[1];
+            }
+            // P (rounded to T) times V.
+            float pr[2][4];
+            for (int n = 0; n < 2; ++n) {
+                for (int e = 0; e < 4; ++e) {
+                    const float v = sc[n][e];
+                    pr[n][e] = v != KV_EMPTY ? pf_exp2(fmaf(v, qscale, -m[e >> 1])) : 0.0f;
+                }
+                l[0] += pr[n][0] + pr[n][1];
+                l[1] += pr[n][2] + pr[n][3];
+            }
+            unsigned int pa[4];
+            pa[0] = pf_pack<T>(pr[0][0], pr[0][1]);
+            pa[1] = pf_pack<T>(pr[0][2], pr[0][3]);
+            pa[2] = pf_pack<T>(pr[1][0], pr[1][1]);
+            pa[3] = pf_pack<T>(pr[1][2], pr[1][3]);
+            const int vrow = (lane & 7) + (mat & 1) * 8;
+            for (int n = 0; n < DN; n += 2) {
+                unsigned int vb[4];
+                pf_ldmatrix_t(vb, vs + vrow * LD + n * 8 + (mat >> 1) * 8);
+                pf_mma<T>(o[n], pa, vb[0], vb[1]);
+                pf_mma<T>(o[n + 1], pa, vb[2], vb[3]);
+            }
+        }
+        __syncwarp();  // every lane is done with this stage before it loads again
+    }
+    pf_cp_wait<0>();
+
+    // Row sums over the quad's four lanes; then the warps' rows into shared memory (over the
+    // stages: every warp must be done with its own first) for "merge".
+    for (int x = 0; x < 2; ++x) {
+        l[x] += __shfl_xor_sync(0xffffffffu, l[x], 1);
+        l[x] += __shfl_xor_sync(0xffffffffu, l[x], 2);
+    }
+    float* sm_acc = reinterpret_cast<float*>(kv_smem);
+    float* sm_m = sm_acc + NW * RT * D;
+    float* sm_l = sm_m + NW * RT;
+    __syncthreads();
+    for (int x = 0; x < 2; ++x) {
+        const int j = g + 8 * x;
+        for (int n = 0; n < DN; ++n) {
+            sm_acc[(warp * RT + j) * D + n * 8 + 2 * t4] = o[n][2 * x];
+            sm_acc[(warp * RT + j) * D + n * 8 + 2 * t4 + 1] = o[n][2 * x + 1];
+        }
+        if (t4 == 0) {
+            sm_m[warp * RT + j] = m[x];
+            sm_l[warp * RT + j] = l[x];
+        }
+    }
+    __syncthreads();
+// @section merge
+
+    // Merge the warps' (max, sum, output) rows from shared memory (sm_m, sm_l, sm_acc: warp w,
+    // row j at w * RT + j) and write them: one thread a (row, dim).
     for (int idx = tid; idx < RT * D; idx += NW * 32) {
         const int j = idx / D;
         const int d = idx % D;
