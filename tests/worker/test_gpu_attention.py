@@ -568,8 +568,14 @@ def test_kernel_matches_the_reference(dtype, lengths, nq, q_lens, window, d, rep
     ],
 )
 @pytest.mark.parametrize("splits", [None, 1])
+@pytest.mark.parametrize("pipeline", [None, (1, 3), (2, 2), (4, 2)])
 def test_tensor_core_kernel_matches_the_reference(dtype, lengths, nq, q_lens, window, d, rep,
-                                                   bs, splits):  # fmt: skip
+                                                   bs, splits, pipeline):  # fmt: skip
+    """Every (warps, stages) the variant may run with (``gpu_decode.tc_pipeline``; None: the
+    default for the head dim) against the float64 reference."""
+    warps, stages = pipeline or (None, None)
+    if pipeline and warps * stages * 2 * gpu_decode.TC_KEYS * (d + 8) * 2 > 48 * 1024:
+        pytest.skip("does not fit static shared memory")
     rng = np.random.default_rng(sum(lengths) + nq + bs)
     batch, pool_k, pool_v, q = _random_case(
         rng, lengths, nq, bs=bs, h=2, rep=rep, d=d, q_lens=q_lens
@@ -579,8 +585,9 @@ def test_tensor_core_kernel_matches_the_reference(dtype, lengths, nq, q_lens, wi
     scale = d**-0.5
     mlx_fixes.dirty_buffer_cache(q, pool_k, pool_v, tables, ends, query_lens)
     got = gpu_decode.paged_decode_attention(
-        q, pool_k, pool_v, tables, ends, scale, window, query_lens, splits=splits, kernel="tc"
-    )
+        q, pool_k, pool_v, tables, ends, scale, window, query_lens, splits=splits, kernel="tc",
+        warps=warps, stages=stages,
+    )  # fmt: skip
     f32 = [np.array(a.astype(mx.float32)) for a in (q, pool_k, pool_v)]
     want = gpu_decode.reference_attention(
         *f32, np.array(tables), np.array(ends), scale, window, np.array(query_lens)
