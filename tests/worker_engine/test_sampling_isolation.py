@@ -54,15 +54,15 @@ async def test_a_row_whose_sampling_fails_ends_alone(
     alone = [await generate(stub, r) for r in seeded]
     greedy = request(p, max_tokens=16, logprobs=1)  # logprobs: sampled row by row, too
 
-    real = RowSampler.sample
+    real = RowSampler.uniform
     POISON = 666
 
-    def sample(self: RowSampler, logprobs: mx.array, position: int) -> mx.array:
+    def uniform(self: RowSampler, position: int) -> float:
         if self.params.seed == POISON and position == 3:
             raise RuntimeError("injected sampler failure")
-        return real(self, logprobs, position)
+        return real(self, position)
 
-    monkeypatch.setattr(RowSampler, "sample", sample)
+    monkeypatch.setattr(RowSampler, "uniform", uniform)
     bad = sampled(p, seed=POISON, max_tokens=16)
     results = await asyncio.gather(
         generate(stub, bad),

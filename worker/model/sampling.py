@@ -35,6 +35,7 @@ import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
 from kvserve_model.sampling_params import SamplingParams
+from worker.model import host_draw
 from worker.model.grammar import MaskPrefetch, apply_masks, fill_masks
 from worker.model.sampled import Accepted, RowFailed, Sampled
 
@@ -115,6 +116,19 @@ class RowSampler:
         ``mx.random.seed(s)`` and one draw used, so a given seed still gives the same tokens."""
         s = (self.seed * 1_000_003 + position) & 0xFFFFFFFF
         return mx.random.split(mx.random.key(s))[1]
+
+    def uniform(self, position: int) -> float:
+        """The number in (0, 1] the token at ``position`` is drawn at on the host
+        (``host_draw``): from (seed, position) alone."""
+        return host_draw.uniform(self.seed, position)
+
+    def draw(self, row: host_draw.Row, position: int) -> Sampled:
+        """This row's token at ``position`` from its logits on the host (no processors: they
+        need MLX and the history; ``sample_row`` serves those)."""
+        p = self.params
+        token = int(np.argmax(row.x)) if p.greedy else row.draw(p, self.uniform(position))
+        top = row.top_logprobs(p.logprobs) if p.logprobs else ()
+        return Sampled(token, row.logprob(token), top)
 
     def sample(self, logprobs: mx.array, position: int) -> mx.array:
         """One token from a (1, vocab) row of log-probabilities; filters in mlx-lm's order."""
@@ -208,9 +222,10 @@ def sample_rows(
 
     Bias, penalties and grammar masks first, for the batch (:func:`adjust_logits`). Greedy
     rows without history or logprobs are then one batched argmax (per row if that raises);
-    the rest go row by row (processors need the row's history, every row its own key). A row
-    that raises is a RowFailed and the others are unaffected: no row reads or writes state
-    another row uses.
+    the others without processors are drawn on the host from one copy of their logits
+    (``host_draw``; per row through MLX if the copy raises); rows with processors (repetition
+    penalty: they need the row's history) go row by row through MLX. A row that raises is a
+    RowFailed and the others are unaffected: no row reads or writes state another row uses.
     """
     out: dict[int, Sampled | RowFailed] = {}
     if any(r[1].adjusts for r in rows):
@@ -231,6 +246,9 @@ def sample_rows(
                 out[row] = Sampled(int(tok))
         except Exception:  # whatever MLX raises: find the row at fault below
             log.exception("batched greedy sampling failed; sampling its rows one by one")
+    hosted = [r for r in rows if r[0] not in out and not r[1].processors]
+    if hosted:
+        out.update(_draw_on_host(logits, hosted))
     for r in rows:
         if r[0] in out:
             continue
@@ -240,6 +258,26 @@ def sample_rows(
             log.exception("sampling failed for row %d", r[0])
             out[r[0]] = RowFailed(e)
     return [out[r[0]] for r in rows]
+
+
+def _draw_on_host(logits: mx.array, rows: Sequence[Row]) -> dict[int, Sampled | RowFailed]:
+    """Each row's token drawn on the host (``RowSampler.draw``), its logits copied there once
+    for all of them; empty if the copy raises (the rows then go one by one through MLX)."""
+    try:
+        ids = [r[0] for r in rows]
+        picked = logits if ids == list(range(logits.shape[0])) else logits[mx.array(ids)]
+        x = np.asarray(picked.astype(mx.float32))
+    except Exception:  # whatever MLX raises: find the row at fault one by one
+        log.exception("copying logits to the host failed; sampling the rows one by one")
+        return {}
+    out: dict[int, Sampled | RowFailed] = {}
+    for k, (row, rs, _, position) in enumerate(rows):
+        try:
+            out[row] = rs.draw(host_draw.Row(x[k]), position)
+        except Exception as e:  # this row ends, the batch goes on
+            log.exception("sampling failed for row %d", row)
+            out[row] = RowFailed(e)
+    return out
 
 
 def sample_row(
@@ -269,8 +307,7 @@ def _sampled(logprobs: mx.array, token: int, rs: RowSampler) -> Sampled:
     lp = np.asarray(logprobs[0])
     top: tuple[tuple[int, float], ...] = ()
     if rs.params.logprobs:
-        ids = np.argsort(-lp, kind="stable")[: rs.params.logprobs]
-        top = tuple((int(i), float(lp[i])) for i in ids)
+        top = tuple((int(i), float(lp[i])) for i in host_draw.top_n(lp, rs.params.logprobs))
     return Sampled(token, float(lp[token]), top)
 
 
