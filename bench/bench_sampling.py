@@ -1,5 +1,5 @@
 """Sampling a decode step's tokens: the worker's batched host draw against drawing each row
-through MLX (what it did before; it still does for rows with a repetition penalty).
+through MLX (what it did before; speculative verification still does).
 
 The logits are real: the default model (or ``--model``) run over a text, one row per position,
 so each row is a next-token distribution the model gives (peaked, as in serving), ``--batch``
@@ -50,6 +50,7 @@ SETTINGS = {
     "temperature 0.7, top_p 0.9": dict(temperature=0.7, top_p=0.9),
     "temperature 0.8, top_k 40": dict(temperature=0.8, top_k=40),
     "temperature 1, min_p 0.05": dict(temperature=1.0, min_p=0.05),
+    "temperature 0.7, repetition_penalty 1.1": dict(temperature=0.7, repetition_penalty=1.1),
     "greedy, logprobs 5": dict(temperature=0.0, logprobs=5),
 }
 
@@ -105,7 +106,12 @@ def main() -> int:
     print("|---|---:|---:|---:|")
     for name, kw in SETTINGS.items():
         rows: list[Row] = [
-            (i, RowSampler(SamplingParams(max_tokens=16, seed=i, **kw)), [], 40 + i)  # type: ignore[arg-type]
+            (
+                i,
+                RowSampler(SamplingParams(max_tokens=16, seed=i, **kw)),  # type: ignore[arg-type]
+                list(range(i, 40 + i)),
+                40 + i,
+            )
             for i in range(args.batch)
         ]
         new = timed(functools.partial(sample_rows, logits, rows))

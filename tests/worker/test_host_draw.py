@@ -147,3 +147,24 @@ def test_sample_rows_draws_each_row_as_it_would_alone() -> None:
             assert math.isclose(batched[i].logprob, float(lp[i, batched[i].token]), abs_tol=1e-4)
     assert batched[2].token == int(np.argmax(lp[2]))
     assert [t for t, _ in batched[3].top] == np.argsort(-lp[3], kind="stable")[:2].tolist()
+
+
+@pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
+def test_the_repetition_penalty_is_mlx_lm_s(penalty) -> None:
+    """The host's penalty equals mlx-lm's processor (``make_logits_processors``) over the
+    same history: the last 20 tokens, repeats among them, logits of both signs."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    rng = np.random.default_rng(int(penalty * 10))
+    x = rng.normal(0, 3, 500).astype(np.float32)
+    (proc,) = make_logits_processors(repetition_penalty=penalty)
+    for history in ([], [7], [3, 3, 9, 499, 0], rng.integers(0, 500, 60).tolist()):
+        want = np.array(proc(mx.array(history, dtype=mx.int32), mx.array(x[None])))[0]
+        got = host_draw.repetition_penalty(x, history, penalty)
+        assert np.allclose(got, want, rtol=1e-6, atol=0), history
+    assert host_draw.repetition_penalty(x, [1, 2], penalty) is not x  # a copy
+    rows = [(0, RowSampler(SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=penalty)),
+             [int(np.argmax(x))], 5)]  # fmt: skip
+    (s,) = sample_rows(mx.array(x[None]), rows)
+    want_x = np.array(proc(mx.array(rows[0][2], dtype=mx.int32), mx.array(x[None])))[0]
+    assert s.token == int(np.argmax(want_x))

@@ -28,6 +28,7 @@ numbers, another method).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from kvserve_model.sampling_params import SamplingParams
 LEVELS = (2.0, 4.0, 6.0, 8.0, 11.0, 14.0, 18.0)
 MAX_CANDIDATES = 4096  # more than this: the filter takes the whole row (sort or partition)
 CHUNK = 1024  # the cumulative sum over a whole vocabulary runs a chunk at a time
+REPETITION_CONTEXT = 20  # mlx-lm's repetition_context_size default, which its server uses
 _MASK64 = (1 << 64) - 1
 
 
@@ -135,6 +137,19 @@ class Row:
         if thr > -math.inf:
             w = np.where(self.x >= thr, w, np.float32(0.0))
         return _invert(w, u)
+
+
+def repetition_penalty(x: np.ndarray, history: Sequence[int], penalty: float) -> np.ndarray:
+    """``x`` with mlx-lm's repetition penalty (``make_repetition_penalty``) over the last
+    :data:`REPETITION_CONTEXT` tokens of ``history``: a repeated token's logit is divided by
+    ``penalty`` if positive, multiplied if negative. A copy; ``x`` is unchanged."""
+    recent = np.asarray(list(history)[-REPETITION_CONTEXT:], dtype=np.int64)
+    if not len(recent):
+        return x
+    out = x.copy()
+    sel = out[recent]
+    out[recent] = np.where(sel < 0, sel * np.float32(penalty), sel / np.float32(penalty))
+    return out
 
 
 def top_n(x: np.ndarray, n: int) -> np.ndarray:

@@ -122,10 +122,13 @@ class RowSampler:
         (``host_draw``): from (seed, position) alone."""
         return host_draw.uniform(self.seed, position)
 
-    def draw(self, row: host_draw.Row, position: int) -> Sampled:
-        """This row's token at ``position`` from its logits on the host (no processors: they
-        need MLX and the history; ``sample_row`` serves those)."""
+    def draw(self, x: np.ndarray, history: Sequence[int], position: int) -> Sampled:
+        """This row's token at ``position`` from its logits ``x`` on the host (float32
+        ``[vocab]``; the repetition penalty, if any, applied here over ``history``)."""
         p = self.params
+        if self.processors:
+            x = host_draw.repetition_penalty(x, history, p.repetition_penalty)
+        row = host_draw.Row(x)
         token = int(np.argmax(row.x)) if p.greedy else row.draw(p, self.uniform(position))
         top = row.top_logprobs(p.logprobs) if p.logprobs else ()
         return Sampled(token, row.logprob(token), top)
@@ -222,10 +225,9 @@ def sample_rows(
 
     Bias, penalties and grammar masks first, for the batch (:func:`adjust_logits`). Greedy
     rows without history or logprobs are then one batched argmax (per row if that raises);
-    the others without processors are drawn on the host from one copy of their logits
-    (``host_draw``; per row through MLX if the copy raises); rows with processors (repetition
-    penalty: they need the row's history) go row by row through MLX. A row that raises is a
-    RowFailed and the others are unaffected: no row reads or writes state another row uses.
+    the others are drawn on the host from one copy of their logits (``host_draw``; row by
+    row through MLX if the copy raises). A row that raises is a RowFailed and the others are
+    unaffected: no row reads or writes state another row uses.
     """
     out: dict[int, Sampled | RowFailed] = {}
     if any(r[1].adjusts for r in rows):
@@ -246,7 +248,7 @@ def sample_rows(
                 out[row] = Sampled(int(tok))
         except Exception:  # whatever MLX raises: find the row at fault below
             log.exception("batched greedy sampling failed; sampling its rows one by one")
-    hosted = [r for r in rows if r[0] not in out and not r[1].processors]
+    hosted = [r for r in rows if r[0] not in out]
     if hosted:
         out.update(_draw_on_host(logits, hosted))
     for r in rows:
@@ -271,9 +273,9 @@ def _draw_on_host(logits: mx.array, rows: Sequence[Row]) -> dict[int, Sampled | 
         log.exception("copying logits to the host failed; sampling the rows one by one")
         return {}
     out: dict[int, Sampled | RowFailed] = {}
-    for k, (row, rs, _, position) in enumerate(rows):
+    for k, (row, rs, history, position) in enumerate(rows):
         try:
-            out[row] = rs.draw(host_draw.Row(x[k]), position)
+            out[row] = rs.draw(x[k], history, position)
         except Exception as e:  # this row ends, the batch goes on
             log.exception("sampling failed for row %d", row)
             out[row] = RowFailed(e)
