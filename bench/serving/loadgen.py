@@ -42,6 +42,8 @@ import httpx
 
 CONNECT_RETRIES = 3  # the OpenAI client retries twice; one more for a backlog of 5
 PERCENTILES = (50, 95, 99)
+# What every request samples with: greedy unless the suite's --temperature / --top-p say.
+SAMPLING: dict[str, float] = {"temperature": 0.0}
 
 
 # -- one request ------------------------------------------------------------------------------
@@ -64,7 +66,7 @@ class Request:
         body: dict[str, Any] = {
             "model": model,
             "max_tokens": self.max_tokens,
-            "temperature": 0.0,
+            **SAMPLING,
             "stream": True,
             "stream_options": {"include_usage": True},
         }

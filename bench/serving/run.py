@@ -27,7 +27,8 @@ decoding pick only printable ASCII and newline: it never stops early (every requ
 all its tokens) and every token is a whole character (one streamed event each). On CPU both
 servers start under the BLAS the worker would choose (``fast_blas_env``).
 
-Workloads, streamed, temperature 0 (``--quick`` keeps every shape and sends fewer requests
+Workloads, streamed, temperature 0 unless ``--temperature`` (and ``--top-p``) set another for
+every request (``--quick`` keeps every shape and sends fewer requests
 where a number is in parentheses; its speed comes from the 3M-parameter model):
 
 - shared-prefix x8 and x32: chat, a 1,500-token system prompt shared by all, a 32-token user
@@ -1019,6 +1020,14 @@ def main() -> None:
     )
     p.add_argument("--workloads", default="", help="comma-separated names (default: all)")
     p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's temperature (default 0: greedy, so both servers make the same "
+        "tokens); OpenAI clients send 1 when they set none",
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top_p")
+    p.add_argument(
         "--poisson-rate",
         type=float,
         default=0.0,
@@ -1041,6 +1050,9 @@ def main() -> None:
         help="only rewrite --out and the plot from this JSON of an earlier run",
     )
     args = p.parse_args()
+    loadgen.SAMPLING.update(temperature=args.temperature)
+    if args.top_p != 1.0:
+        loadgen.SAMPLING["top_p"] = args.top_p
     out_png = args.plot or args.out.with_suffix(".png")
     if args.render:
         data = json.loads(args.render.read_text())
