@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx
 import numpy as np
+from check_attention import timed  # type: ignore[import-not-found]  # (beside this file)
 
 from worker.model.attention import gpu_decode
 from worker.model.forward_batch import ForwardBatch, SeqInput
@@ -59,26 +59,6 @@ def build(b: int, ctx: int, h: int, hq: int, d: int, bs: int, pool_blocks: int, 
     mx.eval(pool_k, pool_v, q, tables, ends, q_lens)
     kv_bytes = 2 * sum(lens) * h * d * 2
     return q, pool_k, pool_v, tables, ends, q_lens, kv_bytes
-
-
-def timed(fn, q: mx.array, chain: int, repeats: int) -> float:  # type: ignore[no-untyped-def]
-    """Seconds per call: ``chain`` calls, each on the previous one's output, evaluated
-    together; the median of ``repeats`` after two untimed."""
-
-    def run() -> None:
-        x = q
-        for _ in range(chain):
-            x = fn(x)
-        mx.eval(x)
-
-    run()
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - start) / chain)
-    return statistics.median(times)
 
 
 def main() -> int:
