@@ -141,8 +141,10 @@ def main() -> int:
         label = label.replace("mlx.core.", "")
         good, log = nvrtc.compile(wrap(header, body, inputs, outputs, template))
         ok &= good
-        info = " ".join(
-            ln.split(":", 1)[-1].strip() for ln in log.splitlines() if "Used" in ln or "spill" in ln
+        info = "; ".join(
+            " ".join(ln.replace("ptxas info", "").replace("ptxas", "").split()).strip(" .:")
+            for ln in log.splitlines()
+            if "Used" in ln or "spill" in ln
         )
         print(f"{'ok  ' if good else 'FAIL'} {label}: {info if good else log.strip()}")
     return 0 if ok else 1
