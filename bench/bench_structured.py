@@ -55,10 +55,24 @@ def model_path(name: str) -> str:
     return name
 
 
-def random_like(model: str, directory: Path, layers: int = 0, hidden: int = 0) -> str:
-    """A model with ``model``'s tokenizer and architecture (``layers``/``hidden`` override its
-    size) and random fp16 weights: whose output is valid only where the constraint holds, on a
-    real vocabulary. Made where it runs (the GPU machine carries no model wheel)."""
+# Shapes of real families, for a random model sized like one (``random_like(like=...)``).
+LIKE = {
+    "llama-8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "llama-70b": dict(hidden_size=8192, num_hidden_layers=80, intermediate_size=28672,
+                      num_attention_heads=64, num_key_value_heads=8, head_dim=128),
+}  # fmt: skip
+
+
+def random_like(
+    model: str, directory: Path, layers: int = 0, hidden: int = 0, *, like: str = "", bits: int = 0
+) -> str:
+    """A model with ``model``'s tokenizer and architecture (``like``: a shape of ``LIKE``;
+    ``layers``/``hidden`` override its size) and random fp16 weights, quantized to ``bits``
+    (group size 64, as mlx-lm's 4-bit models) where given: whose output is valid only where
+    the constraint holds, on a real vocabulary. Made where it runs (the GPU machine carries
+    no model wheel); a quantized one layer by layer, so a 70B-shaped model never holds its
+    fp16 weights at once."""
     import shutil
 
     import mlx.core as mx
@@ -68,6 +82,7 @@ def random_like(model: str, directory: Path, layers: int = 0, hidden: int = 0) -
     config = json.loads((Path(model) / "config.json").read_text())
     config.pop("quantization", None)
     config.pop("quantization_config", None)
+    config.update(LIKE[like] if like else {})
     if layers:
         config["num_hidden_layers"] = layers
     if hidden:
@@ -81,6 +96,12 @@ def random_like(model: str, directory: Path, layers: int = 0, hidden: int = 0) -
     model_class, args_class = _get_classes(config)
     m = model_class(args_class.from_dict(config))
     m.set_dtype(mx.float16)
+    n = sum(v.size for _, v in nn.utils.tree_flatten(m.parameters()))
+    if bits:
+        nn.quantize(m, group_size=64, bits=bits)
+        config["quantization"] = {"group_size": 64, "bits": bits}
+        for layer in m.layers:
+            mx.eval(layer.parameters())
     weights = dict(nn.utils.tree_flatten(m.parameters()))
     mx.save_safetensors(str(directory / "model.safetensors"), weights, {"format": "mlx"})
     (directory / "config.json").write_text(json.dumps(config))
@@ -88,9 +109,9 @@ def random_like(model: str, directory: Path, layers: int = 0, hidden: int = 0) -
         if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json",
                                                          "merges.txt"):  # fmt: skip
             shutil.copy(f, directory / f.name)
-    n = sum(v.size for v in weights.values())
     print(f"# random weights: {config['num_hidden_layers']} layers, hidden "
-          f"{config['hidden_size']}, {n / 1e6:.0f}M parameters, fp16")  # fmt: skip
+          f"{config['hidden_size']}, {n / 1e6:.0f}M parameters, "
+          f"{f'{bits}-bit' if bits else 'fp16'}")  # fmt: skip
     return str(directory)
 
 

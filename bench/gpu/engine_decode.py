@@ -132,7 +132,7 @@ async def client_round(address: str, prompts: list[list[int]], out: int) -> tupl
     return decoded / (end - max(firsts)), sum(counts)
 
 
-async def one_round(address: str, batch: int, out: int) -> tuple[float, int]:
+async def one_round(address: str, batch: int, out: int, prompt: int) -> tuple[float, int]:
     """One round driven from another process, as a gateway drives a worker: the client's
     work must not take the worker's interpreter lock."""
     proc = await asyncio.create_subprocess_exec(
@@ -142,6 +142,8 @@ async def one_round(address: str, batch: int, out: int) -> tuple[float, int]:
         address,
         "--batch",
         str(batch),
+        "--prompt",
+        str(prompt),
         "--out",
         str(out),
         stdout=asyncio.subprocess.PIPE,
@@ -153,9 +155,9 @@ async def one_round(address: str, batch: int, out: int) -> tuple[float, int]:
     return answer["rate"], answer["tokens"]
 
 
-def make_prompts(batch: int) -> list[list[int]]:
+def make_prompts(batch: int, length: int = PROMPT) -> list[list[int]]:
     rng = np.random.default_rng(0)
-    return [rng.integers(32, 127, size=PROMPT).tolist() for _ in range(batch)]
+    return [rng.integers(32, 127, size=length).tolist() for _ in range(batch)]
 
 
 async def serve_and_measure(loaded, args) -> dict[str, list[float]]:
@@ -175,7 +177,7 @@ async def serve_and_measure(loaded, args) -> dict[str, list[float]]:
         phases.wrap(executor.runner, "_last_logits", "graph build")
         phases.wrap(engine.scheduler, "postprocess", "postprocess")
         phases.wrap(engine.scheduler, "schedule", "schedule")
-        await one_round(w.address, args.batch, 8)  # first shapes
+        await one_round(w.address, args.batch, 8, args.prompt)  # first shapes
         for r in range(args.rounds):
             for mode, (compiled, lookahead) in MODES.items():
                 executor.runner.compile_decodes = compiled  # type: ignore[attr-defined]
@@ -183,7 +185,7 @@ async def serve_and_measure(loaded, args) -> dict[str, list[float]]:
                 hits = executor.lookahead_hits
                 steps = engine.stats.steps
                 phases.seconds.clear()
-                rate, n = await one_round(w.address, args.batch, args.out)
+                rate, n = await one_round(w.address, args.batch, args.out, args.prompt)
                 rates[mode].append(rate)
                 steps = engine.stats.steps - steps
                 compiled_forward = executor.runner.compiled_decode  # type: ignore[attr-defined]
@@ -213,6 +215,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--out", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=PROMPT, help="tokens a prompt")
+    ap.add_argument("--no-dense", action="store_true", help="no batch_generate reference")
     ap.add_argument(
         "--mlx-defaults",
         action="store_true",
@@ -225,29 +229,35 @@ def main() -> None:
     if not args.mlx_defaults:
         apply_mlx_env()
     if args.client:
-        rate, tokens = asyncio.run(client_round(args.client, make_prompts(args.batch), args.out))
+        rate, tokens = asyncio.run(
+            client_round(args.client, make_prompts(args.batch, args.prompt), args.out)
+        )
         print(json.dumps({"rate": rate, "tokens": tokens}))
         return
     with tempfile.TemporaryDirectory() as tmp:
         path, params = make_model(Path(tmp) / "model", args.layers, args.hidden, args.dtype)
         loaded = load_model(str(path))
-    prompts = make_prompts(args.batch)
+    prompts = make_prompts(args.batch, args.prompt)
     named = " ".join(f"{k}={os.environ.get(k, '(MLX default)')}" for k in MLX_ENV)
     print(f"device {mx.default_device()}, {params / 1e6:.0f}M {args.dtype}; {named}", flush=True)
     # batch_generate before and after the worker (which holds its pool while it runs): the
     # better of the two is the reference
-    before = dense(loaded.model, loaded.tokenizer, prompts, args.out)
+    ref = 0.0
+    if not args.no_dense:
+        before = dense(loaded.model, loaded.tokenizer, prompts, args.out)
     rates = asyncio.run(serve_and_measure(loaded, args))
-    after = dense(loaded.model, loaded.tokenizer, prompts, args.out)
-    print(f"batch_generate: {before:,.0f} tok/s before the worker, {after:,.0f} after", flush=True)
-    ref = max(before, after)
+    if not args.no_dense:
+        after = dense(loaded.model, loaded.tokenizer, prompts, args.out)
+        print(f"batch_generate: {before:,.0f} tok/s before the worker, {after:,.0f} after")
+        ref = max(before, after)
     print()
     print(f"| path | decode tok/s at batch {args.batch} | / dense mlx-lm |")
     print("|---|---|---|")
-    print(f"| mlx-lm `batch_generate` | {ref:,.0f} | 1.00 |")
+    if ref:
+        print(f"| mlx-lm `batch_generate` | {ref:,.0f} | 1.00 |")
     for mode, got in rates.items():
         rate = statistics.median(got)
-        print(f"| worker, {mode} | {rate:,.0f} | {rate / ref:.2f} |")
+        print(f"| worker, {mode} | {rate:,.0f} | {f'{rate / ref:.2f}' if ref else '-'} |")
 
 
 if __name__ == "__main__":

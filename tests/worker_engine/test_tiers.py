@@ -51,9 +51,13 @@ async def info(stub) -> pb.WorkerInfo:
     return await stub.GetInfo(pb.GetInfoRequest())
 
 
+@pytest.mark.parametrize("chunk", [64, 2])
 async def test_blocks_the_pool_dropped_load_back_from_disk(
-    system: System, reference, tmp_path: Path
+    system: System, reference, tmp_path: Path, chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """``chunk``: blocks a load reads at a time (2: three chunks, the next read while one is
+    written)."""
+    monkeypatch.setattr("worker.tier.store.LOAD_CHUNK_BLOCKS", chunk)
     stub = await system.add_worker(offload_dir=str(tmp_path), tier_load="always")
     p = prompt(1, 100)  # 6 full blocks of 16 before the last prompt token
     first = await generate(stub, request(p, max_tokens=24, logprobs=1))
@@ -103,9 +107,12 @@ def block_files(root: Path) -> dict[int, Path]:
     return out
 
 
+@pytest.mark.parametrize("chunk", [64, 2])
 async def test_corrupt_truncated_and_foreign_files_are_recomputed(
-    model: LoadedModel, reference, tmp_path: Path
+    model: LoadedModel, reference, tmp_path: Path, chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """``chunk`` 2: block 5 fails in the third chunk of a load, after two were written."""
+    monkeypatch.setattr("worker.tier.store.LOAD_CHUNK_BLOCKS", chunk)
     p = prompt(3, 150)
     async with started_system(model) as system:
         stub = await system.add_worker(offload_dir=str(tmp_path), tier_load="always")

@@ -15,7 +15,7 @@ import pytest
 from worker.tier.block_file import BlockMeta, decode_header
 from worker.tier.disk import DiskTier
 from worker.tier.host import HostTier
-from worker.tier.store import BlockFormat, TierStore
+from worker.tier.store import BlockFormat, LoadArena, TierStore
 
 BS = 4
 PAYLOAD = 256
@@ -232,3 +232,23 @@ def test_the_host_tier_keeps_a_payload_only_when_it_is_a_buffer_of_its_own() -> 
     assert isinstance(kept, bytes) and kept == gathered[1].tobytes()
     own_buffer = np.arange(8, dtype=np.uint8).data
     assert own(own_buffer) is own_buffer
+
+
+def test_a_load_into_an_arena_reads_the_same_blocks_into_reused_memory(tmp_path: Path) -> None:
+    store = store_of(make(tmp_path))
+    metas = spill(store, list(range(16)))
+    arena = store.take_arena()
+    assert arena.blocks == store.load_chunk and arena.slot > PAYLOAD
+    got = store.load(metas, arena)
+    assert got == [payload(i) for i in range(4)]
+    assert all(isinstance(p, memoryview) and p.obj is arena[0].obj for p in got)
+    store.give_arena(arena)
+    assert store.take_arena() is arena  # kept for the next load
+    # A corrupt file read into the arena fails as one read into fresh memory does.
+    corrupt(store.disk.path(metas[2].key))
+    assert store.load(metas, arena) == [payload(0), payload(1)]
+    assert store.counters.load_failures == 2
+    # Slots too small for a file (header and payload): read as they were before, whole.
+    small = LoadArena(4, PAYLOAD)
+    assert store.load(metas[:2], small) == [payload(0), payload(1)]
+    store.close()

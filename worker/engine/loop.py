@@ -85,14 +85,11 @@ class EngineLimits:
 
 def _prefill_estimate(executor: ModelExecutor) -> float | None:
     """A prefill token's cost before any is timed (worker.tier.speed), on the model thread."""
-    from mlx.utils import tree_flatten
-
-    from worker.tier.speed import matmul_flops, prefill_s_per_token
+    from worker.tier.speed import matmul_flops, prefill_parameters, prefill_s_per_token
 
     runner = cast(Any, executor.runner)
-    leaves = cast(list[tuple[str, Any]], tree_flatten(runner.model.parameters()))
-    params = sum(v.size for _, v in leaves)
-    return prefill_s_per_token(params, matmul_flops(runner.pool.dtype))
+    params, quantized = prefill_parameters(runner.model)
+    return prefill_s_per_token(params, matmul_flops(runner.pool.dtype, quantized=quantized))
 
 
 class Engine:

@@ -27,7 +27,7 @@ from worker.engine.step_budget import ForwardTime
 from worker.tier.block_file import BlockMeta, Payload
 
 if TYPE_CHECKING:  # built by the assembly (worker.server): it names blocks with kvserve_proto
-    from worker.tier.store import TierStore
+    from worker.tier.store import LoadArena, TierStore
 
 log = logging.getLogger(__name__)
 
@@ -234,43 +234,88 @@ class TierSync:
         task.add_done_callback(self._loads.discard)
 
     async def _load(self, seq: Sequence, lease: Lease) -> None:
+        """Reads the blocks a chunk at a time (``store.load_chunk``) into reused memory
+        (``LoadArena``), and the next chunk while this one is written into the pool on the
+        model thread: the files and the copy overlap, and no fresh memory is faulted in."""
         bs = self.block_size
         first = lease.cached_tokens // bs
         stop = first + lease.tier_blocks
+        loaded = 0  # blocks written into the pool
+        reading: asyncio.Future[tuple[LoadArena, list[Payload]]] | None = None
         try:
             expected = self.store.metas(seq.namespace, seq.token_slice(0, stop * bs), first, stop)
+            n = self.store.load_chunk
+            chunks = [expected[i : i + n] for i in range(0, len(expected), n)]
             start = time.perf_counter()
-            payloads = await asyncio.to_thread(self.store.load, expected)
-            took = time.perf_counter() - start
-            async with self._step_lock:
-                if payloads and self._still_mine(seq, lease, first * bs):
-                    blocks = [seq.block_table[p] for p in range(first, first + len(payloads))]
-                    start = time.perf_counter()
-                    await asyncio.wrap_future(
-                        self._on_model(self.pool.write_blocks, blocks, payloads)
-                    )
-                    took += time.perf_counter() - start
-                    self.store.observe_load(sum(map(len, payloads)), took)
-                    if self._still_mine(seq, lease, first * bs):
-                        n = len(payloads) * bs
-                        seq.num_computed += n
-                        seq.spilled_blocks = max(seq.spilled_blocks, first + len(payloads))
-                        if seq.cached_tokens == lease.cached_tokens and not seq.output:
-                            seq.cached_tokens += n  # usage: loaded, not computed
-                        self.loaded_tokens += n
-                if len(payloads) < lease.tier_blocks:
-                    log.info(
-                        "%s: loaded %d of %d tier blocks; computing the rest",
-                        seq.request_id,
-                        len(payloads),
-                        lease.tier_blocks,
-                    )
+            waited = [0.0]  # for the step lock: not the load's time
+            reading = self._read(chunks[0])
+            for i, chunk in enumerate(chunks):
+                assert reading is not None  # read ahead for every chunk after a whole one
+                arena, payloads = await reading
+                reading = None
+                try:
+                    if len(payloads) == len(chunk) and i + 1 < len(chunks):
+                        reading = self._read(chunks[i + 1])  # while this one is written
+                    written = await self._write(seq, lease, first + loaded, payloads, waited)
+                finally:
+                    self.store.give_arena(arena)
+                loaded += written
+                if written < len(chunk):
+                    break
+            if loaded:
+                took = time.perf_counter() - start - waited[0]
+                self.store.observe_load(loaded * self.store.fmt.payload_len, took)
+            if loaded < lease.tier_blocks:
+                log.info(
+                    "%s: loaded %d of %d tier blocks; computing the rest",
+                    seq.request_id,
+                    loaded,
+                    lease.tier_blocks,
+                )
         except Exception:
             log.exception("%s: loading tier blocks failed; computing them", seq.request_id)
         finally:
+            if reading is not None:  # read ahead, not used: its arena goes back once read
+                reading.add_done_callback(self._abandoned)
             if seq.loading is lease:
                 seq.loading = None
             self._wake_steps()
+
+    def _read(self, chunk: list[BlockMeta]) -> asyncio.Future[tuple[LoadArena, list[Payload]]]:
+        arena = self.store.take_arena()
+        return asyncio.ensure_future(
+            asyncio.to_thread(lambda: (arena, self.store.load(chunk, arena)))
+        )
+
+    def _abandoned(self, reading: asyncio.Future[tuple[LoadArena, list[Payload]]]) -> None:
+        if not reading.cancelled() and reading.exception() is None:
+            self.store.give_arena(reading.result()[0])
+
+    async def _write(
+        self, seq: Sequence, lease: Lease, at: int, payloads: list[Payload], waited: list[float]
+    ) -> int:
+        """Writes ``payloads`` into ``seq``'s blocks from block ``at`` on, under the step lock,
+        if the sequence is still as the load found it; how many blocks were written."""
+        if not payloads:
+            return 0
+        bs = self.block_size
+        asked = time.perf_counter()
+        async with self._step_lock:
+            waited[0] += time.perf_counter() - asked
+            if not self._still_mine(seq, lease, at * bs):
+                return 0
+            blocks = [seq.block_table[p] for p in range(at, at + len(payloads))]
+            await asyncio.wrap_future(self._on_model(self.pool.write_blocks, blocks, payloads))
+            if not self._still_mine(seq, lease, at * bs):
+                return 0
+            n = len(payloads) * bs
+            seq.num_computed += n
+            seq.spilled_blocks = max(seq.spilled_blocks, at + len(payloads))
+            loaded_before = at * bs - (lease.cached_tokens // bs) * bs
+            if seq.cached_tokens == lease.cached_tokens + loaded_before and not seq.output:
+                seq.cached_tokens += n  # usage: loaded, not computed
+            self.loaded_tokens += n
+            return len(payloads)
 
     @staticmethod
     def _still_mine(seq: Sequence, lease: Lease, computed: int) -> bool:

@@ -100,10 +100,10 @@ def encode_header(meta: BlockMeta) -> bytes:
     return b"".join((MAGIC, _LEN.pack(len(header)), header))
 
 
-def decode_header(head: bytes) -> tuple[BlockMeta, int]:
+def decode_header(head: Payload) -> tuple[BlockMeta, int]:
     """The meta of a file starting with ``head`` (at least its preamble and header), and where
     its payload starts. Raises BadBlockFile."""
-    if not head.startswith(MAGIC):
+    if bytes(head[: len(MAGIC)]) != MAGIC:
         raise BadBlockFile("not a kvserve block file")
     if len(head) < PREAMBLE:
         raise BadBlockFile("truncated header")
@@ -113,7 +113,7 @@ def decode_header(head: bytes) -> tuple[BlockMeta, int]:
     if len(head) < PREAMBLE + n:
         raise BadBlockFile("truncated header")
     try:
-        h = json.loads(head[PREAMBLE : PREAMBLE + n])
+        h = json.loads(bytes(head[PREAMBLE : PREAMBLE + n]))
         meta = BlockMeta(
             key=int(h["key"]),
             parent_key=int(h["parent_key"]),

@@ -172,14 +172,25 @@ class DiskTier:
         self.writes += 1
         return True
 
-    def read(self, expect: BlockMeta) -> Payload | None:
+    def read(self, expect: BlockMeta, into: memoryview | None = None) -> Payload | None:
         """The payload of block ``expect.key``, if the file is that block, whole and intact
         (every field of ``expect`` but the checksum, which the file's payload must match).
-        A file that fails is deleted; None then, and when there is none."""
+        A file that fails is deleted; None then, and when there is none. ``into``: memory
+        the file is read into where it fits (the payload is then a view of it)."""
         path = self.path(expect.key)
+        data: Payload
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if into is not None and size < len(into):
+                    # One byte of room past the size seen: a file grown since reads short
+                    # of it and fails its checks, as a truncated one does.
+                    n = 0
+                    while n < len(into) and (got := f.readinto(into[n:])):
+                        n += got
+                    data = into[:n]
+                else:
+                    data = f.readall()
         except FileNotFoundError:
             self._forget(expect.key)
             return None

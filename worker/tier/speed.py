@@ -17,6 +17,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
+from typing import Any, cast
 
 PROBE_BYTES = 16 << 20
 CHUNK = 1 << 20
@@ -62,25 +63,91 @@ def load_beats_compute(
     return bytes_per_block / read_rate < s_per_token * block_size
 
 
-def matmul_flops(dtype: object, n: int = 0, repeats: int = 0) -> float:
+Quantization = tuple[int, int, str]
+"""(group size, bits, mode) of a model's quantized layers."""
+
+
+def matmul_flops(
+    dtype: object, n: int = 0, repeats: int = 0, quantized: Quantization | None = None
+) -> float:
     """Floating-point operations a second this device's matmuls reach, in ``dtype``: timed on
     ``repeats`` products of ``n x n`` matrices after one untimed (on the model thread),
     evaluated together. A GPU gets larger products (n 4,096, 8 of them) and one wait: one
     2,048 product a wait measured an H200 at about a third of what an 8B llama's prefill
     reaches, its launch and sync counted as compute, and the "lower bound" of a prefill
     token's cost below came out 2.5x the real cost: the disk tier loaded what computed
-    faster. (0: the device's default.)"""
+    faster. (0: the device's default.) ``quantized``: the products are the model's own kind,
+    ``mx.quantized_matmul`` on weights quantized as its layers are (a GPU's quantized kernels
+    run at their own rate, not the floating-point products')."""
     import mlx.core as mx
 
     gpu = mx.default_device() != mx.cpu
     n = n or (4096 if gpu else 2048)
     repeats = repeats or (8 if gpu else 4)
     a = mx.random.normal((n, n)).astype(dtype)  # type: ignore[arg-type]
-    mx.eval(a @ a)
+    if quantized is None:
+
+        def product() -> mx.array:
+            return a @ a
+    else:
+        group_size, bits, mode = quantized
+        packed = mx.quantize(a, group_size=group_size, bits=bits, mode=mode)
+        w, scales = packed[0], packed[1]
+        biases = packed[2] if len(packed) > 2 else None
+        mx.eval(w, scales, *([biases] if biases is not None else []))
+
+        def product() -> mx.array:
+            return mx.quantized_matmul(
+                a, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode
+            )
+
+    mx.eval(product())
     start = time.perf_counter()
-    mx.eval(*[a @ a for _ in range(repeats)])
+    mx.eval(*[product() for _ in range(repeats)])
     took = time.perf_counter() - start
     return repeats * 2 * n**3 / took if took > 0 else 0.0
+
+
+def prefill_parameters(model: Any) -> tuple[int, Quantization | None]:
+    """The parameters a prefill token multiplies through, and how the model's layers are
+    quantized (None: not). Counted over the decoder layers (``model.layers``, as mlx-lm's
+    caches count them), so the embedding table, a lookup, and the output head, which a prefill
+    runs on its last token only, are left out. A quantized layer counts its logical weights
+    (packed words x 32 / bits), not its words, scales and biases: an 8B llama in 4 bits is
+    8B parameters of compute, not 1.2B. An expert layer (weights of ``(experts, out, in)``)
+    counts the share a token is routed to (``num_experts_per_tok`` of the model's arguments;
+    one expert where the model does not say). A lower bound either way: what a token costs
+    at the margin is never less."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    layers = getattr(model, "layers", None) or [model]
+    args = getattr(model, "args", None)
+    routed = getattr(args, "num_experts_per_tok", None) if args is not None else None
+    total = 0
+    quantized: Quantization | None = None
+    for layer in layers:
+        leaves = tree_flatten(layer.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module))
+        for _, module in cast(list[tuple[str, Any]], leaves):
+            params = dict(tree_flatten(module.parameters()))
+            weight = params.get("weight")
+            if weight is None:
+                total += sum(v.size for v in params.values())
+                continue
+            bits = getattr(module, "bits", None)
+            if bits and "uint" in str(weight.dtype):
+                n = weight.size * 32 // bits
+                quantized = quantized or (
+                    int(getattr(module, "group_size", 64)),
+                    int(bits),
+                    str(getattr(module, "mode", "affine")),
+                )
+            else:
+                n = weight.size
+            if weight.ndim == 3:  # experts: a token runs num_experts_per_tok of them
+                n = n * min(int(routed or 1), weight.shape[0]) // weight.shape[0]
+            total += n + sum(v.size for k, v in params.items() if k == "bias")
+    return total, quantized
 
 
 def prefill_s_per_token(parameters: int, flops: float) -> float | None:

@@ -38,6 +38,28 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BACKLOG_BYTES = 256 << 20
 LOAD_THREADS = 4
+# A load reads its files a chunk at a time into reused memory (LoadArena), at most this many
+# blocks or bytes a chunk, and the next chunk is read while this one is written to the pool.
+LOAD_CHUNK_BLOCKS = 64
+LOAD_CHUNK_BYTES = 64 << 20
+KEEP_ARENAS = 2  # arenas kept for the next loads; more are made while more loads run at once
+SLOT_SLACK = 64 << 10  # a file's bytes beyond its payload (its header): at most this to fit
+
+
+class LoadArena:
+    """Memory a load reads block files into, reused from load to load: fresh memory costs its
+    page faults on first touch (4 MiB files out of the page cache, on this 2-core EPYC:
+    ``f.read()`` 1.5 GB/s on one thread and 3.3-4.0 on 2-4, ``readinto`` reused memory 5.1
+    and 8.9-9.2). A payload read into it is a view of its slot, valid until the arena is
+    handed back (``TierStore.give_arena``): the pool copies it before that."""
+
+    def __init__(self, blocks: int, slot: int) -> None:
+        self.slot = slot
+        self.blocks = blocks
+        self._view = memoryview(bytearray(blocks * slot))
+
+    def __getitem__(self, i: int) -> memoryview:
+        return self._view[i * self.slot : (i + 1) * self.slot]
 
 
 def own(payload: Payload) -> Payload:
@@ -102,6 +124,8 @@ class TierStore:
         self._dropped: list[tuple[int, str]] = []
         self._writer: threading.Thread | None = None
         self._readers = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-tier-load")
+        self.load_chunk = max(1, min(LOAD_CHUNK_BLOCKS, LOAD_CHUNK_BYTES // fmt.payload_len))
+        self._arenas: list[LoadArena] = []  # free ones, at most KEEP_ARENAS
         # Called (on the writer thread) when the writer has caught up after writing blocks:
         # the reports are worth sending now, not at the next tick.
         self.on_written: Callable[[], None] | None = None
@@ -227,13 +251,30 @@ class TierStore:
 
     # -- loading ------------------------------------------------------------------------------
 
-    def load(self, expected: list[BlockMeta]) -> list[Payload]:
+    def take_arena(self) -> LoadArena:
+        """Memory for one chunk's files (``load(..., arena)``): a kept one, else a new one."""
+        with self._lock:
+            if self._arenas:
+                return self._arenas.pop()
+        return LoadArena(self.load_chunk, self.fmt.payload_len + SLOT_SLACK)
+
+    def give_arena(self, arena: LoadArena) -> None:
+        """Hands ``arena`` back once what was read into it has been copied out."""
+        with self._lock:
+            if len(self._arenas) < KEEP_ARENAS:
+                self._arenas.append(arena)
+
+    def load(self, expected: list[BlockMeta], arena: LoadArena | None = None) -> list[Payload]:
         """The payloads of the leading blocks of ``expected`` that load and check out, in
         order; blocking (call it off the event loop). The first that fails ends the run: it
-        is dropped (and reported), and what comes after it is not used."""
+        is dropped (and reported), and what comes after it is not used. ``arena``: files are
+        read into its slots (at most ``arena.blocks`` of ``expected``), and what is read is
+        valid until it is given back."""
         if not expected:
             return []
-        found: list[Payload | None] = list(self._readers.map(self._load_one, expected))
+        assert arena is None or len(expected) <= arena.blocks, "more blocks than the arena"
+        slots = [arena[i] if arena is not None else None for i in range(len(expected))]
+        found: list[Payload | None] = list(self._readers.map(self._load_one, expected, slots))
         out: list[Payload] = []
         for meta, payload in zip(expected, found, strict=True):
             if payload is None:
@@ -273,7 +314,7 @@ class TierStore:
             ("disk",) if self.disk is not None else ()
         )
 
-    def _load_one(self, expect: BlockMeta) -> Payload | None:
+    def _load_one(self, expect: BlockMeta, into: memoryview | None = None) -> Payload | None:
         with self._lock:
             queued = self._pending.get(expect.key)
         if queued is not None:
@@ -281,7 +322,7 @@ class TierStore:
             return payload if mismatch(meta, expect) is None else None
         if self.host is not None and (held := self.host.get(expect)) is not None:
             return held
-        return self.disk.read(expect) if self.disk is not None else None
+        return self.disk.read(expect, into) if self.disk is not None else None
 
     # -- the cache service --------------------------------------------------------------------
 
