@@ -41,8 +41,8 @@ LOAD_THREADS = 4
 # A load reads its files a chunk at a time into reused memory (LoadArena), at most this many
 # blocks or bytes a chunk, and the next chunk is read while this one is written to the pool.
 LOAD_CHUNK_BLOCKS = 64
-LOAD_CHUNK_BYTES = 64 << 20
-KEEP_ARENAS = 2  # arenas kept for the next loads; more are made while more loads run at once
+LOAD_CHUNK_BYTES = 32 << 20
+KEEP_ARENAS = 2  # kept for the next loads (at most 64 MiB); more are made while loads overlap
 SLOT_SLACK = 64 << 10  # a file's bytes beyond its payload (its header): at most this to fit
 
 
