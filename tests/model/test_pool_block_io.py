@@ -59,6 +59,31 @@ def test_payloads_round_trip_into_other_blocks(layers, dtype) -> None:
     assert not bytes(dst.read_blocks([0])[0]).strip(b"\0")  # others untouched
 
 
+@pytest.mark.parametrize("uniform_path", [False, True], ids=["own-path", "device-path"])
+@pytest.mark.parametrize("layers", [MIXED, UNIFORM], ids=["mixed", "uniform"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_write_keeps_nothing_of_its_payloads_memory(layers, dtype, uniform_path) -> None:
+    """A load's payloads are views of memory reused for the next chunk (tier.store's
+    LoadArena) once ``write_blocks`` returns: the pool must have copied them by then."""
+    if uniform_path and layers is MIXED:
+        pytest.skip("the device path takes uniform layers only")
+    src = filled(layers, dtype)
+    arena = bytearray(2 * src.bytes_per_block)
+    views = [
+        memoryview(arena)[i * src.bytes_per_block : (i + 1) * src.bytes_per_block] for i in range(2)
+    ]
+    for view, payload in zip(views, src.read_blocks([3, 7]), strict=True):
+        view[:] = payload
+    dst = KVPool(layers, 10, 4, dtype)
+    if uniform_path:
+        dst._write_uniform([1, 5], views)
+    else:
+        dst.write_blocks([1, 5], views)
+    arena[:] = bytes(len(arena))  # the next chunk's files land here
+    mx.eval(dst.arrays())
+    assert same_block(src, 3, dst, 1) and same_block(src, 7, dst, 5)
+
+
 def test_the_device_path_stages_in_chunks() -> None:
     n = STAGING_BLOCKS + 3  # two chunks
     src = filled(UNIFORM, mx.float16, blocks=n + 2)
