@@ -247,7 +247,7 @@ class TierSync:
             n = self.store.load_chunk
             chunks = [expected[i : i + n] for i in range(0, len(expected), n)]
             start = time.perf_counter()
-            waited = [0.0]  # for the step lock: not the load's time
+            waited = 0.0  # for the step lock: not the load's time
             reading = self._read(chunks[0])
             for i, chunk in enumerate(chunks):
                 assert reading is not None  # read ahead for every chunk after a whole one
@@ -256,14 +256,15 @@ class TierSync:
                 try:
                     if len(payloads) == len(chunk) and i + 1 < len(chunks):
                         reading = self._read(chunks[i + 1])  # while this one is written
-                    written = await self._write(seq, lease, first + loaded, payloads, waited)
+                    written, wait = await self._write(seq, lease, first + loaded, payloads)
+                    waited += wait
                 finally:
                     self.store.give_arena(arena)
                 loaded += written
                 if written < len(chunk):
                     break
             if loaded:
-                took = time.perf_counter() - start - waited[0]
+                took = time.perf_counter() - start - waited
                 self.store.observe_load(loaded * self.store.fmt.payload_len, took)
             if loaded < lease.tier_blocks:
                 log.info(
@@ -292,30 +293,32 @@ class TierSync:
             self.store.give_arena(reading.result()[0])
 
     async def _write(
-        self, seq: Sequence, lease: Lease, at: int, payloads: list[Payload], waited: list[float]
-    ) -> int:
+        self, seq: Sequence, lease: Lease, at: int, payloads: list[Payload]
+    ) -> tuple[int, float]:
         """Writes ``payloads`` into ``seq``'s blocks from block ``at`` on, under the step lock,
-        if the sequence is still as the load found it; how many blocks were written."""
+        if the sequence is still as the load found it: how many blocks were written, and the
+        seconds spent waiting for the lock."""
         if not payloads:
-            return 0
+            return 0, 0.0
         bs = self.block_size
         asked = time.perf_counter()
         async with self._step_lock:
-            waited[0] += time.perf_counter() - asked
+            waited = time.perf_counter() - asked
             if not self._still_mine(seq, lease, at * bs):
-                return 0
+                return 0, waited
             blocks = [seq.block_table[p] for p in range(at, at + len(payloads))]
             await asyncio.wrap_future(self._on_model(self.pool.write_blocks, blocks, payloads))
             if not self._still_mine(seq, lease, at * bs):
-                return 0
+                return 0, waited
             n = len(payloads) * bs
             seq.num_computed += n
             seq.spilled_blocks = max(seq.spilled_blocks, at + len(payloads))
-            loaded_before = at * bs - (lease.cached_tokens // bs) * bs
-            if seq.cached_tokens == lease.cached_tokens + loaded_before and not seq.output:
-                seq.cached_tokens += n  # usage: loaded, not computed
+            # Usage counts loaded tokens as cached while nothing but this load added to them.
+            so_far = lease.cached_tokens + (at - lease.cached_tokens // bs) * bs
+            if seq.cached_tokens == so_far and not seq.output:
+                seq.cached_tokens += n
             self.loaded_tokens += n
-            return len(payloads)
+            return len(payloads), waited
 
     @staticmethod
     def _still_mine(seq: Sequence, lease: Lease, computed: int) -> bool:
