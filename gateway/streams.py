@@ -14,9 +14,18 @@ T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
 
 
+# Characters JSON leaves raw that str.splitlines() breaks a line at: clients that read SSE
+# with httpx's or requests' iter_lines() (splitlines underneath) would get an event cut in two
+# whenever a model writes one. Escaped, they are the same JSON string; the SSE framing itself
+# only ever breaks at \n.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: object) -> str:
-    """One SSE event carrying JSON (a pydantic model's dump or a plain dict)."""
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """One SSE event carrying JSON (a pydantic model's dump or a plain dict), on one line for
+    any line splitter (``_LINE_BREAKS``)."""
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+    return f"data: {data}\n\n"
 
 
 async def merge(

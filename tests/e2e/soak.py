@@ -143,7 +143,7 @@ class Client:
                     self.stream(path, body, hang_up_after=self.rng.randint(1, 4) if hang_up else 0)
                 else:
                     self.unary(path, body)
-            except httpx.HTTPError as e:
+            except (httpx.HTTPError, ValueError) as e:  # ValueError: an event not JSON
                 self.error(f"{path}: {type(e).__name__}: {e}")
         self.http.close()
 
