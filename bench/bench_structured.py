@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -213,7 +214,16 @@ async def cost(
             wall = time.perf_counter() - t0
             assert all(o[1] == tokens for o in outs), [o[1] for o in outs]
             rates[mode].append(batch * tokens / wall)
-    return {m: statistics.median(r) for m, r in rates.items()}
+    # Each turn's constrained rate over the unconstrained one just before it: a shared host's
+    # speed drifts between turns more than the constraint costs.
+    pairs = sorted(c / u for u, c in zip(rates["unconstrained"], rates["constrained"], strict=True))
+    out = {m: statistics.median(r) for m, r in rates.items()}
+    out["paired"] = statistics.median(pairs)
+    if len(pairs) >= 4:
+        q = statistics.quantiles(pairs, n=4)
+        print(f"# paired ratios of {len(pairs)} turns: median {out['paired']:.3f}, "
+              f"quartiles {q[0]:.3f}-{q[2]:.3f}, range {pairs[0]:.3f}-{pairs[-1]:.3f}")  # fmt: skip
+    return out
 
 
 def compile_times(model: str) -> list[float]:
@@ -249,9 +259,11 @@ async def run(address: str, a: argparse.Namespace, model: str) -> None:
     what = f"array of {a.cost_schema}" if a.cost_schema else "array of anyOf(suite)"
     print(f"\n| batch {a.batch}, {a.tokens} tokens each, {what} | tokens/s | ratio |")
     print("|---|---|---|")
+    paired = rates.pop("paired")
     base = rates["unconstrained"]
     for m, r in rates.items():
         print(f"| {m} | {r:.1f} | {r / base:.3f} |")
+    print(f"| constrained / unconstrained, median of the turns' pairs | | {paired:.3f} |")
 
 
 def main() -> None:
@@ -278,6 +290,11 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=0, help="with --random: layers")
     p.add_argument("--hidden", type=int, default=0, help="with --random: hidden size")
     p.add_argument("--quick", action="store_true")
+    p.add_argument(
+        "--worker-args",
+        default="",
+        help="more flags for the worker, one string (e.g. '--decode-lookahead off')",
+    )
     a = p.parse_args()
     if a.quick:
         a.completions, a.turns = 200, 2
@@ -297,7 +314,7 @@ def main() -> None:
     worker, address = start(
         [sys.executable, "-m", "worker", "--cache-service", kv_addr, "--port", "0",
          "--worker-id", "bench", "--model", model, "--kv-memory-mb", str(a.kv_memory_mb),
-         "--max-batch-size", str(max(a.batch, a.concurrency))],
+         "--max-batch-size", str(max(a.batch, a.concurrency)), *shlex.split(a.worker_args)],
         "WORKER_READY",
     )  # fmt: skip
     try:

@@ -15,6 +15,7 @@ from kvserve_model.sampling_limits import MAX_DRAFT_TOKENS
 ENV_PREFIX = "KVWORKER_"
 DEQUANTIZE = ("auto", "always", "never")
 TIER_LOAD = ("auto", "always", "never")
+LOOKAHEAD_MODES = ("auto", "on", "off")
 # worker.model.attention.BACKENDS (not imported: this module loads before MLX may).
 ATTENTION = ("auto", "reference", "cpu", "cuda", "metal")
 GROUP_BACKENDS = ("any", "ring", "nccl", "mpi", "jaccl")
@@ -85,12 +86,13 @@ class WorkerConfig(ServerClientFlags):
     # Tokens a Generate stream message carries at least (the first goes alone, at once): more
     # streams fewer, larger messages, for throughput where a message costs more than a token.
     stream_interval: int = 1
-    # Decode lookahead (worker.engine.executor): start the next greedy decode step's forward
-    # on the sampled tokens before they reach the event loop. Off by default: on an H200 it
-    # won 1.20-1.24x at 32 x 8k-token contexts and lost 5-7% at 96-token prompts (a 1B
-    # model, docs/worker-engine.md "Decode lookahead"); on a CPU the forward is the step and
-    # it measured slower.
-    decode_lookahead: bool = False
+    # Decode lookahead (worker.engine.lookahead): start the next greedy decode step's forward
+    # on the sampled tokens before they reach the event loop. "auto" (the default) takes it
+    # on a GPU while the steps' device time past their launches says it pays (on an H200 it
+    # won 1.20-1.24x at 32 x 8k-token contexts and lost 5-7% at 96-token prompts: a 1B
+    # model, docs/worker-engine.md "Decode lookahead"), and never on a CPU, where the forward
+    # is the step; "on" or "off" fix it.
+    decode_lookahead: str = "auto"
     # Run the engine's shapes once before registering, so no request pays for first-use
     # kernel compilation and allocation (worker.warmup).
     warmup: bool = True
@@ -173,6 +175,8 @@ def check(c: WorkerConfig) -> str | None:
         return "--kv-memory-fraction must be in [0, 1] (0: the device's default)"
     if c.offload_gb < 0 or c.host_offload_gb < 0:
         return "--offload-gb and --host-offload-gb must be >= 0"
+    if c.decode_lookahead not in LOOKAHEAD_MODES:
+        return f"--decode-lookahead must be one of {', '.join(LOOKAHEAD_MODES)}"
     if c.tier_load not in TIER_LOAD:
         return f"--tier-load must be one of {', '.join(TIER_LOAD)}"
     if c.tensor_parallel < 1:
@@ -242,7 +246,8 @@ SETTINGS = Settings(
         "num_draft_tokens": "speculative decoding: drafts per step when a request names none",
         "stream_interval": "tokens a stream message carries at least, after the first",
         "warmup": "run the engine's shapes once before saying ready",
-        "decode_lookahead": "start the next greedy decode step before streaming this one (GPUs)",
+        "decode_lookahead": "start the next greedy decode step before streaming this one: auto "
+        "(on a GPU, while measured to pay), on or off",
         "dequantize": "quantized weights to float32: auto (on a CPU, where they fit a quarter of "
         "memory), always or never",
         "self_check": "refuse a model whose paged path disagrees with mlx-lm's dense path",

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
+import mlx.core as mx
+
 from kvserve_launch.startup import ModelUnavailable, setting
 from kvserve_model.context import context_length
 from kvserve_model.errors import ModelLoadError
@@ -29,6 +31,7 @@ from worker.device_defaults import (
     device_kind,
     free_memory,
 )
+from worker.engine import lookahead
 from worker.engine.executor import ModelExecutor, Runner
 from worker.engine.stall_watch import StallWatch, ping_interval, pings
 from worker.errors import RecurrentStateError, UnsupportedModelError
@@ -103,7 +106,8 @@ def build_executor(
 
     executor = ModelExecutor(build, _draft_builder(config, loaded))
     # A group's other ranks cannot run a forward on tokens not sampled yet.
-    executor.lookahead = config.decode_lookahead and config.tensor_parallel == 1
+    mode = config.decode_lookahead if config.tensor_parallel == 1 else "off"
+    executor.lookahead = lookahead.Policy.for_device(mode, mx.default_device() == mx.gpu)
     if config.tensor_parallel > 1 and config.group_timeout_s > 0:
         executor.watch = StallWatch(config.group_timeout_s, "worker group")
         runner = cast(Any, executor.runner)

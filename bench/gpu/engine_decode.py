@@ -3,7 +3,9 @@ cache service and worker on loopback gRPC in this process, 32 greedy requests of
 prompts (the serving benchmark's decode-heavy shape, without the gateway and HTTP) sent over
 one ``GenerateMany`` call by a client in another process (as the gateway sends them: its work
 must not take the worker's interpreter lock), the worker's decode forwards uncompiled, compiled
-(``worker.model.compiled_decode``) and compiled with the decode lookahead, alternated, each
+(``worker.model.compiled_decode``), compiled with the decode lookahead on, and compiled with it
+"auto" (``worker.engine.lookahead.Policy``, a fresh one a round: it decides as it measures, as
+a worker that just started does), alternated, each
 round with where its steps' time went (the thread's forward, the loop's postprocess and
 scheduling); and ``batch_generate`` on the same prompts in this process, before and after the
 worker. The process runs under the worker process's MLX settings
@@ -23,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -43,15 +46,17 @@ from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig
 from worker.device_defaults import MLX_ENV, apply_mlx_env
+from worker.engine.lookahead import Policy
 from worker.model.loader import load_model
 from worker.server import running as worker_running
 
 PROMPT = 96
-# mode: (compiled decode forwards, the decode lookahead)
+# mode: (compiled decode forwards, the decode lookahead's policy)
 MODES = {
-    "uncompiled": (False, False),
-    "compiled": (True, False),
-    "compiled, lookahead": (True, True),
+    "uncompiled": (False, "off"),
+    "compiled": (True, "off"),
+    "compiled+lookahead": (True, "on"),
+    "compiled+auto": (True, "auto"),
 }
 
 
@@ -161,7 +166,8 @@ def make_prompts(batch: int, length: int = PROMPT) -> list[list[int]]:
 
 
 async def serve_and_measure(loaded, args) -> dict[str, list[float]]:
-    rates: dict[str, list[float]] = {mode: [] for mode in MODES}
+    modes = {m: MODES[m] for m in args.modes}
+    rates: dict[str, list[float]] = {mode: [] for mode in modes}
     config = ServiceConfig(port=0, lease_ttl_s=60)
     async with contextlib.AsyncExitStack() as stack:
         svc = await stack.enter_async_context(cache_running(config))
@@ -179,9 +185,9 @@ async def serve_and_measure(loaded, args) -> dict[str, list[float]]:
         phases.wrap(engine.scheduler, "schedule", "schedule")
         await one_round(w.address, args.batch, 8, args.prompt)  # first shapes
         for r in range(args.rounds):
-            for mode, (compiled, lookahead) in MODES.items():
+            for mode, (compiled, lookahead) in modes.items():
                 executor.runner.compile_decodes = compiled  # type: ignore[attr-defined]
-                executor.lookahead = lookahead
+                executor.lookahead = policy = Policy(lookahead)
                 hits = executor.lookahead_hits
                 steps = engine.stats.steps
                 phases.seconds.clear()
@@ -193,10 +199,22 @@ async def serve_and_measure(loaded, args) -> dict[str, list[float]]:
                 print(
                     f"round {r} {mode}: {rate:,.0f} decode tok/s "
                     f"({n} tokens, {steps} steps, {executor.lookahead_hits - hits} lookahead "
-                    f"hits, {traces} compiled traces so far); ms a step: {phases.report(steps)}",
+                    f"hits, {traces} compiled traces so far{decided(policy)}); "
+                    f"ms a step: {phases.report(steps)}",
                     flush=True,
                 )
     return rates
+
+
+def decided(policy: Policy) -> str:
+    """What an auto policy measured and decided, for the round's line."""
+    if not policy.measuring:
+        return ""
+    return (
+        f"; auto: {'on' if policy.active else 'off'} after {policy.samples} measured steps, "
+        f"{policy.switches} switches, saving {1e3 * policy.saved_s:.2f} of "
+        f"{1e3 * policy.period_s:.2f} ms"
+    )
 
 
 def dense(model, tokenizer, prompts: list[list[int]], out: int) -> float:
@@ -218,12 +236,20 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=PROMPT, help="tokens a prompt")
     ap.add_argument("--no-dense", action="store_true", help="no batch_generate reference")
     ap.add_argument(
+        "--modes",
+        type=lambda v: [m.strip() for m in v.split(",")],
+        default=list(MODES),
+        help=f"the worker's modes, comma-separated (default: all of {', '.join(MODES)})",
+    )
+    ap.add_argument(
         "--mlx-defaults",
         action="store_true",
         help="MLX's own settings, not the worker process's (worker.device_defaults.MLX_ENV)",
     )
     ap.add_argument("--client", metavar="ADDRESS", help=argparse.SUPPRESS)  # one round's load
     args = ap.parse_args()
+    if unknown := [m for m in args.modes if m not in MODES]:
+        ap.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
     # The worker process's MLX settings, as `python -m worker` sets them (batch_generate runs
     # under them too), before anything runs on the GPU.
     if not args.mlx_defaults:
@@ -234,9 +260,10 @@ def main() -> None:
         )
         print(json.dumps({"rate": rate, "tokens": tokens}))
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        path, params = make_model(Path(tmp) / "model", args.layers, args.hidden, args.dtype)
-        loaded = load_model(str(path))
+    # The directory lives as long as the run: the worker reads the model's tokenizer files.
+    tmp = tempfile.mkdtemp(prefix="engine-decode-")
+    path, params = make_model(Path(tmp) / "model", args.layers, args.hidden, args.dtype)
+    loaded = load_model(str(path))
     prompts = make_prompts(args.batch, args.prompt)
     named = " ".join(f"{k}={os.environ.get(k, '(MLX default)')}" for k in MLX_ENV)
     print(f"device {mx.default_device()}, {params / 1e6:.0f}M {args.dtype}; {named}", flush=True)
@@ -258,6 +285,7 @@ def main() -> None:
     for mode, got in rates.items():
         rate = statistics.median(got)
         print(f"| worker, {mode} | {rate:,.0f} | {f'{rate / ref:.2f}' if ref else '-'} |")
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

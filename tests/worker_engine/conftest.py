@@ -24,6 +24,7 @@ from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as kpb_grpc
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig
+from worker.engine import lookahead
 from worker.model.loader import LoadedModel, load_model
 from worker.server import RunningWorker
 from worker.server import running as worker_running
@@ -69,8 +70,9 @@ class System:
     authority: CacheAuthority  # the in-process cache service's state, for tests that watch it
     # Builds the test's own channels to the cache service and to workers serving TLS.
     dialer: Dialer = dataclasses.field(default_factory=Dialer)
-    # Workers added run the executor's decode lookahead (on by default on a GPU only).
-    lookahead: bool = False
+    # The decode lookahead of workers added (``worker.engine.lookahead.Policy``'s mode);
+    # "default": the worker's own (auto: off on a CPU).
+    lookahead: str = "default"
 
     async def add_worker(self, warmed: bool = True, **overrides) -> pb_grpc.WorkerStub:
         """A worker on the system's cache service; ``warmed``: its background warm-up has
@@ -91,7 +93,8 @@ class System:
         w = await self.stack.enter_async_context(worker_running(config, self.model))
         if warmed and w.warming is not None:
             await w.warming
-        w.engine.executor.lookahead = self.lookahead or w.engine.executor.lookahead
+        if self.lookahead != "default":
+            w.engine.executor.lookahead = lookahead.Policy(self.lookahead)
         plaintext = not config.tls_cert
         channel = await self.stack.enter_async_context(
             grpc.aio.insecure_channel(w.address) if plaintext else self.dialer.aio(w.address)

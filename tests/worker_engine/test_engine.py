@@ -19,7 +19,7 @@ from kvserve_proto.kvcache.v1 import kvcache_pb2 as kpb
 from kvserve_proto.worker.v1 import worker_pb2 as pb
 from tests.worker.helpers import route_as_cuda
 from tests.worker_engine.conftest import AUTH, BS, System, generate, request, started_system
-from worker.engine import final_hold
+from worker.engine import final_hold, lookahead
 from worker.engine.executor import ModelExecutor, SampleRow, _Job
 from worker.engine.sampling_params import SamplingParams
 from worker.model.forward_batch import SeqInput
@@ -33,15 +33,16 @@ VOCAB = 256  # the byte range of the embedded model's vocabulary
 @pytest.fixture(params=["plain", "lookahead", "compiled"])
 async def system(model, request, monkeypatch) -> AsyncIterator[System]:
     """Every test here runs three times: as is; with the executor's decode lookahead (greedy
-    decode steps start the next one's forward before streaming; off by default); and with
-    attention routed as on an NVIDIA GPU, the block-table kernel's computation standing in as
-    lazy MLX ops, so that decodes run compiled (``worker.model.compiled_decode``: bucketed
-    shapes, padding rows, the warm-up's traces), the lookahead on. None may change a token, a
-    logprob or a block."""
+    decode steps start the next one's forward before streaming; off on a CPU by default); and
+    with attention routed as on an NVIDIA GPU, the block-table kernel's computation standing
+    in as lazy MLX ops, so that decodes run compiled (``worker.model.compiled_decode``:
+    bucketed shapes, padding rows, the warm-up's traces), the lookahead as a GPU's default
+    (auto: its steps measured, and on here once they are, the CPU's forward being all wait).
+    None may change a token, a logprob or a block."""
     if request.param == "compiled":
         route_as_cuda(monkeypatch)
     async with started_system(model) as s:
-        s.lookahead = request.param != "plain"
+        s.lookahead = {"plain": "off", "lookahead": "on", "compiled": "auto"}[request.param]
         yield s
 
 
@@ -362,7 +363,7 @@ async def test_the_lookahead_is_used_and_changes_nothing(model, reference) -> No
     give mlx-lm's tokens, the lookahead's forwards are taken where the step repeats, and the
     pool's accounting holds."""
     async with started_system(model) as system:
-        system.lookahead = True
+        system.lookahead = "on"
         stub = await system.add_worker()
         executor = system.workers[0].engine.executor
         prompts = [prompt(80 + i, 20 + 7 * i) for i in range(4)]
@@ -404,7 +405,7 @@ async def test_a_lookahead_for_another_step_is_discarded(model) -> None:
     taken."""
     ahead = ModelExecutor(lambda: ModelRunner.create(model.model, block_size=8, num_blocks=64))
     plain = ModelExecutor(lambda: ModelRunner.create(model.model, block_size=8, num_blocks=64))
-    ahead.lookahead = True
+    ahead.lookahead = lookahead.Policy("on")
     prompts = [prompt(100 + i, 9 + 4 * i) for i in range(3)]
     tables = [list(range(10 * i, 10 * i + 10)) for i in range(3)]
     greedy = RowSampler(SamplingParams())

@@ -26,7 +26,7 @@ async def system(request: pytest.FixtureRequest, model: LoadedModel) -> AsyncIte
     """Every test twice: as is, and with the decode lookahead, whose next forward is built on
     the argmax of the adjusted, masked logits."""
     async with started_system(model) as s:
-        s.lookahead = request.param == "lookahead"
+        s.lookahead = "on" if request.param == "lookahead" else "off"
         yield s
 
 
@@ -80,7 +80,7 @@ async def test_json_schema_outputs_validate_batched_with_unconstrained_rows(
     )
     for out, want in zip(greedy, outs[3::2], strict=True):  # the same tokens as batched
         assert out["tokens"] == want["tokens"]
-    if system.lookahead:
+    if system.lookahead == "on":
         assert system.workers[0].engine.executor.lookahead_hits > 0
     assert masks.used > 0  # masks filled between steps, off the critical path
     await system.wait_idle()

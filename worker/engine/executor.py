@@ -185,11 +185,16 @@ class ModelExecutor:
         self.draft: DraftModel | None = None
         if build_draft is not None:
             self.draft = self._thread.submit(build_draft, self.runner).result()
-        self.lookahead = False
+        self.lookahead = lookahead.Policy("off")
         """Decode lookahead (``worker.engine.lookahead``): after a greedy decode-only step
-        that the engine expects to repeat, start the next step's forward before answering.
-        Off unless the worker's ``--decode-lookahead`` sets it."""
+        that the engine expects to repeat, start the next step's forward before answering,
+        where this policy says so (the worker's ``--decode-lookahead``)."""
         self._ahead: lookahead.Ahead | None = None
+        # The previous job's start and end on this thread, and whether it was a step that may
+        # look ahead (the policy's measurements compare two such steps in a row).
+        self._job_start = 0.0
+        self._job_end = 0.0
+        self._may_look = False
         # The next step's grammar masks, filled between steps (the engine starts them).
         self.masks = MaskPrefetch()
         self.lookahead_hits = 0
@@ -289,6 +294,19 @@ class ModelExecutor:
         padded to its longest query), then samples the rows that finished their tokens. Each
         forward is timed with its sampling (drafting too): wall time on this thread is what
         the step costs, waits for the GIL included; speculative decodes count as decode."""
+        began = time.perf_counter()
+        idle, period = began - self._job_end, began - self._job_start
+        self._job_start = began
+        try:
+            return self._run_job(job, idle, period)
+        finally:
+            self._job_end = time.perf_counter()
+
+    def _run_job(
+        self, job: _Job, idle: float, period: float
+    ) -> tuple[list[Sampled | Accepted | RowFailed], ForwardTime]:
+        """:meth:`_run` of a job that began ``idle`` seconds after the previous one ended and
+        ``period`` seconds after it began."""
         if job.live is not None:
             self.runner.retain(job.live)
             if self.draft is not None:
@@ -309,6 +327,7 @@ class ModelExecutor:
         decodes = [i for i in range(len(job.inputs)) if i not in speculative and i not in prefills]
         seconds = [0.0, 0.0]
         ahead, self._ahead = self._ahead, None
+        followed, self._may_look = self._may_look, False
         if job.speculations:
             start = time.perf_counter()
             out.update(self._verify(job, by_item))
@@ -324,7 +343,10 @@ class ModelExecutor:
                 for k, i in enumerate(items)
                 if (r := by_item.get(i)) is not None
             ]
-            look = g == 0 and self._may_look_ahead(job, inputs, rows)
+            may_look = g == 0 and self._may_look_ahead(job, inputs, rows)
+            if g == 0:
+                self._may_look = may_look
+            look = may_look and self.lookahead.wants()
             if g == 0 and ahead is not None and ahead.matches(inputs, self.runner.block_size):
                 logits = ahead.logits
                 self.lookahead_hits += 1
@@ -343,6 +365,8 @@ class ModelExecutor:
                     assert job.prompt_out is not None
                     for k, want in asked:
                         job.prompt_out[want.item] = prompt_entries(every[k], want)
+                elif may_look and followed and ahead is None and self.lookahead.measuring:
+                    logits = self._measured_forward(inputs, idle, period)
                 elif overlap:
                     logits = paged.forward_async(inputs)
                 else:
@@ -365,11 +389,24 @@ class ModelExecutor:
         padded = len(prefills) * max((len(job.inputs[i].token_ids) for i in prefills), default=0)
         return [out[r.item] for r in job.samples], ForwardTime(seconds[0], seconds[1], padded)
 
+    def _measured_forward(self, inputs: list[SeqInput], idle: float, period: float) -> mx.array:
+        """The decode forward of a step that may look ahead but runs its own forward, timed
+        in parts for the lookahead's policy (``lookahead.Policy.measured``): built, launched,
+        then waited for. Returns the logits, evaluated."""
+        paged = cast(Any, self.runner)  # the paged runner's (``lookahead.fits``)
+        t0 = time.perf_counter()
+        logits = paged.forward_async(inputs, launch=False)
+        t1 = time.perf_counter()
+        paged.launch(logits)
+        t2 = time.perf_counter()
+        mx.eval(logits)
+        self.lookahead.measured(idle, t1 - t0, time.perf_counter() - t2, period)
+        return logits
+
     def _may_look_ahead(self, job: _Job, inputs: list[SeqInput], rows: list) -> bool:
         """A decode-only, greedy step the engine expects to repeat (``lookahead.fits``)."""
         return (
-            self.lookahead
-            and job.same_next
+            job.same_next
             and not job.speculations
             and len(inputs) == len(job.inputs)
             and lookahead.fits(self.runner, inputs, rows)

@@ -4,9 +4,12 @@ After a greedy decode-only step that the engine expects to repeat with the same 
 (``Step.same_next``), the executor starts the next step's forward on the just-sampled tokens
 (lazy) before handing them back, so the device computes it while the event loop streams and
 schedules; the next step takes its logits if it is that step (:meth:`Ahead.matches`), and
-discards them otherwise. Host time per step is what it hides: on a GPU, where a small model's
-decode step is bound by building and launching its graph. Off unless the worker's
-``--decode-lookahead`` sets it (``ModelExecutor.lookahead``).
+discards them otherwise. What it hides is the device's time past the host's launches: the
+next forward may launch only once this one has finished (:func:`start`), so where the device
+keeps up with the launches (short contexts) there is nothing to hide and its own work is a
+loss; where the device's time runs past them (long contexts) it overlaps that time with the
+event loop's work and the next graph's building. :class:`Policy` decides by measuring that
+(the worker's ``--decode-lookahead``: auto, on or off).
 
 Runs on the model thread, inside ``ModelExecutor._run``, which keeps the one pending
 :class:`Ahead` between two steps.
@@ -16,12 +19,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import numpy as np
 
+from worker.config import LOOKAHEAD_MODES
 from worker.model.forward_batch import SeqInput
 
 if TYPE_CHECKING:
@@ -104,3 +108,90 @@ def start(
         return ids, None
     paged.launch(ahead)
     return ids, Ahead(nxt, tuple(ids), ahead)
+
+
+@dataclass(slots=True)
+class Policy:
+    """Whether a step that may look ahead (:func:`fits`, ``Step.same_next``) does: always
+    ("on"), never ("off"), or while measured to pay ("auto", on GPUs; on a CPU the device is
+    the host's own cores and there is no host time beside the forward to overlap: off).
+
+    "auto" measures the steps that run their own forward (not one started ahead): the
+    executor builds it, launches it and waits for it in three timed parts, and reports the
+    step's period (from the previous step's start) and the model thread's idle time before
+    it (the event loop's streaming and scheduling). Looking ahead would have saved that
+    step ``min(wait, idle + build)``: the device's time past the launches, up to the host
+    work it can overlap with (the launches themselves cannot: the next forward launches once
+    this one finished). Measured on one H200 (docs/worker-engine.md "Decode lookahead"): a
+    1B model at batch 32 waited 2.9 ms of a 13.5 ms step at 8k-token contexts (the lookahead
+    won 1.20-1.24x), next to nothing at 96 tokens (it lost 5-7%). It turns on when the
+    saving's moving average reaches ``on_share`` of the period's, off below ``off_share``;
+    while on, every ``probe_every``-th step does not look ahead so that the next one runs and
+    measures its own forward again (a probe costs that one step's overlap)."""
+
+    mode: str = "off"
+    on_share: float = 0.10
+    off_share: float = 0.05
+    probe_every: int = 64
+    min_samples: int = 8
+    alpha: float = 0.2  # the moving averages' weight of a new sample
+    active: bool = field(init=False, default=False)
+    samples: int = field(init=False, default=0)
+    saved_s: float = field(init=False, default=0.0)  # moving averages
+    period_s: float = field(init=False, default=0.0)
+    switches: int = field(init=False, default=0)  # auto's turns on and off (tests, stats)
+    _since_probe: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.mode not in LOOKAHEAD_MODES:
+            raise ValueError(f"decode lookahead must be one of {', '.join(LOOKAHEAD_MODES)}")
+        self.active = self.mode == "on"
+
+    @classmethod
+    def for_device(cls, mode: str, gpu: bool) -> Policy:
+        """The worker's policy: "auto" measures on a GPU and is off elsewhere."""
+        return cls("off" if mode == "auto" and not gpu else mode)
+
+    @property
+    def measuring(self) -> bool:
+        """Whether steps that run their own forward time its parts for :meth:`measured`."""
+        return self.mode == "auto"
+
+    def wants(self) -> bool:
+        """Called once for each step that may look ahead: whether it does."""
+        if not self.active:
+            return False
+        if self.mode == "auto":
+            self._since_probe += 1
+            if self._since_probe >= self.probe_every:
+                self._since_probe = 0
+                return False
+        return True
+
+    def measured(self, idle_s: float, build_s: float, wait_s: float, period_s: float) -> None:
+        """One step that may look ahead, run on its own forward: the model thread's idle time
+        before it, its graph's build, its wait for the device after the launch, and the time
+        from the previous step's start to its own."""
+        if self.mode != "auto" or period_s <= 0:
+            return
+        saved = min(wait_s, idle_s + build_s)
+        a = self.alpha if self.samples else 1.0
+        self.saved_s += a * (saved - self.saved_s)
+        self.period_s += a * (period_s - self.period_s)
+        self.samples += 1
+        if self.samples < self.min_samples:
+            return
+        share = self.saved_s / self.period_s
+        turn = share >= self.on_share if not self.active else share < self.off_share
+        if turn:
+            self.active = not self.active
+            self.switches += 1
+            self._since_probe = 0
+            log.info(
+                "decode lookahead %s: a step's device time past its launches would save "
+                "%.2f ms of %.2f ms (%.0f%%)",
+                "on" if self.active else "off",
+                1e3 * self.saved_s,
+                1e3 * self.period_s,
+                100 * share,
+            )
