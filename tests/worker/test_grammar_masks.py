@@ -63,3 +63,60 @@ def test_on_cuda_masks_take_the_driver_copy() -> None:
     upload = MaskUpload()
     upload(_random_masks(2, 8, 0))
     assert upload._staging is not None  # the pinned buffer, not MLX's managed-memory path
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    import json
+
+    from kvserve_model.tiny_model import ensure_tiny_model
+    from kvserve_model.tokenizer import load_tokenizer
+    from worker.model.grammar import Grammars
+
+    path = ensure_tiny_model()
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    tok = load_tokenizer(path)
+    return Grammars(tok.hf, vocab, [tok.hf.eos_token_id])
+
+
+def _allowed(masks: np.ndarray, row: int) -> list[int]:
+    bits = np.unpackbits(masks[row].view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits).tolist()
+
+
+def test_a_fill_after_the_tokens_is_kept_only_for_those_tokens(grammars) -> None:
+    """``MaskPrefetch.start_after`` (a lookahead step, its tokens just known) fills each
+    matcher's mask of the state after its token and leaves the matcher as it was; the loop's
+    ``start`` keeps that fill when every matcher then consumed exactly that token, and fills
+    anew otherwise; either way ``take`` gives what a direct fill of the state now gives."""
+    from kvserve_model.structured_output import StructuredOutput
+    from worker.model.grammar import MaskPrefetch, fill_masks
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}}
+    vocab = grammars.vocab_size
+    matchers = [grammars.matcher(StructuredOutput.json_schema(schema)) for _ in range(3)]
+    rng = np.random.default_rng(0)
+    for step in range(8):
+        now = fill_masks(matchers, vocab)
+        picks = [int(rng.choice(_allowed(now, i))) for i in range(len(matchers))]
+        prefetch = MaskPrefetch()
+        prefetch.start_after(list(zip(matchers, picks, strict=True)), vocab)
+        prefetch.wait()
+        assert np.array_equal(fill_masks(matchers, vocab), now)  # the matchers as they were
+        differ = step % 3 == 2  # the loop consumed another token for matcher 0
+        consumed = list(picks)
+        if differ:
+            others = [t for t in _allowed(now, 0) if t != picks[0]]
+            if not others:
+                continue
+            consumed[0] = others[0]
+        for m, t in zip(matchers, consumed, strict=True):
+            assert m.consume_token(t)
+        prefetch.start(matchers, vocab, consumed)
+        order = [2, 0, 1] if step % 2 else [0, 1, 2]
+        got = prefetch.take([matchers[i] for i in order], vocab)
+        assert got is not None
+        assert np.array_equal(got, fill_masks([matchers[i] for i in order], vocab))
+        assert prefetch.early == (0 if differ else 1) and prefetch.used == 1
+        if any(m.is_stopped() for m in matchers):
+            break

@@ -82,6 +82,7 @@ async def test_json_schema_outputs_validate_batched_with_unconstrained_rows(
         assert out["tokens"] == want["tokens"]
     if system.lookahead == "on":
         assert system.workers[0].engine.executor.lookahead_hits > 0
+        assert masks.early > 0  # filled as a lookahead step's tokens came, kept by the loop
     assert masks.used > 0  # masks filled between steps, off the critical path
     await system.wait_idle()
 

@@ -379,7 +379,9 @@ class ModelExecutor:
             else:
                 adjusted = logits
             if look and not failed:  # every row greedy: the next forward runs on its samples
-                ids, self._ahead = lookahead.start(self.runner, inputs, adjusted)
+                ids, self._ahead = lookahead.start(
+                    self.runner, inputs, adjusted, self._masks_after(rows, logits.shape[-1])
+                )
                 sampled: list[Sampled | RowFailed] = [Sampled(t) for t in ids]
             else:
                 sampled = sample_rows(logits, rows, self.masks) if rows else []
@@ -388,6 +390,19 @@ class ModelExecutor:
             seconds[g] += time.perf_counter() - start
         padded = len(prefills) * max((len(job.inputs[i].token_ids) for i in prefills), default=0)
         return [out[r.item] for r in job.samples], ForwardTime(seconds[0], seconds[1], padded)
+
+    def _masks_after(self, rows: list, vocab_size: int) -> Callable[[list[int]], None] | None:
+        """For a step that looks ahead with grammar rows: what starts the next step's masks
+        once this step's tokens are known (``MaskPrefetch.start_after``), so that their fill
+        runs while the next forward launches and the loop streams, not in the next step."""
+        constrained = [(k, r[1].grammar) for k, r in enumerate(rows) if r[1].grammar is not None]
+        if not constrained:
+            return None
+
+        def fill(ids: list[int]) -> None:
+            self.masks.start_after([(g, ids[k]) for k, g in constrained], vocab_size)
+
+        return fill
 
     def _measured_forward(self, inputs: list[SeqInput], idle: float, period: float) -> mx.array:
         """The decode forward of a step that may look ahead but runs its own forward, timed

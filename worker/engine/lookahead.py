@@ -18,7 +18,7 @@ Runs on the model thread, inside ``ModelExecutor._run``, which keeps the one pen
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -83,7 +83,10 @@ def fits(runner: Runner, inputs: Sequence[SeqInput], rows: Sequence[Row]) -> boo
 
 
 def start(
-    runner: Runner, inputs: Sequence[SeqInput], logits: mx.array
+    runner: Runner,
+    inputs: Sequence[SeqInput],
+    logits: mx.array,
+    on_tokens: Callable[[list[int]], None] | None = None,
 ) -> tuple[list[int], Ahead | None]:
     """Starts the forward of the step after this one: the same sequences, one position on, each
     on its greedy token of ``logits``. Its graph is built now, on the lazy tokens, while the
@@ -93,7 +96,9 @@ def start(
     11.8 ms a step against 9.3 launched after; docs/gpu-decode-parts.md). Its K/V writes land
     in each sequence's own leased slot past its computed tokens; if the next step is another,
     they are garbage no one reads, overwritten by later writes (MLX orders every write to the
-    pool after the ones before it). Returns the greedy tokens, row by row (this step's
+    pool after the ones before it). ``on_tokens`` is called with this step's tokens as soon
+    as they are known, before the launch (the next step's grammar masks start filling then:
+    ``MaskPrefetch.start_after``). Returns the greedy tokens, row by row (this step's
     samples), and the forward started (None if it could not be built now)."""
     tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
     nxt = tuple(SeqInput([0], s.block_table, s.start + 1, s.seq_key) for s in inputs)
@@ -104,6 +109,8 @@ def start(
         log.debug("lookahead forward not started", exc_info=True)
         ahead = None
     ids: list[int] = np.asarray(tokens).tolist()  # this step, done
+    if on_tokens is not None:
+        on_tokens(ids)
     if ahead is None:
         return ids, None
     paged.launch(ahead)

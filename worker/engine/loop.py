@@ -265,14 +265,19 @@ class Engine:
 
     def _prefetch_masks(self) -> None:
         """The running sequences' grammar masks for the next step, filled from now on (their
-        tokens are consumed): off the step's critical path (``worker.model.grammar``)."""
-        matchers = [
-            s.sampler.grammar
+        tokens are consumed): off the step's critical path (``worker.model.grammar``); kept
+        where a step that looked ahead began them after the very tokens consumed."""
+        constrained = [
+            s
             for s in self.scheduler.running
             if s.sampler is not None and s.sampler.grammar is not None
         ]
-        if matchers:
-            self.executor.masks.start(matchers, self.intake.limits.vocab_size)
+        if constrained:
+            self.executor.masks.start(
+                [s.sampler.grammar for s in constrained],
+                self.intake.limits.vocab_size,
+                [s.output[-1] if s.output else -1 for s in constrained],
+            )
 
     def _log_step(self, step: Step, took: ForwardTime, seconds: float) -> None:
         """One line a step (``--log-level DEBUG``): where a request's time goes between its

@@ -25,6 +25,8 @@ import asyncio
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -129,6 +131,26 @@ def _llg_executor() -> Any:
         return _executor
 
 
+def fill_masks_after(pairs: Sequence[tuple[Any, int]], vocab_size: int) -> np.ndarray:
+    """Each matcher's mask for the state after it consumes its token, the matchers left as
+    they are (llguidance consumes the token and rolls it back): rows ``2 i`` hold matcher
+    i's mask now, rows ``2 i + 1`` the one after its token (all bits clear where the grammar
+    refuses the token)."""
+    from llguidance.numpy import (
+        allocate_token_bitmask,
+        fill_next_token_bitmask_par_with_draft_tokens,
+    )
+
+    for m, _ in pairs:
+        if m.is_error():
+            raise RuntimeError(f"structured output: {m.get_error()}")
+    masks = allocate_token_bitmask(2 * len(pairs), vocab_size)
+    fill_next_token_bitmask_par_with_draft_tokens(
+        _llg_executor(), [(m, 2 * i, [t]) for i, (m, t) in enumerate(pairs)], masks
+    )
+    return masks
+
+
 def fill_masks(matchers: Sequence[Any], vocab_size: int) -> np.ndarray:
     """Each matcher's allowed tokens as a bitmask row (int32 words, bit ``t % 32`` of word
     ``t // 32`` set when token ``t`` is allowed), filled in parallel without the GIL. Raises
@@ -143,6 +165,20 @@ def fill_masks(matchers: Sequence[Any], vocab_size: int) -> np.ndarray:
     return masks
 
 
+@dataclass(frozen=True, slots=True)
+class _Fill:
+    """A fill in flight: its matchers (held, so their ids are not reused while it is
+    pending), each one's row in the masks, the masks being filled, the vocabulary size, and
+    for a fill of the state after a token (:meth:`MaskPrefetch.start_after`) each matcher's
+    token."""
+
+    held: list[Any]
+    rows: dict[int, int]  # id(matcher) -> its row
+    masks: Future[np.ndarray]
+    vocab_size: int
+    after: dict[int, int] | None = None  # id(matcher) -> the token it is filled after
+
+
 class MaskPrefetch:
     """A worker's next-step masks, filled as soon as the tokens they depend on are consumed:
     the engine calls :meth:`start` right after a step's tokens join their outputs, and
@@ -151,31 +187,67 @@ class MaskPrefetch:
     (its executor's), used one step at a time: the engine :meth:`wait` s before it consumes
     tokens, the sampler before it touches a matcher, so no matcher is used by two threads at
     once. The pending fill holds its matchers, so their ids cannot be reused while it is
-    pending: a matcher is found by identity."""
+    pending: a matcher is found by identity.
+
+    A step that looks ahead (``worker.engine.lookahead``) builds the next forward before the
+    loop consumes its tokens, so the next step applies its masks first thing: filled only
+    after the loop's turn, they would be the next step's wait. Such a step starts the fill
+    itself the moment its tokens are known (:meth:`start_after`: the masks of the state after
+    each token, the matchers left as they are), and the engine's :meth:`start` keeps it when
+    every running matcher then consumed exactly the token it was filled after."""
 
     def __init__(self) -> None:
         self._pool: Any = None
-        # (the matchers, their masks being filled, the vocabulary size)
-        self._pending: tuple[list[Any], Any, int] | None = None
+        self._pending: _Fill | None = None
         self.upload = MaskUpload()  # the masks' way to the device (the sampler's)
         self.used = 0  # steps whose masks were prefetched (tests, the benchmark)
+        self.early = 0  # of them, filled after the tokens before the loop consumed them
 
-    def start(self, matchers: Sequence[Any], vocab_size: int) -> None:
+    def _submit(self, fn: Callable[..., np.ndarray], *args: Any) -> Future[np.ndarray]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-masks")
+        return self._pool.submit(fn, *args)
+
+    def start(
+        self, matchers: Sequence[Any], vocab_size: int, last: Sequence[int] | None = None
+    ) -> None:
+        """Fills ``matchers``' masks for their current state, unless the pending fill is one
+        :meth:`start_after` began after exactly the tokens each has consumed since (``last``:
+        each matcher's last consumed token)."""
         self.wait()
         if not matchers:
             return
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-masks")
+        pending = self._pending
+        if (
+            pending is not None
+            and pending.after is not None
+            and last is not None
+            and pending.vocab_size == vocab_size
+            and all(pending.after.get(id(m), -1) == t for m, t in zip(matchers, last, strict=True))
+        ):
+            return  # filled already, after these tokens
         held = list(matchers)
-        self._pending = (held, self._pool.submit(fill_masks, held, vocab_size), vocab_size)
+        rows = {id(m): i for i, m in enumerate(held)}
+        self._pending = _Fill(held, rows, self._submit(fill_masks, held, vocab_size), vocab_size)
+
+    def start_after(self, pairs: Sequence[tuple[Any, int]], vocab_size: int) -> None:
+        """Fills each matcher's mask for the state after it consumes its token, before it
+        does (the engine's :meth:`wait` then lets the fill end before it consumes)."""
+        self.wait()
+        self._pending = None
+        if not pairs:
+            return
+        held = [m for m, _ in pairs]
+        rows = {id(m): 2 * i + 1 for i, m in enumerate(held)}
+        after = {id(m): t for m, t in pairs}
+        future = self._submit(fill_masks_after, list(pairs), vocab_size)
+        self._pending = _Fill(held, rows, future, vocab_size, after)
 
     def wait(self) -> None:
         """Lets a fill in flight end (its result kept for :meth:`take`)."""
         if self._pending is not None:
             try:
-                self._pending[1].result()
+                self._pending.masks.result()
             except Exception:  # a matcher in an error state: take() falls back, which says so
                 self._pending = None
 
@@ -184,16 +256,15 @@ class MaskPrefetch:
         all prefetched (a row new in this step: the caller fills them itself)."""
         self.wait()
         pending, self._pending = self._pending, None
-        if pending is None or pending[2] != vocab_size:
+        if pending is None or pending.vocab_size != vocab_size:
             return None
-        held, future, _ = pending
-        index = {id(m): i for i, m in enumerate(held)}  # ids of live objects: unique
-        rows = [index[id(m)] for m in matchers if id(m) in index]
+        rows = [pending.rows[id(m)] for m in matchers if id(m) in pending.rows]
         if len(rows) != len(matchers):
             return None
-        masks: np.ndarray = future.result()
+        masks: np.ndarray = pending.masks.result()
         self.used += 1
-        if rows == list(range(len(held))):  # the usual step: the same rows, in order
+        self.early += pending.after is not None
+        if rows == list(range(len(masks))):  # the usual step: the same rows, in order
             return masks
         return masks[rows]
 
