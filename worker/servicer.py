@@ -288,6 +288,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             accepted_draft_tokens=e.stats.accepted_draft_tokens,
             draft_model=e.limits.draft_model,
             tier=self._tier_info(),
+            decode_lookahead=e.executor.lookahead.mode,
+            decode_lookahead_active=e.executor.lookahead.active,
+            lookahead_steps=e.executor.lookahead_hits,
         )
 
     def _tier_info(self) -> pb.TierInfo | None:

@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from kvserve_proto.worker.v1 import worker_pb2 as pb
 from tests.worker_engine.conftest import generate, request, started_system
 from worker.engine.lookahead import Policy
 
@@ -121,6 +122,18 @@ async def test_the_executor_measures_its_decode_steps_for_auto(model) -> None:
         assert auto.lookahead.active and auto.lookahead.switches == 1
         assert auto.lookahead_hits > 5
         assert not never.lookahead.active and never.lookahead_hits == 0
+        # GetInfo says so (the admin API, the CLI): the mode, whether it is taken, its steps.
+        empty = pb.GetInfoRequest()
+        on, off = await auto_stub.GetInfo(empty), await never_stub.GetInfo(empty)
+        assert (on.decode_lookahead, on.decode_lookahead_active) == ("auto", True)
+        assert on.lookahead_steps == auto.lookahead_hits
+        assert (off.decode_lookahead, off.decode_lookahead_active, off.lookahead_steps) == (
+            "auto",
+            False,
+            0,
+        )
+        cpu = await plain.GetInfo(empty)  # --decode-lookahead off
+        assert (cpu.decode_lookahead, cpu.decode_lookahead_active) == ("off", False)
         await system.wait_idle()
 
 

@@ -211,7 +211,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "model_fingerprint", "max_context", "vocab_size", "block_size", "num_blocks", "free_blocks", "running", "waiting", "prefilled_tokens", "generated_tokens", "preemptions", "requests_finished", "runner", "max_pending_requests", "draft_tokens", "accepted_draft_tokens", "draft_model", "tier")
+    __slots__ = ("worker_id", "model", "model_fingerprint", "max_context", "vocab_size", "block_size", "num_blocks", "free_blocks", "running", "waiting", "prefilled_tokens", "generated_tokens", "preemptions", "requests_finished", "runner", "max_pending_requests", "draft_tokens", "accepted_draft_tokens", "draft_model", "tier", "decode_lookahead", "decode_lookahead_active", "lookahead_steps")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,9 @@ class WorkerInfo(_message.Message):
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    DECODE_LOOKAHEAD_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_STEPS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     model_fingerprint: str
@@ -252,7 +255,10 @@ class WorkerInfo(_message.Message):
     accepted_draft_tokens: int
     draft_model: str
     tier: TierInfo
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., runner: _Optional[str] = ..., max_pending_requests: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., draft_model: _Optional[str] = ..., tier: _Optional[_Union[TierInfo, _Mapping]] = ...) -> None: ...
+    decode_lookahead: str
+    decode_lookahead_active: bool
+    lookahead_steps: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., runner: _Optional[str] = ..., max_pending_requests: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., draft_model: _Optional[str] = ..., tier: _Optional[_Union[TierInfo, _Mapping]] = ..., decode_lookahead: _Optional[str] = ..., decode_lookahead_active: _Optional[bool] = ..., lookahead_steps: _Optional[int] = ...) -> None: ...
 
 class TierInfo(_message.Message):
     __slots__ = ("dir", "blocks", "capacity_blocks", "spilled_blocks", "skipped_blocks", "loaded_tokens", "load_failures", "write_failures", "read_mb_s")
