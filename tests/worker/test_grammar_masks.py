@@ -120,3 +120,27 @@ def test_a_fill_after_the_tokens_is_kept_only_for_those_tokens(grammars) -> None
         assert prefetch.early == (0 if differ else 1) and prefetch.used == 1
         if any(m.is_stopped() for m in matchers):
             break
+
+
+def test_a_refused_token_leaves_its_matcher_as_it_was(grammars) -> None:
+    """A token the grammar refuses (never drawn through its mask, but a fill must not depend
+    on that): the early fill leaves every matcher usable, and the others' masks are those of
+    the state after their tokens."""
+    from kvserve_model.structured_output import StructuredOutput
+    from worker.model.grammar import MaskPrefetch, fill_masks
+
+    vocab = grammars.vocab_size
+    so = StructuredOutput.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}})
+    matchers = [grammars.matcher(so) for _ in range(3)]
+    now = fill_masks(matchers, vocab)
+    refused = next(t for t in range(vocab) if t not in set(_allowed(now, 0)))
+    picks = [refused, _allowed(now, 1)[0], _allowed(now, 2)[-1]]
+    prefetch = MaskPrefetch()
+    prefetch.start_after(list(zip(matchers, picks, strict=True)), vocab)
+    prefetch.wait()
+    assert not any(m.is_error() for m in matchers)
+    assert np.array_equal(fill_masks(matchers, vocab), now)
+    for m, t in zip(matchers[1:], picks[1:], strict=True):
+        assert m.consume_token(t)
+    got = prefetch.take(matchers[1:], vocab)
+    assert got is not None and np.array_equal(got, fill_masks(matchers[1:], vocab))
