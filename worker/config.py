@@ -15,6 +15,8 @@ from kvserve_model.sampling_limits import MAX_DRAFT_TOKENS
 ENV_PREFIX = "KVWORKER_"
 DEQUANTIZE = ("auto", "always", "never")
 TIER_LOAD = ("auto", "always", "never")
+# worker.engine.lookahead.MODES: the engine imports nothing of the assembly, so it is said twice
+# (tests/worker_engine/test_lookahead_policy.py holds them equal).
 LOOKAHEAD_MODES = ("auto", "on", "off")
 # worker.model.attention.BACKENDS (not imported: this module loads before MLX may).
 ATTENTION = ("auto", "reference", "cpu", "cuda", "metal")

@@ -138,7 +138,10 @@ async def test_the_executor_measures_its_decode_steps_for_auto(model) -> None:
 
 
 def test_the_worker_flag_takes_auto_on_or_off(monkeypatch) -> None:
-    from worker.config import WorkerConfig, check
+    from worker.config import LOOKAHEAD_MODES, WorkerConfig, check
+    from worker.engine.lookahead import MODES
+
+    assert LOOKAHEAD_MODES == MODES  # the flag's values are the policy's
 
     monkeypatch.delenv("KVWORKER_DECODE_LOOKAHEAD", raising=False)
     assert WorkerConfig.from_args([]).decode_lookahead == "auto"

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 import numpy as np
 
-from worker.config import LOOKAHEAD_MODES
 from worker.model.forward_batch import SeqInput
 
 if TYPE_CHECKING:
@@ -33,6 +32,8 @@ if TYPE_CHECKING:
     from worker.model.sampling import Row
 
 log = logging.getLogger(__name__)
+
+MODES = ("auto", "on", "off")  # the worker's --decode-lookahead (worker.config checks it too)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +155,8 @@ class Policy:
     _since_probe: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        if self.mode not in LOOKAHEAD_MODES:
-            raise ValueError(f"decode lookahead must be one of {', '.join(LOOKAHEAD_MODES)}")
+        if self.mode not in MODES:
+            raise ValueError(f"decode lookahead must be one of {', '.join(MODES)}")
         self.active = self.mode == "on"
 
     @classmethod
