@@ -136,8 +136,8 @@ class Policy:
     that one step's overlap). Measured on H200s (docs/worker-engine.md "Decode lookahead"), a
     1B model at batch 32: at 96-token prompts the saving measured 0.01 ms of a 7-8 ms step,
     and the lookahead gained nothing or lost up to 7%; at 8k-token contexts it measured
-    0.4-1.3 ms of 9-11 ms (2.9 of 13.5 on a slower host), and the lookahead gained more than
-    that (1.04-1.24x: it also saves the step's second wait, for its sampled tokens), so the
+    0.4-1.85 ms of 9.5-11 ms (2.9 of 13.5 on a slower host), and the lookahead gained more
+    than that (1.04-1.29x: it also saves the step's second wait, for its sampled tokens), so the
     shares are low: what separates the two is whether the device outlasts the launches at
     all."""
 
