@@ -419,9 +419,11 @@ class ModelExecutor:
         return logits
 
     def _may_look_ahead(self, job: _Job, inputs: list[SeqInput], rows: list) -> bool:
-        """A decode-only, greedy step the engine expects to repeat (``lookahead.fits``)."""
+        """A decode-only, greedy step the engine expects to repeat (``lookahead.fits``), on a
+        worker whose policy may look ahead at all."""
         return (
-            job.same_next
+            self.lookahead.enabled
+            and job.same_next
             and not job.speculations
             and len(inputs) == len(job.inputs)
             and lookahead.fits(self.runner, inputs, rows)

@@ -165,6 +165,11 @@ class Policy:
         return cls("off" if mode == "auto" and not gpu else mode)
 
     @property
+    def enabled(self) -> bool:
+        """Whether any step may look ahead ("on", or "auto" whenever measured to pay)."""
+        return self.mode != "off"
+
+    @property
     def measuring(self) -> bool:
         """Whether steps that run their own forward time its parts for :meth:`measured`."""
         return self.mode == "auto"
@@ -184,7 +189,7 @@ class Policy:
         """One step that may look ahead, run on its own forward: the model thread's idle time
         before it, its graph's build, its wait for the device after the launch, and the time
         from the previous step's start to its own."""
-        if self.mode != "auto" or period_s <= 0:
+        if not self.measuring or period_s <= 0:
             return
         saved = min(wait_s, idle_s + build_s)
         a = self.alpha if self.samples else 1.0

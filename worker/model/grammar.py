@@ -131,6 +131,13 @@ def _llg_executor() -> Any:
         return _executor
 
 
+def _refuse_errors(matchers: Sequence[Any]) -> None:
+    """Raises RuntimeError for a matcher in an error state (a token it refused was consumed)."""
+    for m in matchers:
+        if m.is_error():
+            raise RuntimeError(f"structured output: {m.get_error()}")
+
+
 def fill_masks_after(pairs: Sequence[tuple[Any, int]], vocab_size: int) -> np.ndarray:
     """Each matcher's mask for the state after it consumes its token (row i: pair i's), the
     matchers left as they are: the tokens consumed together (in parallel, without the GIL),
@@ -144,9 +151,7 @@ def fill_masks_after(pairs: Sequence[tuple[Any, int]], vocab_size: int) -> np.nd
         fill_next_token_bitmask_par_with_draft_tokens,
     )
 
-    for m, _ in pairs:
-        if m.is_error():
-            raise RuntimeError(f"structured output: {m.get_error()}")
+    _refuse_errors([m for m, _ in pairs])
     if not all(m.validate_tokens([t]) == 1 for m, t in pairs):
         both = allocate_token_bitmask(2 * len(pairs), vocab_size)  # now, then after the token
         fill_next_token_bitmask_par_with_draft_tokens(
@@ -172,9 +177,7 @@ def fill_masks(matchers: Sequence[Any], vocab_size: int) -> np.ndarray:
     RuntimeError for a matcher in an error state (a token it refused was consumed)."""
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
-    for m in matchers:
-        if m.is_error():
-            raise RuntimeError(f"structured output: {m.get_error()}")
+    _refuse_errors(matchers)
     masks = allocate_token_bitmask(len(matchers), vocab_size)
     fill_next_token_bitmask_par(_llg_executor(), [(m, i) for i, m in enumerate(matchers)], masks)
     return masks
@@ -183,12 +186,11 @@ def fill_masks(matchers: Sequence[Any], vocab_size: int) -> np.ndarray:
 @dataclass(frozen=True, slots=True)
 class _Fill:
     """A fill in flight: its matchers (held, so their ids are not reused while it is
-    pending), each one's row in the masks, the masks being filled, the vocabulary size, and
+    pending; matcher i's mask is row i), the masks being filled, the vocabulary size, and
     for a fill of the state after a token (:meth:`MaskPrefetch.start_after`) each matcher's
     token."""
 
     held: list[Any]
-    rows: dict[int, int]  # id(matcher) -> its row
     masks: Future[np.ndarray]
     vocab_size: int
     after: dict[int, int] | None = None  # id(matcher) -> the token it is filled after
@@ -242,8 +244,7 @@ class MaskPrefetch:
         ):
             return  # filled already, after these tokens
         held = list(matchers)
-        rows = {id(m): i for i, m in enumerate(held)}
-        self._pending = _Fill(held, rows, self._submit(fill_masks, held, vocab_size), vocab_size)
+        self._pending = _Fill(held, self._submit(fill_masks, held, vocab_size), vocab_size)
 
     def start_after(self, pairs: Sequence[tuple[Any, int]], vocab_size: int) -> None:
         """Fills each matcher's mask for the state after it consumes its token, before it
@@ -253,10 +254,9 @@ class MaskPrefetch:
         if not pairs:
             return
         held = [m for m, _ in pairs]
-        rows = {id(m): i for i, m in enumerate(held)}
         after = {id(m): t for m, t in pairs}
         future = self._submit(fill_masks_after, list(pairs), vocab_size)
-        self._pending = _Fill(held, rows, future, vocab_size, after)
+        self._pending = _Fill(held, future, vocab_size, after)
 
     def wait(self) -> None:
         """Lets a fill in flight end (its result kept for :meth:`take`)."""
@@ -273,7 +273,8 @@ class MaskPrefetch:
         pending, self._pending = self._pending, None
         if pending is None or pending.vocab_size != vocab_size:
             return None
-        rows = [pending.rows[id(m)] for m in matchers if id(m) in pending.rows]
+        index = {id(m): i for i, m in enumerate(pending.held)}  # ids of live objects: unique
+        rows = [index[id(m)] for m in matchers if id(m) in index]
         if len(rows) != len(matchers):
             return None
         masks: np.ndarray = pending.masks.result()
