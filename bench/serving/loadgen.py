@@ -333,6 +333,19 @@ def process_tree(root: int) -> dict[int, tuple[float, int]]:
     return tree
 
 
+def pss_bytes(pid: int) -> int:
+    """Proportional set size of ``pid`` (bytes; 0 if unreadable): its RSS with each page it
+    shares with other processes counted as its share. Summed over a server's processes it
+    counts a library they all map once, where summed RSS counts it in each of them."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return 0
+
+
 def process_label(pid: int) -> str:
     """A short name for ``pid``: the module of ``python -m module``, else the program."""
     try:
@@ -345,14 +358,15 @@ def process_label(pid: int) -> str:
 
 
 class TreeSampler:
-    """Samples a process tree from a thread while a workload runs: the peak of its summed RSS,
-    and the CPU seconds its processes used between :meth:`start` and :meth:`stop` (a process
+    """Samples a process tree from a thread while a workload runs: the peaks of its summed RSS
+    and summed PSS, and the CPU seconds its processes used between :meth:`start` and :meth:`stop` (a process
     that appears meanwhile counts from zero; one that exits counts up to its last sample)."""
 
     def __init__(self, root: int, interval_s: float = 0.1) -> None:
         self.root = root
         self.interval_s = interval_s
         self.peak_rss = 0
+        self.peak_pss = 0
         self.peak_rss_by_pid: dict[int, int] = {}
         self.labels: dict[int, str] = {}
         self.samples = 0
@@ -371,6 +385,7 @@ class TreeSampler:
         tree = process_tree(self.root)
         self.samples += 1
         self.peak_rss = max(self.peak_rss, sum(rss for _, rss in tree.values()))
+        self.peak_pss = max(self.peak_pss, sum(pss_bytes(pid) for pid in tree))
         for pid, (_, rss) in tree.items():
             self.peak_rss_by_pid[pid] = max(rss, self.peak_rss_by_pid.get(pid, 0))
             if pid not in self.labels:
@@ -449,6 +464,7 @@ class Summary:
     errors: list[str]
     server_peak_rss_mb: float | None = None
     server_peak_rss_mb_by_process: dict[str, float] | None = None
+    server_peak_pss_mb: float | None = None  # None: not measured (a run from before it was)
     server_cpu_s: float | None = None
     server_cpu_s_by_process: dict[str, float] | None = None
     client_cpu_s: float | None = None
@@ -527,6 +543,7 @@ async def measure(
     summary.client_cpu_s = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
     if sampler:
         summary.server_peak_rss_mb = sampler.peak_rss / 2**20
+        summary.server_peak_pss_mb = sampler.peak_pss / 2**20 or None
         summary.server_peak_rss_mb_by_process = {
             k: v / 2**20 for k, v in sampler.peak_rss_by_label().items()
         }

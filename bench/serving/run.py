@@ -586,6 +586,7 @@ ROWS: list[tuple[str, Callable[[dict[str, Any]], float | None], int]] = [
     ("E2E p99 s", lambda s: s["e2e"]["p99"], 2),
     ("cached", lambda s: s["cached_fraction"], 2),
     ("peak RSS MiB", lambda s: s["server_peak_rss_mb"], 0),
+    ("peak PSS MiB", lambda s: s.get("server_peak_pss_mb"), 0),
     ("CPU s", lambda s: s["server_cpu_s"], 1),
 ]
 RATIO_ROWS = [
@@ -596,6 +597,7 @@ RATIO_ROWS = [
     "E2E p50 s",
     "E2E p95 s",
     "peak RSS MiB",
+    "peak PSS MiB",
     "CPU s",
 ]
 
@@ -650,8 +652,9 @@ def markdown(data: dict[str, Any]) -> str:
         ),
         "Figures per workload and server (latencies of successful requests; ITL: gaps between "
         "streamed content events; TPOT: per request, (E2E - TTFT) / (output tokens - 1); cached: the fraction of prompt tokens the server reported as "
-        "cached, blank where it reported none; peak RSS and CPU: the server's whole process "
-        "tree, sampled every 0.1 s):",
+        "cached, blank where it reported none; peak RSS, PSS and CPU: the server's whole "
+        "process tree, sampled every 0.1 s; PSS counts a page that processes share once, "
+        "RSS once in each):",
         "",
     ]
     head = ["workload", "server", "requests", "failed", *(r[0] for r in ROWS)]

@@ -292,7 +292,7 @@ async def test_multi_turn_resends_history_and_counts_unsent_turns(server):
 
 def test_tree_sampler_sums_a_process_tree():
     """A parent whose child holds 64 MiB and burns 0.3 s of CPU: both count in the tree's
-    figures (the child's CPU up to its last sample, taken while it sleeps before exiting)."""
+    figures (RSS and PSS) (the child's CPU up to its last sample, taken while it sleeps before exiting)."""
     child = (
         "import time; b = bytearray(64 << 20); t = time.process_time()\n"
         "while time.process_time() - t < 0.3: pass\n"
@@ -304,6 +304,8 @@ def test_tree_sampler_sums_a_process_tree():
     proc.wait(30)
     sampler.stop()
     assert sampler.peak_rss >= 64 << 20
+    # The child's 64 MiB is its own: PSS counts it whole; shared pages only in part.
+    assert 64 << 20 <= sampler.peak_pss <= sampler.peak_rss
     assert sampler.cpu_s >= 0.3
     assert sampler.samples >= 5
     by_label = sampler.peak_rss_by_label()

@@ -438,6 +438,11 @@ def test_an_explicit_library_finds_its_vendored_dependencies(
     )
     assert dep.name in blas_candidates.needed_libraries(str(user))
     assert blas_candidates.needed_libraries(str(tmp_path / "dep.c")) == []  # not an ELF file
+    # Files that are no library: empty (cannot be mapped), cut short, missing.
+    (tmp_path / "empty.so").write_bytes(b"")
+    (tmp_path / "cut.so").write_bytes(user.read_bytes()[:0x30])
+    for name in ("empty.so", "cut.so", "missing.so"):
+        assert blas_candidates.needed_libraries(str(tmp_path / name)) == []
     monkeypatch.setenv("KVSERVE_BLAS_LIB", str(user))
     (lib,) = blas_candidates.candidates()
     assert lib.library_dirs == (str(tmp_path),)
