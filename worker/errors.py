@@ -38,6 +38,14 @@ class ShuttingDown(WorkerError):
     """The worker is stopping: try another worker (UNAVAILABLE)."""
 
 
+class ConstraintFailed(WorkerError):
+    """A request's structured output failed while it generated: the grammar engine gave up on
+    it (its lexer's limits) or no token continues it. The constraint's fault, not the
+    worker's: INVALID_ARGUMENT, as a constraint refused before generating is; the request
+    ends, the batch goes on. A constraint that admits no text at all is refused at compile
+    time instead (``worker.model.grammar.Grammars``)."""
+
+
 class StepFailed(WorkerError):
     """A model step raised: a bug, not the request's fault. Its requests end with INTERNAL and
     the worker keeps serving; nothing the step wrote is published to the cache."""

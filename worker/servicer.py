@@ -33,6 +33,7 @@ from worker.errors import (
     CacheOutage,
     CacheRejected,
     Cancelled,
+    ConstraintFailed,
     InvalidRequest,
     NotAdmitted,
     Overloaded,
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 # --max-pending-requests refuses one, RESOURCE_EXHAUSTED, before it holds anything.
 STATUS_OF: dict[type[WorkerError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    ConstraintFailed: grpc.StatusCode.INVALID_ARGUMENT,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotAdmitted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     CacheOutage: grpc.StatusCode.ABORTED,

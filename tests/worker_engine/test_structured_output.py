@@ -146,6 +146,51 @@ async def test_a_constraint_that_does_not_compile_is_invalid_argument(system: Sy
     await system.wait_idle()
 
 
+async def test_a_constraint_no_text_satisfies_is_invalid_argument(system: System) -> None:
+    """llguidance compiles these without error and fails at their first mask, which then
+    allows only EOS: the request ended "stop" with empty output (a 200 with content "").
+    Refused before generating, every time (nothing failed is cached)."""
+    stub = await system.add_worker()
+    grammars = system.workers[0].engine.intake.grammars
+    loops = {"$ref": "#/$defs/b", "$defs": {"b": {"$ref": "#/$defs/b"}}}
+    for so in (pb.StructuredOutput(regex=r"[^\s\S]x"), schema(loops)):
+        for _ in range(2):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await generate(stub, constrained(prompt(1), so))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "admits no output" in (info.value.details() or ""), info.value.details()
+    assert grammars.compiles == 0 and not grammars._compiled
+    out = await generate(stub, constrained(prompt(2), schema(PERSON)))  # the worker goes on
+    jsonschema.validate(json.loads(out["text"]), PERSON)
+    await system.wait_idle()
+
+
+async def test_a_constraint_failing_while_generating_ends_invalid_argument(
+    system: System,
+) -> None:
+    """A regex past llguidance's lexer limits compiles, fills its first mask, and fails at its
+    first token. Its request ends INVALID_ARGUMENT naming the engine's error, each time (a
+    failed copy leaves the shared lexer cache spent: later copies failed in their first fill,
+    where only EOS stays allowed, and ended "stop" with empty output); the failed constraint
+    is dropped from the cache; requests batched with it are unaffected."""
+    stub = await system.add_worker()
+    grammars = system.workers[0].engine.intake.grammars
+    huge = pb.StructuredOutput(regex="(b{1000}){999}")
+    for round_ in range(2):
+        plain, bad = await asyncio.gather(
+            generate(stub, request(prompt(50), max_tokens=6)),
+            generate(stub, constrained(prompt(3), huge, max_tokens=4)),
+            return_exceptions=True,
+        )
+        assert isinstance(bad, grpc.aio.AioRpcError), bad
+        assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT, bad.details()
+        assert "structured output failed while generating" in (bad.details() or "")
+        assert "too many expressions" in (bad.details() or ""), bad.details()
+        assert not isinstance(plain, BaseException) and len(plain["tokens"]) == 6
+        assert grammars.compiles == round_ + 1 and not grammars._compiled  # forgotten
+    await system.wait_idle()
+
+
 async def test_a_schema_compiles_once(system: System) -> None:
     stub = await system.add_worker()
     grammars = system.workers[0].engine.intake.grammars

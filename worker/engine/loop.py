@@ -32,7 +32,7 @@ from worker.engine.sequence import Sequence, Status
 from worker.engine.step import Step
 from worker.engine.step_budget import ForwardTime, StepBudget
 from worker.engine.tier_sync import TierSync
-from worker.errors import Cancelled, ShuttingDown, StepFailed, WorkerError
+from worker.errors import Cancelled, ConstraintFailed, ShuttingDown, StepFailed, WorkerError
 
 if TYPE_CHECKING:  # built by the assembly (worker.server): it names blocks with kvserve_proto
     from worker.tier.store import TierStore
@@ -304,14 +304,20 @@ class Engine:
     def _end_failed_rows(
         self, step: Step, sampled: list[Sampled | Accepted | RowFailed | None]
     ) -> list[Sampled | Accepted | None]:
-        """Ends the requests whose sampling failed (INTERNAL); the rest of the step goes on.
-        Their forward wrote sound K/V, but postprocess has not advanced them yet, so the
-        release publishes only what earlier steps computed."""
+        """Ends the requests whose sampling failed (INTERNAL; a failed structured output
+        INVALID_ARGUMENT, and its compiled constraint is dropped: ``Grammars.forget``); the
+        rest of the step goes on. Their forward wrote sound K/V, but postprocess has not
+        advanced them yet, so the release publishes only what earlier steps computed."""
         out: list[Sampled | Accepted | None] = []
         for item, s in zip(step.items, sampled, strict=True):
             if isinstance(s, RowFailed):
                 err = s.error
-                self._end(item.seq, StepFailed(f"sampling failed: {type(err).__name__}: {err}"))
+                if isinstance(err, ConstraintFailed):
+                    if item.seq.params.structured_output is not None:
+                        self.intake.grammars.forget(item.seq.params.structured_output)
+                    self._end(item.seq, err)
+                else:
+                    self._end(item.seq, StepFailed(f"sampling failed: {type(err).__name__}: {err}"))
                 s = None
             out.append(s)
         return out

@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvserve_model.structured_output import StructuredOutput, StructuredOutputError
-from worker.errors import InvalidRequest
+from worker.errors import ConstraintFailed, InvalidRequest
 
 CACHE_SIZE = 256
 
@@ -92,12 +92,31 @@ class Grammars:
             raise InvalidRequest(
                 f"structured_output: the {so.name} does not compile: {compiled.get_error()}"
             )
+        # Its first mask, on a copy: llguidance builds the lexer lazily, so a constraint no
+        # text satisfies (a schema that only refers to itself, the regex [^\s\S]) or one past
+        # the lexer's limits compiles without error and fails at its first fill, where it
+        # left only EOS allowed: the request "succeeded" with empty output. Filled here, off
+        # the event loop, it is a 400 before the request holds anything, and never cached.
+        first = compiled.deep_copy()
+        fill_masks([first], self.vocab_size, check=False)
+        if first.is_error():
+            raise InvalidRequest(
+                f"structured_output: the {so.name} admits no output: {error_line(first)}"
+            )
         with self._lock:
             self.compiles += 1
             self._compiled[so] = compiled
             while len(self._compiled) > self.capacity:
                 self._compiled.popitem(last=False)
         return compiled
+
+    def forget(self, so: StructuredOutput) -> None:
+        """Drops ``so``'s compiled matcher: a copy of it failed while generating. The copies
+        share its lexer's cache, which grows with everything any of them lexed; a popular
+        constraint's cache can reach llguidance's limits after many requests, and then every
+        later copy fails at once. The next request compiles it afresh."""
+        with self._lock:
+            self._compiled.pop(so, None)
 
     async def matcher_async(self, so: StructuredOutput) -> Any:
         """:meth:`matcher` with the compiling off the event loop; requests that arrive while
@@ -131,11 +150,22 @@ def _llg_executor() -> Any:
         return _executor
 
 
+def error_line(matcher: Any) -> str:
+    """A failed matcher's error, its first line: llguidance appends a dump of its state."""
+    return (matcher.get_error() or "unknown error").strip().splitlines()[0]
+
+
+def constraint_failed(matcher: Any) -> ConstraintFailed:
+    """The error a request whose matcher failed ends with (INVALID_ARGUMENT)."""
+    return ConstraintFailed(f"structured output failed while generating: {error_line(matcher)}")
+
+
 def _refuse_errors(matchers: Sequence[Any]) -> None:
-    """Raises RuntimeError for a matcher in an error state (a token it refused was consumed)."""
+    """Raises ConstraintFailed for a matcher in an error state: a token it refused was
+    consumed, or the engine gave up on it (its lexer's limits)."""
     for m in matchers:
         if m.is_error():
-            raise RuntimeError(f"structured output: {m.get_error()}")
+            raise constraint_failed(m)
 
 
 def fill_masks_after(pairs: Sequence[tuple[Any, int]], vocab_size: int) -> np.ndarray:
@@ -171,13 +201,15 @@ def fill_masks_after(pairs: Sequence[tuple[Any, int]], vocab_size: int) -> np.nd
                 )
 
 
-def fill_masks(matchers: Sequence[Any], vocab_size: int) -> np.ndarray:
+def fill_masks(matchers: Sequence[Any], vocab_size: int, check: bool = True) -> np.ndarray:
     """Each matcher's allowed tokens as a bitmask row (int32 words, bit ``t % 32`` of word
     ``t // 32`` set when token ``t`` is allowed), filled in parallel without the GIL. Raises
-    RuntimeError for a matcher in an error state (a token it refused was consumed)."""
+    ConstraintFailed for a matcher in an error state (``check``). A matcher can also fail *in*
+    the fill (llguidance then allows only EOS in its row): the caller checks them after."""
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
-    _refuse_errors(matchers)
+    if check:
+        _refuse_errors(matchers)
     masks = allocate_token_bitmask(len(matchers), vocab_size)
     fill_next_token_bitmask_par(_llg_executor(), [(m, i) for i, m in enumerate(matchers)], masks)
     return masks

@@ -36,7 +36,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from kvserve_model.sampling_params import SamplingParams
 from worker.model import host_draw
-from worker.model.grammar import MaskPrefetch, apply_masks, fill_masks
+from worker.model.grammar import MaskPrefetch, apply_masks, constraint_failed, fill_masks
 from worker.model.sampled import Accepted, RowFailed, Sampled
 
 log = logging.getLogger(__name__)
@@ -187,9 +187,7 @@ def adjust_logits(
         ok = []
         for r in constrained:
             if r[1].grammar.is_error():
-                failed[r[0]] = RowFailed(
-                    RuntimeError(f"structured output: {r[1].grammar.get_error()}")
-                )
+                failed[r[0]] = RowFailed(constraint_failed(r[1].grammar))
             else:
                 ok.append(r)
         constrained = ok
@@ -199,6 +197,11 @@ def adjust_logits(
             masks = prefetched.take(matchers, logits.shape[-1]) if prefetched else None
             if masks is None:
                 masks = fill_masks(matchers, logits.shape[-1])
+            # A matcher that failed in its fill has a row allowing only EOS: sampled, the
+            # request would end "stop" with whatever it had, silently unconstrained.
+            for r in constrained:
+                if r[1].grammar.is_error():
+                    failed[r[0]] = RowFailed(constraint_failed(r[1].grammar))
     if adjusting:
         row_idx: list[int] = []
         tok_idx: list[int] = []
