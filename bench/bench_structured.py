@@ -194,7 +194,7 @@ def long_schema(only: str = "") -> dict:
 
 
 async def cost(
-    stub, model: str, batch: int, tokens: int, turns: int, only: str = ""
+    stub, model: str, batch: int, tokens: int, turns: int, only: str = "", modes_run: str = ""
 ) -> dict[str, float]:
     prompts = prompt_ids(model, [f"{QUESTION}{i}" for i in range(batch)])
     so = pb.StructuredOutput(json_schema=json.dumps(long_schema(only)))
@@ -204,6 +204,8 @@ async def cost(
     }
     await asyncio.gather(*(generate(stub, p, max_tokens=4, **modes["constrained"])
                            for p in prompts[:2]))  # compile once, before timing  # fmt: skip
+    if modes_run:  # one mode alone, for a profiler (no ratio)
+        modes = {modes_run: modes[modes_run]}
     rates: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(turns):
         for mode, sampling in modes.items():
@@ -214,10 +216,12 @@ async def cost(
             wall = time.perf_counter() - t0
             assert all(o[1] == tokens for o in outs), [o[1] for o in outs]
             rates[mode].append(batch * tokens / wall)
+    out = {m: statistics.median(r) for m, r in rates.items()}
+    if modes_run:
+        return out
     # Each turn's constrained rate over the unconstrained one just before it: a shared host's
     # speed drifts between turns more than the constraint costs.
     pairs = sorted(c / u for u, c in zip(rates["unconstrained"], rates["constrained"], strict=True))
-    out = {m: statistics.median(r) for m, r in rates.items()}
     out["paired"] = statistics.median(pairs)
     if len(pairs) >= 4:
         q = statistics.quantiles(pairs, n=4)
@@ -255,15 +259,16 @@ async def run(address: str, a: argparse.Namespace, model: str) -> None:
             print("| model | completions | invalid | invalid greedy / sampled | tokens each "
                   "| wall s |\n|---|---|---|---|---|---|")  # fmt: skip
             await validity(stub, model, a.completions, a.concurrency, a.max_tokens)
-        rates = await cost(stub, model, a.batch, a.tokens, a.turns, a.cost_schema)
+        rates = await cost(stub, model, a.batch, a.tokens, a.turns, a.cost_schema, a.only)
     what = f"array of {a.cost_schema}" if a.cost_schema else "array of anyOf(suite)"
     print(f"\n| batch {a.batch}, {a.tokens} tokens each, {what} | tokens/s | ratio |")
     print("|---|---|---|")
-    paired = rates.pop("paired")
-    base = rates["unconstrained"]
+    paired = rates.pop("paired", None)
+    base = rates.get("unconstrained")
     for m, r in rates.items():
-        print(f"| {m} | {r:.1f} | {r / base:.3f} |")
-    print(f"| constrained / unconstrained, median of the turns' pairs | | {paired:.3f} |")
+        print(f"| {m} | {r:.1f} | {f'{r / base:.3f}' if base else ''} |")
+    if paired is not None:
+        print(f"| constrained / unconstrained, median of the turns' pairs | | {paired:.3f} |")
 
 
 def main() -> None:
@@ -290,6 +295,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=0, help="with --random: layers")
     p.add_argument("--hidden", type=int, default=0, help="with --random: hidden size")
     p.add_argument("--quick", action="store_true")
+    p.add_argument(
+        "--only",
+        choices=["constrained", "unconstrained"],
+        default="",
+        help="run one mode's turns alone (to profile it: py-spy record --subprocesses)",
+    )
     p.add_argument(
         "--worker-args",
         default="",
