@@ -12,7 +12,7 @@ from kvserve_model.tiny_model import TINY_MODEL_NAME
 from worker.engine.lease import Lease
 from worker.engine.sampling_params import Accepted, Sampled, SamplingParams
 from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Finish, Sequence, TextStream
+from worker.engine.sequence import Finish, Sequence, TextStream, keep_first_space
 from worker.engine.speculation import NgramDrafter
 from worker.engine.step import Scheduled, Step
 from worker.model.sampling import RowSampler
@@ -156,30 +156,48 @@ def test_text_stream_sends_spaces_as_they_come(tokenizer) -> None:
     assert stream.add(ord("b"))[0] == "b"
 
 
-def test_text_stream_sends_leading_spaces_but_the_trimmed_one(tokenizer) -> None:
-    """An output that opens with spaces: mlx-lm trims the first; the rest stream as they come
-    (a request whose greedy output was 256 spaces got its first text with its last token)."""
+def test_text_stream_sends_leading_spaces_as_they_come(tokenizer) -> None:
+    """An output that opens with spaces keeps them all (mlx-lm trims the first: a completion
+    of "The capital of France is" read "Paris."), each sent as it comes (a request whose
+    greedy output was 256 spaces got its first text with its last token)."""
     stream = TextStream(tokenizer.detokenizer, (), include_stop=False)
-    assert [stream.add(ord(" "))[0] for _ in range(4)] == ["", " ", " ", " "]
+    assert [stream.add(ord(" "))[0] for _ in range(4)] == [" ", " ", " ", " "]
     assert stream.add(ord("b"))[0] == "b"
     assert stream.finish() == ""
 
 
+@pytest.mark.parametrize("model", ["default", "tiny"])
+def test_an_outputs_text_is_its_tokens_text(model: str) -> None:
+    """The text of an output whose first token opens with a space (" Paris") is the tokens'
+    own, as the logprobs' tokens and text offsets say, on the default model's real tokenizer
+    (byte-level BPE) and the tiny one."""
+    from mlx_lm.tokenizer_utils import load
+
+    from kvserve_model.default_model import DEFAULT_MODEL_NAME
+
+    tok = load(resolve_model(DEFAULT_MODEL_NAME if model == "default" else TINY_MODEL_NAME))
+    ids = tok.encode(" Paris is, in  fact, the capital.", add_special_tokens=False)
+    stream = TextStream(tok.detokenizer, (), include_stop=False)
+    sent = "".join(stream.add(t)[0] for t in ids) + stream.finish()
+    assert sent == tok.decode(ids) == " Paris is, in  fact, the capital."
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_text_stream_ends_with_mlx_lms_text(tokenizer, seed) -> None:
-    """Whatever the stream sends early, its text in the end is mlx-lm's own detokenizer's:
-    random tokens, spaces (leading ones too: mlx-lm trims one), newlines, multi-byte UTF-8."""
+    """Whatever the stream sends early, its text in the end is mlx-lm's own detokenizer's
+    (told to keep a leading space, as the stream's is) and the tokens' whole decode: random
+    tokens, spaces (leading ones too), newlines, multi-byte UTF-8."""
     rng = np.random.default_rng(seed)
     pieces = [" ", " ", "  ", "a", "Z", "\n", "é", "€", "😀", ".", "x y"]
     text = "".join(rng.choice(pieces) for _ in range(int(rng.integers(1, 40))))
     ids = tokenizer.encode(text, add_special_tokens=False)
-    reference = tokenizer.detokenizer
+    reference = keep_first_space(tokenizer.detokenizer)
     for t in ids:
         reference.add_token(t)
     reference.finalize()
     stream = TextStream(tokenizer.detokenizer, (), include_stop=False)
     sent = "".join(stream.add(t)[0] for t in ids) + stream.finish()
-    assert sent == reference.text
+    assert sent == reference.text == text
 
 
 def test_token_slice_matches_the_token_list(tokenizer) -> None:

@@ -62,6 +62,7 @@ class TextStream:
 
     mlx-lm's streaming detokenizer never splits a UTF-8 character. Text that could still be
     the start of a stop string is held back until it cannot, so a stop string never leaks.
+    The text is the tokens' own: a space opening the output is kept (:func:`keep_first_space`).
     """
 
     def __init__(
@@ -71,7 +72,7 @@ class TextStream:
         include_stop: bool,
         hidden: frozenset[int] = frozenset(),
     ) -> None:
-        self._detok = detokenizer
+        self._detok = keep_first_space(detokenizer)
         self._hidden = hidden  # special tokens left out of the text
         self._stop = stop
         self._include_stop = include_stop
@@ -110,18 +111,31 @@ class TextStream:
         return out
 
 
+def keep_first_space(detok: Any) -> Any:
+    """``detok`` made to keep a space that opens the output. mlx-lm's byte-level BPE and
+    SentencePiece detokenizers trim it (as a whole-text decode strips SentencePiece's leading
+    marker), which dropped a real space from a continuation: a completion of "The capital of
+    France is" read "Paris." while its logprobs' tokens were " Paris", "."; with ``echo``
+    "...isParis."; and ``continue_final_message`` lost it too. The output's text is now the
+    concatenation of its tokens' text, as vLLM's (which decodes after the prompt's tokens) and
+    as the logprobs and their offsets say. Returns ``detok``."""
+    kind = type(detok).__name__  # by name: this module imports no MLX
+    if kind == "BPEStreamingDetokenizer":
+        detok._maybe_trim_space = lambda text: text
+    elif kind == "SPMStreamingDetokenizer":
+        detok.trim_space = False
+    return detok
+
+
 def _release_held_space(detok: Any) -> None:
     """mlx-lm's byte-level BPE detokenizer holds a space token back until the next token, so
-    that a space opening the whole text can be trimmed; it holds every later space too, where
-    nothing is trimmed, and a run of spaces (indentation, a model repeating " ") reached the
-    client only with the next other token: 256 spaces arrived with the request's last token.
-    Release what it holds unless it is an incomplete UTF-8 character: all of it once the text
-    has begun; before that, all but the one space that opens the text, which mlx-lm trims (a
-    lone held space stays held: the next token decides whether it opens the text). A request
-    whose whole output was spaces got none of them before its end. The text is the same in
-    the end (``tests/worker_engine/test_scheduler.py`` checks it against mlx-lm's own on random
-    tokens, which also catches a newer mlx-lm whose detokenizer keeps other state), only
-    sooner."""
+    that a space opening the whole text can be trimmed; it holds every later space too, and a
+    run of spaces (indentation, a model repeating " ") reached the client only with the next
+    other token: 256 spaces arrived with the request's last token. Nothing is trimmed here
+    (:func:`keep_first_space`), so what it holds is released at once unless it is an
+    incomplete UTF-8 character. The text is the same in the end (``tests/worker_engine/
+    test_scheduler.py`` checks it against mlx-lm's own on random tokens, which also catches a
+    newer mlx-lm whose detokenizer keeps other state), only sooner."""
     if type(detok).__name__ != "BPEStreamingDetokenizer":  # by name: this module imports no MLX
         return
     held = getattr(detok, "_unflushed", "")
@@ -130,10 +144,6 @@ def _release_held_space(detok: Any) -> None:
     text = detok._decode_bytes(held)
     if text.endswith("\ufffd"):
         return
-    if not detok.text:
-        if text == " ":
-            return
-        text = text[1:] if text.startswith(" ") else text
     detok.text += text
     detok._unflushed = ""
 
