@@ -228,7 +228,10 @@ SETTINGS = Settings(
         "prefill chunks shrink to fit (0: no cap, the default)",
         "max_pending_requests": "most requests held, running + waiting (default: 8 x batch; "
         "0: no limit)",
-        "admission_timeout_s": "the longest a request waits for room in the pool (0: no limit)",
+        "admission_timeout_s": (
+            "the longest a request waits for room in the pool while no lease comes back "
+            "(0: no limit)"
+        ),
         "cache_outage_timeout_s": "the cache service unreachable this long: waiting requests "
         "end, new ones are refused (0: wait it out)",
         "reserve_tokens": "token slots leased beyond the prompt at admission",

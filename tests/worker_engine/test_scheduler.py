@@ -339,3 +339,36 @@ def test_draft_model_steps_draft_the_way_that_measured_faster(tokenizer) -> None
         seq.drafter = NgramDrafter()
     st = s.schedule()
     assert st is not None and all(item.drafts for item in st.items)
+
+
+def test_the_admission_timeout_counts_from_the_last_released_lease(tokenizer) -> None:
+    """A request waits at most ``limit`` without room *while no lease comes back*: a queue
+    that moves gets its turn (a request with n=16 choices of a long prompt, three fitting at
+    once, had its later choices end after 120 s while the first ones were finishing); room
+    that never comes back still ends it. Randomized against a naive reading of the rule."""
+    from worker.engine.admission import overdue
+
+    rng = random.Random(7)
+    for _ in range(200):
+        limit = rng.choice([0.0, 1.0, 5.0, 120.0])
+        now = 1000.0
+        freed_at = rng.choice([float("-inf"), now - rng.uniform(0, 300)])
+        seqs = []
+        for i in range(rng.randrange(1, 6)):
+            s = make_seq(tokenizer, 4, float(i), 1)
+            s.no_room_since = rng.choice([None, now - rng.uniform(0, 300)])
+            seqs.append(s)
+        got = [s for s, _ in overdue(seqs, now, limit, freed_at)]
+        want = [
+            s
+            for s in seqs
+            if limit
+            and s.no_room_since is not None
+            and now - s.no_room_since >= limit
+            and now - freed_at >= limit
+        ]
+        assert got == want
+    stuck = make_seq(tokenizer, 4, 0.0, 1)
+    stuck.no_room_since = 0.0
+    assert overdue([stuck], 300.0, 120.0, freed_at=250.0) == []  # leases came back 50 s ago
+    assert overdue([stuck], 300.0, 120.0, freed_at=100.0) == [(stuck, 300.0)]

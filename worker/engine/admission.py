@@ -45,10 +45,18 @@ def admission_batch(
     return batch[: max(0, min(room, ACQUIRE_BATCH))]
 
 
-def overdue(waiting: Iterable[Sequence], now: float, limit: float) -> list[tuple[Sequence, float]]:
+def overdue(
+    waiting: Iterable[Sequence], now: float, limit: float, freed_at: float = float("-inf")
+) -> list[tuple[Sequence, float]]:
     """The requests of ``waiting`` the pool has had no room for ``limit`` seconds or more
-    (``--admission-timeout-s``; 0: none), with how long each waited."""
+    (``--admission-timeout-s``; 0: none) while no blocks came back, with how long each
+    waited. ``freed_at``: when this worker last released a lease (a request finished, ended
+    or was preempted). A pool whose leases keep coming back is a queue that moves, and its
+    requests get their turn: one request with n=16 choices of a long prompt, three of which
+    fit at a time, had its later choices end after 120 s while the first ones were still
+    finishing. The limit is for room that does not come back (a lease that never ends,
+    pinned prefixes, a namespace quota)."""
     if not limit:
         return []
     waited = [(s, now - s.no_room_since) for s in waiting if s.no_room_since is not None]
-    return [(s, w) for s, w in waited if w >= limit]
+    return [(s, w) for s, w in waited if min(w, now - freed_at) >= limit]

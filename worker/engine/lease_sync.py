@@ -138,6 +138,7 @@ class LeaseSync:
         self._published = 0
         self._recovering = False
         self._growth_blocked = False
+        self._freed_at = float("-inf")  # when a lease was last released (``overdue``)
         self._extension: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
@@ -263,6 +264,7 @@ class LeaseSync:
             if self.tiers is not None:  # queued before the release goes out
                 self.tiers.spill(seq, written.count // self.block_size)
         seq.lease = None
+        self._freed_at = time.monotonic()  # the admission timeout counts from here (overdue)
         self._releases.add(lease.lease_id, written, then)
 
     # -- lease traffic ------------------------------------------------------------------------
@@ -443,7 +445,7 @@ class LeaseSync:
     def _end_overdue(self, now: float) -> None:
         """Ends every request that has waited ``admission_timeout_s`` for room."""
         limit = self.policy.admission_timeout_s
-        for seq, waited in overdue(self.scheduler.waiting, now, limit):
+        for seq, waited in overdue(self.scheduler.waiting, now, limit, self._freed_at):
             log.warning(
                 "%s not admitted after %.0f s waiting for %d KV blocks",
                 seq.request_id,
@@ -454,8 +456,8 @@ class LeaseSync:
                 seq,
                 NotAdmitted(
                     f"not admitted within {limit:g} s: the worker's KV pool had no room for "
-                    f"its {seq.num_tokens} tokens (held by running requests, pinned "
-                    "prefixes or a namespace quota); retry later"
+                    f"its {seq.num_tokens} tokens, and none came back meanwhile (held by "
+                    "running requests, pinned prefixes or a namespace quota); retry later"
                 ),
             )
 
