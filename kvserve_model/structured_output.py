@@ -89,7 +89,7 @@ class StructuredOutput:
         if self.kind == "json_object":
             return m.grammar_from_json_schema('{"type":"object"}', defaults=JSON_OPTIONS)  # type: ignore[arg-type]
         if self.kind == "regex":
-            return m.grammar_from_regex(self.spec)
+            return m.grammar_from_regex(ascii_classes(self.spec))
         if self.kind == "choice":
             if not self.choices:
                 raise StructuredOutputError("a choice needs at least one string")
@@ -126,6 +126,53 @@ _NAMES = {
     "choice": "choice",
     "grammar": "grammar",
 }
+
+
+# \d and \w as ASCII classes, outside a bracket class and inside one. llguidance reads a regex
+# as Rust's regex crate does, where \d is any Unicode digit: a phone number regex \d{3}-\d{4}
+# came back with segmented digits (U+1FBF8). A JSON schema's "pattern" there is already
+# ECMA-262's (\d and \w ASCII; \s Unicode whitespace, so \s is left as it is), as xgrammar
+# reads vLLM's guided_regex: the same regex now means the same text in a pattern and in
+# guided_regex.
+_ASCII = {
+    "d": ("[0-9]", "0-9"),
+    "D": ("[^0-9]", None),
+    "w": ("[0-9A-Za-z_]", "0-9A-Za-z_"),
+    "W": ("[^0-9A-Za-z_]", None),
+}
+
+
+def ascii_classes(regex: str) -> str:
+    """``regex`` with ``\\d`` and ``\\w`` (and their negations outside bracket classes)
+    spelled as ASCII classes; everything else as written. A negated shorthand inside
+    a bracket class (``[^\\D]``) stays as it is: it has no ASCII spelling there."""
+    out: list[str] = []
+    depth = 0  # bracket classes nest in Rust's syntax ([a-z&&[^aeiou]])
+    i, n = 0, len(regex)
+    while i < n:
+        c = regex[i]
+        if c == "\\" and i + 1 < n:
+            nxt = regex[i + 1]
+            spelled = _ASCII.get(nxt, (None, None))[1 if depth else 0]
+            out.append(spelled if spelled is not None else c + nxt)
+            i += 2
+            continue
+        if c == "[":
+            depth += 1
+            out.append(c)
+            i += 1
+            if i < n and regex[i] == "^":
+                out.append("^")
+                i += 1
+            if i < n and regex[i] == "]":  # a ']' first in a class is itself
+                out.append("]")
+                i += 1
+            continue
+        if c == "]" and depth:
+            depth -= 1
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def _lark(text: str) -> str:
