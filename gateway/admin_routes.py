@@ -37,9 +37,11 @@ class PrefixBody(BaseModel):
 
 
 class EvictBody(PrefixBody):
-    """Exactly one target: ``blocks`` (LRU), a prefix, or a whole ``namespace``."""
+    """Exactly one target: ``blocks`` (LRU), a prefix, or a whole ``namespace``. ``blocks``
+    goes into a uint32 (``EvictRequest.num_blocks``): past it protobuf raises ValueError when
+    the message is built, a 500; bounded here, it is a 400 naming the field and its range."""
 
-    blocks: int | None = Field(None, ge=1)
+    blocks: int | None = Field(None, ge=1, le=UINT32_MAX)
 
 
 class FlushBody(BaseModel):

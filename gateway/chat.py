@@ -66,6 +66,73 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+# chat_template_kwargs that are no template variable but an argument of the rendering call
+# itself (transformers' ``apply_chat_template``): what it renders ("conversation" is its name
+# for the messages), which template (a client's own Jinja: vLLM refuses "chat_template" from a
+# request unless --trust-request-chat-template), and what it returns (text: the gateway
+# encodes it itself). Passed on, each was Python's TypeError ("got multiple values for
+# keyword argument") in a 400, or a prompt that was not the template's text.
+RENDER_ARGUMENTS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "chat_template",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+    }
+)
+# The request's own template parameters that a kwarg of the same name sets instead.
+REQUEST_FLAGS = ("add_generation_prompt", "continue_final_message")
+
+
+def template_kwargs(
+    req: ChatCompletionRequest, tools: list[dict[str, Any]] | None
+) -> tuple[ChatCompletionRequest, list[dict[str, Any]] | None, dict[str, Any]]:
+    """The request's ``chat_template_kwargs`` checked: (the request with the flags they set,
+    the tools the template renders, the other kwargs).
+
+    vLLM's rule, so that a request written for vLLM renders the same prompt here: a kwarg named
+    as one of the request's own template parameters overrides it (vLLM updates its
+    ``add_generation_prompt``, ``continue_final_message``, ``tools``, ``documents`` with the
+    kwargs). The two flags the gateway reads itself must be booleans, as the fields are; a
+    ``tools`` kwarg is what the template shows (the calls read back stay the request's
+    ``tools``', as vLLM's parsers read those). A kwarg naming an argument of the rendering
+    itself (:data:`RENDER_ARGUMENTS`) is a 400 naming it."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    for key in kwargs:
+        if key in RENDER_ARGUMENTS:
+            raise InvalidRequest(
+                f"chat_template_kwargs: {key!r} is an argument of the chat template's rendering, "
+                "not a variable of the template; it cannot be set",
+                param=f"chat_template_kwargs.{key}",
+            )
+    flags = {}
+    for key in REQUEST_FLAGS:
+        if key in kwargs:
+            value = kwargs.pop(key)
+            if not isinstance(value, bool):
+                raise InvalidRequest(
+                    f"chat_template_kwargs: {key!r} sets the request's {key}, a boolean; "
+                    f"got {value!r}",
+                    param=f"chat_template_kwargs.{key}",
+                )
+            flags[key] = value
+    if "tools" in kwargs:
+        tools = kwargs.pop("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise InvalidRequest(
+                "chat_template_kwargs: 'tools' (the tools the template shows) must be a list",
+                param="chat_template_kwargs.tools",
+            )
+    return (req.model_copy(update=flags) if flags else req), tools, kwargs
+
+
 class ChatServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.s = serving
@@ -89,6 +156,7 @@ class ChatServing:
 
     async def create(self, req: ChatCompletionRequest, arrival: float) -> Served:
         model = self.s.check_model(req.model)
+        req, shown_tools, kwargs = template_kwargs(req, req.tools or None)
         self.check(req)
         self.s.check_common(req, req.n)
         tools = tool_plan(req, self.s.tokenizer.tool_parser, self.s.tokenizer.special_tokens)
@@ -105,21 +173,19 @@ class ChatServing:
             structured = tools.constraint
         messages = template_messages(req.messages)
         chars = sum(len(m["content"]) for m in messages)
-        if tools is not None:  # the template writes the tools' schemas into the prompt
-            chars += len(json.dumps(tools.tools))
+        if shown_tools:  # the template writes the tools' schemas into the prompt
+            chars += len(json.dumps(shown_tools))
         self.s.limits.check_prompt_chars(chars, param="messages")
         prompt = await self.s.tokenizer.apply_chat_template_async(
             messages,
             chars,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            tools=list(tools.tools) if tools is not None else None,
-            template_kwargs=req.chat_template_kwargs,
+            tools=shown_tools,
+            template_kwargs=kwargs,
         )
         max_tokens = req.max_completion_tokens or req.max_tokens
-        budget = self.s.tokenizer.completion_budget(
-            len(prompt), max_tokens, prompt_param="messages"
-        )
+        budget = self.s.completion_budget(len(prompt), max_tokens, prompt_param="messages")
         top = req.top_logprobs or 0
         request_id = self.s.new_id("chatcmpl")
         # Without max_tokens: as many as fit, which the worker decides (0 on the wire): its
@@ -158,6 +224,7 @@ class ChatView(Renderer):
 
     response_type = ChatCompletionResponse
     event_type = ChatCompletionChunk
+    prompt_param = "messages"
 
     def __init__(
         self,

@@ -44,11 +44,12 @@ class CompletionServing:
     async def prompts(self, items: list[str | list[int]]) -> list[list[int]]:
         """Token ids of each prompt; sizes are checked before any tokenizing."""
         tokenizer = self.s.tokenizer
+        max_context = self.s.max_context
         for item in items:
             if isinstance(item, str):
                 self.s.limits.check_prompt_chars(len(item))
-            elif len(item) >= tokenizer.max_context:
-                tokenizer.completion_budget(len(item), None)  # raises: it cannot fit
+            elif len(item) >= max_context:
+                self.s.completion_budget(len(item), None)  # raises: it cannot fit
         out = []
         for item in items:
             ids = await tokenizer.encode_async(item) if isinstance(item, str) else list(item)
@@ -78,8 +79,7 @@ class CompletionServing:
         self.s.check_common(req, len(items) * req.n)
         prompts = await self.prompts(items)
         budgets = [
-            self.s.tokenizer.completion_budget(len(p), req.max_tokens, DEFAULT_MAX_TOKENS)
-            for p in prompts
+            self.s.completion_budget(len(p), req.max_tokens, DEFAULT_MAX_TOKENS) for p in prompts
         ]
         logprobs = req.logprobs
         request_id = self.s.new_id("cmpl")

@@ -5,9 +5,10 @@ fail-over, health marks and metrics behave the same whichever way a request came
 
 Fail-over is only safe before the first chunk: once tokens reached the client, a retry on
 another worker would produce a second, different continuation. So a worker that cannot be
-reached (UNAVAILABLE) or has no room (RESOURCE_EXHAUSTED) before its first chunk is skipped
-for the next candidate of the route decision; after the first chunk its error ends the
-sequence.
+reached (UNAVAILABLE), has no room (RESOURCE_EXHAUSTED) or whose KV pool is too small for the
+request (``PoolTooSmall``) before its first chunk is skipped for the next candidate of the
+route decision; after the first chunk its error ends the sequence. Once every candidate
+refused, the client is told why, in the workers' words where they said it.
 
 Only UNAVAILABLE marks a worker unhealthy: the channel could not reach it (or it is shutting
 down). A worker that answers is up, whatever it answers: INTERNAL (a bug hit one request),
@@ -27,10 +28,14 @@ from dataclasses import replace
 from gateway.cache_client import CacheApi, PoolRoute
 from gateway.cache_status import CacheStatus
 from gateway.errors import (
+    AtPendingLimit,
     CacheServiceDown,
+    ContextLengthExceeded,
     GatewayError,
     NoWorkerAvailable,
     NoWorkerYet,
+    PoolFull,
+    PoolTooSmall,
     UpstreamError,
     WorkersBusy,
     WorkerUnavailable,
@@ -125,7 +130,8 @@ class Dispatcher:
         arrival = time.perf_counter() if arrival is None else arrival
         decision = await self.route(request)
         reason = str(decision.reason)
-        last_error: GatewayError | None = None
+        # Each candidate's refusal (its address, the error), in the order they were tried.
+        refusals: list[tuple[str, GatewayError]] = []
         for candidate in decision.order:
             address = candidate.address
             started = False
@@ -150,25 +156,79 @@ class Dispatcher:
                             chunk = replace(chunk, worker_id=candidate.pool_id)
                         yield chunk
                 return
-            except (WorkerUnavailable, WorkersBusy) as e:
+            except (WorkerUnavailable, WorkersBusy, PoolTooSmall) as e:
                 if isinstance(e, WorkerUnavailable) and self.directory.mark_unhealthy(
                     address, e.message
                 ):
                     log.warning("worker %s marked unhealthy: %s", candidate.pool_id, e)
                 if started:
                     raise
-                last_error = e
+                refusals.append((address, e))
                 reason = "failover"
                 self.metrics.failovers.labels(candidate.pool_id, type(e).__name__).inc()
             finally:
                 self.directory.in_flight[address] -= 1
-        if isinstance(last_error, WorkersBusy):
-            raise WorkersBusy(
-                "every worker is busy: each one reached holds as many requests as its "
-                "--max-pending-requests allows; retry later",
+        raise self._refused(refusals, request)
+
+    def _refused(
+        self, refusals: list[tuple[str, GatewayError]], request: GenerationRequest
+    ) -> GatewayError:
+        """What the client is told once every candidate refused the request (``refusals``, in
+        the order they were tried). Every pool too small for it: the limit (400
+        context_length_exceeded). Otherwise, as before, the last of the others decides
+        between busy (429) and unreachable (503); a busy answer says what the workers said:
+        held at their --max-pending-requests, or no room in their KV pools within the
+        admission timeout (the request waited that long there: blaming the pending limit
+        sent operators to the wrong setting)."""
+        too_small = [(a, e) for a, e in refusals if isinstance(e, PoolTooSmall)]
+        if refusals and len(too_small) == len(refusals):
+            return self._too_long(request, too_small)
+        others = [e for _, e in refusals if not isinstance(e, PoolTooSmall)]
+        last = others[-1] if others else None
+        if isinstance(last, WorkersBusy):
+            busy = [e for e in others if isinstance(e, WorkersBusy)]
+            full = [e for e in busy if isinstance(e, PoolFull)]
+            if full:
+                return PoolFull(
+                    "no worker admitted the request: its KV pool had no room for it within "
+                    f"its --admission-timeout-s (the worker: {full[-1].said}); retry later",
+                    code="kv_pool_full",
+                )
+            if all(isinstance(e, AtPendingLimit) for e in busy):
+                return WorkersBusy(
+                    "every worker is busy: each one reached holds as many requests as its "
+                    "--max-pending-requests allows; retry later",
+                    code="workers_busy",
+                )
+            return WorkersBusy(
+                f"every worker refused the request for lack of room (the worker: {last.said}); "
+                "retry later",
                 code="workers_busy",
             )
-        raise NoWorkerAvailable(f"no worker could be reached (last error: {last_error})")
+        return NoWorkerAvailable(f"no worker could be reached (last error: {last})")
+
+    def _too_long(
+        self, request: GenerationRequest, refusals: list[tuple[str, PoolTooSmall]]
+    ) -> GatewayError:
+        """Every worker tried refused the request as longer than its KV pool holds: the
+        largest of their pools in tokens (blocks, as each said, times its block size, as it
+        was polled) and the request's tokens; the worker's own words while no block size is
+        known."""
+        limits = []
+        for address, e in refusals:
+            load = self.directory.loads.get(address)
+            if load is not None and load.block_size:
+                limits.append(e.pool_blocks * load.block_size)
+        if not limits:
+            return ContextLengthExceeded(refusals[-1][1].message)
+        prompt = len(request.prompt_token_ids)
+        completion = max(1, request.sampling.max_tokens)  # unset (0): at least one token
+        return ContextLengthExceeded(
+            f"This model's maximum context length is {max(limits)} tokens (the most a "
+            f"worker's KV cache holds). However, you requested {prompt + completion} tokens "
+            f"({prompt} in the prompt, {completion} for the completion). Please reduce the "
+            "length of the prompt or the completion."
+        )
 
     def _observe_latency(self, n: int, now: float, last: float | None, arrival: float) -> None:
         """A chunk of ``n`` tokens arrived at ``now``; the previous one at ``last``."""

@@ -8,6 +8,7 @@ reads the same on either edge.
 from __future__ import annotations
 
 import logging
+import re
 from typing import NamedTuple
 
 import grpc
@@ -57,9 +58,40 @@ class Unauthorized(GatewayError):
     """An admin call without the right bearer token."""
 
 
+class PoolTooSmall(ContextLengthExceeded):
+    """A worker refused a request its KV pool could never hold (INVALID_ARGUMENT, "the request
+    needs N KV blocks; this worker's pool has M": ``worker.engine.intake``). The gateway checks
+    every request against the largest pool before dispatch (``OpenAIServing.max_context``), so
+    one that meets this was routed to a smaller pool, or came before the workers were polled:
+    the dispatcher tries its next worker, and says the limit once none could hold it.
+    ``pool_blocks``: the refusing pool's size, as it said it."""
+
+    def __init__(self, message: str, *, pool_blocks: int = 0):
+        super().__init__(message)
+        self.pool_blocks = pool_blocks
+
+
 class WorkersBusy(GatewayError):
-    """Every worker refused the request for lack of room (RESOURCE_EXHAUSTED: it holds its
-    --max-pending-requests): retry later. Never a health mark: a full worker is up."""
+    """Every worker refused the request for lack of room (RESOURCE_EXHAUSTED): retry later.
+    Never a health mark: a full worker is up. ``said``: the refusing worker's own words (its
+    status details), for the message the client gets once every worker refused."""
+
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str | None = None, said: str = ""
+    ):
+        super().__init__(message, param=param, code=code)
+        self.said = said
+
+
+class AtPendingLimit(WorkersBusy):
+    """The worker already holds its --max-pending-requests (the worker's Overloaded, refused
+    before it holds anything)."""
+
+
+class PoolFull(WorkersBusy):
+    """The worker's KV pool had no room for the request within its --admission-timeout-s (the
+    worker's NotAdmitted, after the request waited in its queue): its blocks were held by
+    running requests, pinned prefixes or a namespace quota."""
 
 
 class TooManyRequests(GatewayError):
@@ -208,13 +240,33 @@ def from_rpc_error(err: grpc.aio.AioRpcError, what: str) -> GatewayError:
     return from_status(err.code(), err.details() or "", what)
 
 
+# A worker's refusals, told apart by their text (the status code is one for each kind; the
+# worker's messages: worker.engine.intake, worker.engine.lease_sync). A gateway in front of
+# another (its gRPC edge is a Worker service) says the same words, passed on.
+POOL_TOO_SMALL = re.compile(r"the request needs \d+ KV blocks; this worker's pool has (\d+)")
+NOT_ADMITTED = "not admitted within"
+PENDING_LIMIT = "--max-pending-requests"
+
+
 def from_status(code: grpc.StatusCode, details: str, what: str) -> GatewayError:
     """The gateway error for an upstream status (a failed call, or one request's error inside
     a worker's ``GenerateMany`` call)."""
     details = details or code.name
     cls = FROM_GRPC.get(code, UpstreamError)
+    too_small = POOL_TOO_SMALL.search(details) if cls is InvalidRequest else None
+    if too_small:
+        return PoolTooSmall(details, pool_blocks=int(too_small[1]))
     if cls in (InvalidRequest, NotFound, Unauthorized):
         return cls(details)
+    if cls is WorkersBusy:
+        busy = (
+            PoolFull
+            if NOT_ADMITTED in details
+            else AtPendingLimit
+            if PENDING_LIMIT in details
+            else WorkersBusy
+        )
+        return busy(f"{what}: {code.name}: {details}", said=details)
     if cls is UpstreamInternalError:
         log.warning("%s: INTERNAL: %s", what, details)
         return cls("The server had an internal error while processing the request.")

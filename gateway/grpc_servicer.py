@@ -44,14 +44,14 @@ class GatewayWorkerServicer(pb_grpc.WorkerServicer):
             ids = await tokenizer.encode_async(request.prompt_text)
         elif which == "prompt_token_ids":
             ids = list(request.prompt_token_ids.ids)
-            if len(ids) >= tokenizer.max_context:
-                tokenizer.completion_budget(len(ids), None)  # raises: it cannot fit
+            if len(ids) >= self.gw.serving.max_context:
+                self.gw.serving.completion_budget(len(ids), None)  # raises: it cannot fit
             tokenizer.check_token_ids(ids, "prompt_token_ids")
         else:
             raise InvalidRequest("the request has no prompt", param="prompt")
         sampling = SamplingParams.from_wire(request.sampling)
         check_sampling(sampling, tokenizer.vocab_size)
-        budget = tokenizer.completion_budget(len(ids), sampling.max_tokens or None)
+        budget = self.gw.serving.completion_budget(len(ids), sampling.max_tokens or None)
         return GenerationRequest(
             request_id=request.request_id or f"grpc-{uuid.uuid4().hex}",
             prompt_token_ids=tuple(ids),
@@ -102,7 +102,7 @@ class GatewayWorkerServicer(pb_grpc.WorkerServicer):
         info = pb.WorkerInfo(
             worker_id=GATEWAY_ID,
             model=self.gw.config.model_name,
-            max_context=self.gw.tokenizer.max_context,
+            max_context=self.gw.serving.max_context,  # what a request can use
             vocab_size=self.gw.tokenizer.vocab_size,
         )
         limits: list[int] = []

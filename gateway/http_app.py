@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from gateway.admin_routes import admin_router
 from gateway.core import Gateway
@@ -150,7 +151,8 @@ def _add_openai_routes(app: FastAPI, gw: Gateway) -> None:
             id=gw.config.model_name,
             created=gw.started_at,
             root=gw.config.model,
-            max_model_len=gw.tokenizer.max_context,
+            # What a request can use: the model's context, or the largest KV pool if smaller.
+            max_model_len=gw.serving.max_context,
             runners=sorted(
                 {w.load.runner for w in gw.directory.views() if w.load and w.load.runner}
             ),
@@ -243,6 +245,19 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ClientDisconnected)
     async def disconnected(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED)
+
+    @app.exception_handler(ClientDisconnect)
+    async def disconnected_in_body(request: Request, exc: ClientDisconnect) -> Response:
+        # Starlette's own, from ``request.body()`` when the client closes the connection
+        # before its whole body arrived: the client went away, as above (499 in the metrics,
+        # nobody to answer), not an error of the gateway's (it was a 500, logged with a
+        # traceback by InternalErrors).
+        log.info(
+            "client disconnected while sending its request body: %s %s",
+            request.method,
+            request.url.path,
+        )
         return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(RequestValidationError)

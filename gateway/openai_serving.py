@@ -9,6 +9,7 @@ service's in-flight prefix sharing makes the n samples of one prompt compute it 
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -45,6 +46,28 @@ class OpenAIServing:
         self.dispatcher = dispatcher
         self.limits = RequestLimits.of(
             config.max_prompt_chars, config.max_namespace_chars, tokenizer.max_context
+        )
+
+    @property
+    def max_context(self) -> int:
+        """The most tokens one request can use, prompt and completion: the model's context,
+        or less where the largest KV pool among the workers holds fewer
+        (``WorkerDirectory.request_tokens``; a worker refuses what its pool could never hold).
+        /v1/models advertises it as ``max_model_len``; every request is checked against it
+        before dispatch, so a client gets ``context_length_exceeded`` naming the limit."""
+        pool = self.dispatcher.directory.request_tokens()
+        return min(self.tokenizer.max_context, pool) if pool else self.tokenizer.max_context
+
+    def completion_budget(
+        self,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        default: int | None = None,
+        prompt_param: str = "prompt",
+    ) -> int:
+        """``Tokenizer.completion_budget`` against :attr:`max_context`."""
+        return self.tokenizer.completion_budget(
+            prompt_tokens, max_tokens, default, prompt_param, max_context=self.max_context
         )
 
     @staticmethod
@@ -158,16 +181,25 @@ class OpenAIServing:
         return int(time.time())
 
 
+# A token id as a ``logit_bias`` key: ASCII decimal digits only. ``int`` takes more (" 12",
+# "+12", "1_2", other scripts' digits such as "١٢"), each of which would have biased token 12
+# for a key that is not "12"; an id is never negative.
+TOKEN_ID_KEY = re.compile(r"[0-9]+")
+
+
 def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's ``logit_bias`` (token ids as JSON object keys) as sorted (id, bias) pairs; the
     ids' range and the biases' are ``check_sampling``'s."""
     out = []
     for key, value in (bias or {}).items():
         try:
+            if not TOKEN_ID_KEY.fullmatch(key):
+                raise ValueError(key)
             token = int(key)
-        except ValueError:
+        except ValueError:  # (int's too: past its limit on digits)
             raise InvalidRequest(
-                f"logit_bias: key {key!r} is not a token id", param="logit_bias"
+                f"logit_bias: key {key!r} is not a token id (decimal digits 0-9)",
+                param="logit_bias",
             ) from None
         out.append((token, float(value)))
     return tuple(sorted(out))

@@ -19,7 +19,13 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
-from gateway.errors import GatewayError, RequestAborted, UpstreamError, error_body
+from gateway.errors import (
+    ContextLengthExceeded,
+    GatewayError,
+    RequestAborted,
+    UpstreamError,
+    error_body,
+)
 from gateway.generation import Chunk, Completion, FinishReason, TokenLogprob, Usage
 from gateway.openai_serving import Served
 from gateway.protocol import PromptLogprobsOut, PromptTokensDetails, SamplingRequest, UsageInfo
@@ -108,6 +114,8 @@ class Renderer(ABC):
     # choices and usage.
     response_type: ClassVar[type[BaseModel]]
     event_type: ClassVar[type[BaseModel]]
+    # The request's field the prompt came in, for an error about its length from a worker.
+    prompt_param: ClassVar[str] = "prompt"
 
     def __init__(self, request_id: str, model: str, created: int, n: int) -> None:
         self.request_id = request_id
@@ -139,11 +147,17 @@ class Renderer(ABC):
         choice is done, or the events of a stream once its first chunk is in."""
         merged = merge(streams)
         headers = {"x-request-id": self.request_id}
-        if not req.stream:
-            body, workers = await self.collect(merged)
-            headers["x-kvserve-worker"] = ",".join(workers)
-            return Served(headers, body=body)
-        first = await prime(merged)
+        try:
+            if not req.stream:
+                body, workers = await self.collect(merged)
+                headers["x-kvserve-worker"] = ",".join(workers)
+                return Served(headers, body=body)
+            first = await prime(merged)
+        except ContextLengthExceeded as e:
+            # Every worker refused it as longer than its KV pool holds (the dispatcher's,
+            # which does not know the endpoint): name the field, as the gateway's own check.
+            e.param = e.param or self.prompt_param
+            raise
         headers["x-kvserve-worker"] = first[1].worker_id
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Served(headers, events=self.events(first, merged, include_usage))

@@ -134,19 +134,23 @@ class Tokenizer:
         max_tokens: int | None,
         default: int | None = None,
         prompt_param: str = "prompt",
+        max_context: int = 0,
     ) -> int:
         """How many tokens to generate, checked against the context (OpenAI's semantics).
 
         An explicit ``max_tokens`` that does not fit is an error (a client asking for 100
         tokens should not silently get 10); without one, ``default`` (or everything that
-        fits) is capped to the room left.
+        fits) is capped to the room left. ``max_context``: the limit, where it is less than
+        the model's context (``OpenAIServing.max_context``: the workers' KV pools); 0: the
+        model's.
         """
-        room = self.max_context - prompt_tokens
+        limit = min(max_context, self.max_context) if max_context else self.max_context
+        room = limit - prompt_tokens
         if prompt_tokens == 0:
             raise InvalidRequest("the prompt is empty", param=prompt_param)
         if room <= 0:
             raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.max_context} tokens. "
+                f"This model's maximum context length is {limit} tokens. "
                 f"However, your prompt has {prompt_tokens} tokens. Please reduce the length "
                 "of the prompt.",
                 param=prompt_param,
@@ -155,7 +159,7 @@ class Tokenizer:
             return room if default is None else min(default, room)
         if max_tokens > room:
             raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.max_context} tokens. "
+                f"This model's maximum context length is {limit} tokens. "
                 f"However, you requested {prompt_tokens + max_tokens} tokens "
                 f"({prompt_tokens} in the prompt, {max_tokens} for the completion). "
                 "Please reduce the length of the prompt or the completion.",

@@ -33,6 +33,7 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 from gateway.errors import InvalidRequest
 from gateway.generation import Chunk
@@ -367,25 +368,25 @@ def tool_plan(
 
 def required_schema(params: dict[str, dict[str, Any] | None], parallel: bool) -> dict[str, Any]:
     """vLLM's schema for ``tool_choice`` required: an array of 1 or more (exactly 1 without
-    parallel calls) objects, each a tool's name and its parameters. A tool's ``$defs`` move to
-    the root, where its ``#/$defs/...`` references point once it is nested. Unlike vLLM's, an
-    item has no other keys: SmolLM2 wrote a "description" after the parameters, at length, into
-    vLLM's."""
+    parallel calls) objects, each a tool's name and its parameters. Unlike vLLM's, an item has no
+    other keys: SmolLM2 wrote a "description" after the parameters, at length, into vLLM's.
+
+    Each tool's parameters go whole into the root's ``$defs``, under the tool's name, and its
+    item refers to them there. Nested in the wrapper, a tool's local references (``#``,
+    ``#/definitions/Item``, ``#/properties/a``) would point into the wrapper instead, so each is
+    rewritten to point where it did (``_relocated``); the tools' own ``$defs`` stay inside their
+    parameters, so two tools may define the same name differently."""
     defs: dict[str, Any] = {}
     variants = []
     for name, schema in params.items():
-        schema = dict(schema or NO_PARAMETERS)
-        for key, value in schema.pop("$defs", {}).items():
-            if key in defs and defs[key] != value:
-                raise InvalidRequest(
-                    f"tools: two tools define $defs {key!r} differently; with tool_choice "
-                    "required their definitions share one schema",
-                    param="tools",
-                )
-            defs[key] = value
+        where = "/$defs/" + _pointer_token(name)
+        defs[name] = _relocated(schema or NO_PARAMETERS, where)
         variants.append(
             {
-                "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+                "properties": {
+                    "name": {"type": "string", "enum": [name]},
+                    "parameters": {"$ref": "#" + where},
+                },
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
@@ -397,9 +398,50 @@ def required_schema(params: dict[str, dict[str, Any] | None], parallel: bool) ->
     }
     if not parallel:
         out["maxItems"] = 1
-    if defs:
-        out["$defs"] = defs
+    out["$defs"] = defs
     return out
+
+
+# Keywords whose value maps names to schemas: a key there is a name (a property called "$ref"
+# is data, not a reference), its value a schema.
+_NAMED_SCHEMAS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
+)
+# Keywords whose value is data, never a schema: a "$ref" in an enum's object is a value.
+_DATA = frozenset({"enum", "const", "default", "examples", "required", "dependentRequired"})
+
+
+def _relocated(schema: Any, where: str) -> Any:
+    """A copy of ``schema`` whose local references (``#`` and ``#/...``) point where they did
+    once the schema is moved to the JSON pointer ``where`` of another document. Anything not
+    known to be data is walked as schemas (a reference may point into an unknown keyword, and
+    the references there are followed too); a subschema with its own ``$id`` is a resource of its
+    own, whose ``#`` is itself (llguidance's reading and the ``jsonschema`` package's), so it is
+    kept as it is, as are anchors (``#name``) and references to other documents."""
+    if isinstance(schema, list):
+        return [_relocated(s, where) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    resource = schema.get("$id")
+    if isinstance(resource, str) and not resource.startswith("#"):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value[:2] == "#/"):
+            out[key] = "#" + where + value[1:]
+        elif key in _DATA:
+            out[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: _relocated(s, where) for name, s in value.items()}
+        else:
+            out[key] = _relocated(value, where)
+    return out
+
+
+def _pointer_token(key: str) -> str:
+    """``key`` as one token of a JSON pointer in a URI fragment: ``~`` and ``/`` escaped (RFC
+    6901), then percent-encoded where a fragment needs it (RFC 3986)."""
+    return quote(key.replace("~", "~0").replace("/", "~1"), safe="~!$&'()*+,;=:@")
 
 
 def _compiled(schema: dict[str, Any], where: str) -> StructuredOutput:

@@ -15,6 +15,7 @@ Only the event loop thread touches a directory (no locks).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -133,6 +134,22 @@ class WorkerDirectory:
             PoolRoute(r.pool_id, r.worker_address, r.model, 0, r.free_blocks, 0, 0, r.alive)
             for r in self.routes.values()
         ]
+
+    def request_tokens(self) -> int:
+        """The most tokens (prompt and completion together) one request can have on a worker
+        known now: the largest KV pool's, blocks x block size, within that worker's own
+        context; 0 while no worker's pool is known. A worker refuses at once a request its pool
+        could never hold ("the request needs N KV blocks; this worker's pool has M",
+        ``worker.engine.intake``), and a pool may hold fewer tokens than the model's context."""
+        known = self.addresses()
+        return max(
+            (
+                min(load.num_blocks * load.block_size, load.max_context or sys.maxsize)
+                for address, load in self.loads.items()
+                if address in known and load.num_blocks and load.block_size
+            ),
+            default=0,
+        )
 
     def _gateway_load(self, address: str) -> int:
         polled = self.loads.get(address)

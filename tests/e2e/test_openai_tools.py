@@ -103,6 +103,42 @@ def test_required_choice_returns_calls_of_the_tools(client: OpenAI, model: str):
     jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
+# Local references that are not #/$defs/...: nested in required's array, each must still point
+# into the tool's own parameters. Enums keep the random model's arguments short.
+PICK = {
+    "type": "function",
+    "function": {
+        "name": "pick",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "v": {"$ref": "#/definitions/Item"},
+                "w": {"$ref": "#/properties/v"},
+            },
+            "required": ["v", "w"],
+            "additionalProperties": False,
+            "definitions": {"Item": {"enum": ["a", "b"]}},
+        },
+    },
+}
+
+
+def test_required_choice_with_references_outside_defs(client: OpenAI, model: str):
+    r = create(
+        client,
+        model,
+        tools=[PICK],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    assert call.function.name == "pick"
+    jsonschema.validate(json.loads(call.function.arguments), PICK["function"]["parameters"])
+
+
 def test_auto_reads_the_models_call(client: OpenAI, model: str):
     forced = {"guided_regex": FORCED}
     r = create(client, model, tools=[WEATHER], max_tokens=120, extra_body=forced)

@@ -245,6 +245,50 @@ async def test_all_workers_busy_is_429_and_resource_exhausted_over_grpc(stack: S
     assert (await stack.http.post("/v1/completions", json=SHORT)).status_code == 200
 
 
+# A real worker's words for a request its KV pool had no room for within --admission-timeout-s
+# (worker.engine.lease_sync), and for one it refused at its --max-pending-requests.
+NOT_ADMITTED = (
+    "not admitted within 120 s: the worker's KV pool had no room for its 5000 tokens, and none "
+    "came back meanwhile (held by running requests, pinned prefixes or a namespace quota); "
+    "retry later"
+)
+
+
+async def test_not_admitted_says_the_pool_had_no_room_not_the_pending_limit(stack: Stack):
+    """A request that waited a worker's --admission-timeout-s for KV blocks is told so
+    (kv_pool_full, the worker's own reason), not that the workers hold their
+    --max-pending-requests: that is said only when it is what they said."""
+    for w in stack.workers:
+        w.behaviour.fail_with = grpc.StatusCode.RESOURCE_EXHAUSTED
+        w.behaviour.fail_message = NOT_ADMITTED
+    resp = await stack.http.post("/v1/completions", json=SHORT)
+    assert_rate_limited(resp, "kv_pool_full", "not admitted within 120 s", "no room")
+    assert "max-pending" not in resp.json()["error"]["message"]
+    assert all(len(w.record.requests) == 1 for w in stack.workers)  # each one tried
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await grpc_generate(stack)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "not admitted within 120 s" in (e.value.details() or "")
+
+    # One at its pending limit, one without room: the pool's reason is the one to act on.
+    stack.workers[
+        0
+    ].behaviour.fail_message = "this worker holds 9 requests (--max-pending-requests 9)"
+    resp = await stack.http.post("/v1/completions", json=SHORT)
+    assert_rate_limited(resp, "kv_pool_full", "not admitted within 120 s")
+    # Both at their limit: the pending-limit message, as before.
+    stack.workers[1].behaviour.fail_message = stack.workers[0].behaviour.fail_message
+    resp = await stack.http.post("/v1/completions", json=SHORT)
+    assert_rate_limited(resp, "workers_busy", "--max-pending-requests")
+    # Something else (gRPC's own RESOURCE_EXHAUSTED, say): the worker's words, no guess.
+    for w in stack.workers:
+        w.behaviour.fail_message = "Received message larger than max (5 vs. 4)"
+    resp = await stack.http.post("/v1/completions", json=SHORT)
+    assert_rate_limited(resp, "workers_busy", "larger than max")
+    assert "max-pending" not in resp.json()["error"]["message"]
+    assert not stack.gateway.gateway.directory.unhealthy
+
+
 async def stack_info(stack: Stack) -> pb.WorkerInfo:
     async with grpc.aio.insecure_channel(stack.gateway.grpc_address) as channel:
         return await pb_grpc.WorkerStub(channel).GetInfo(pb.GetInfoRequest())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import grpc
 import httpx
@@ -16,6 +17,7 @@ from kvserve_proto.worker.v1 import worker_pb2 as pb
 from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 from tests.gateway.conftest import AUTH, Stack, released, wait_for, worker_of
 from tests.gateway.fake_worker import MODEL, OUTPUT
+from tests.gateway.test_http_errors import assert_error
 
 SYSTEM_A = "You are the assistant of team A. " * 6
 SYSTEM_B = "Team B writes haiku only, never prose, and counts syllables. " * 4
@@ -219,6 +221,103 @@ async def test_worker_errors_map_to_http(stack: Stack):
     assert resp.json()["error"]["message"] == "the prompt does not fit this pool"
 
 
+async def test_the_context_is_what_the_largest_pool_holds(stack: Stack):
+    """A worker's KV pool may hold fewer tokens than the model's context (the fakes': 256
+    blocks of 4, 1024 tokens, against 4096): /v1/models advertises what a request can use, the
+    largest pool's, and a request longer than that gets OpenAI's context_length_exceeded,
+    naming its field, the limit and its tokens, before any worker is asked."""
+    assert stack.gateway.gateway.tokenizer.max_context == 4096
+    await stack.poll()
+    assert (await stack.http.get("/v1/models")).json()["data"][0]["max_model_len"] == 1024
+    stack.workers[1].num_blocks = 300  # the largest pool counts: a request may go there
+    await stack.poll()
+    assert (await stack.http.get("/v1/models")).json()["data"][0]["max_model_len"] == 1200
+    stack.workers[1].num_blocks = 256
+    await stack.poll()
+
+    prompt = [72] * 1100
+    for body in ({"prompt": prompt}, {"prompt": prompt, "stream": True}):
+        err = assert_error(
+            await stack.http.post("/v1/completions", json=body),
+            400,
+            param="prompt",
+            code="context_length_exceeded",
+        )
+        assert "maximum context length is 1024 tokens" in err["message"]
+        assert "1100 tokens" in err["message"]
+    err = assert_error(
+        await stack.http.post("/v1/completions", json={"prompt": [72] * 1000, "max_tokens": 30}),
+        400,
+        param="max_tokens",
+        code="context_length_exceeded",
+    )
+    assert "1024" in err["message"] and "1030" in err["message"]
+    messages = [{"role": "user", "content": "hi " * 1100}]
+    err = assert_error(
+        await stack.http.post("/v1/chat/completions", json={"messages": messages}),
+        400,
+        param="messages",
+        code="context_length_exceeded",
+    )
+    assert "maximum context length is 1024 tokens" in err["message"]
+    assert not any(w.record.requests for w in stack.workers)
+    # What fits is served: 1000 prompt tokens and the rest of the pool.
+    ok = await stack.http.post("/v1/completions", json={"prompt": [72] * 1000, "max_tokens": 24})
+    assert ok.status_code == 200, ok.text
+
+
+async def test_a_pool_too_small_is_failed_over_then_context_length_exceeded(stack: Stack):
+    """A worker that refuses a request as longer than its pool holds (one smaller than the
+    largest, or a view not polled yet): the next worker is tried; when every one refuses, the
+    client gets context_length_exceeded naming the field and the limit, not a bare 400."""
+    await stack.poll()
+    small, other = stack.workers
+    small.behaviour.fail_with = grpc.StatusCode.INVALID_ARGUMENT
+    small.behaviour.fail_message = "the request needs 300 KV blocks; this worker's pool has 256"
+    for _ in range(3):
+        resp = await stack.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert resp.status_code == 200 and resp.headers["x-kvserve-worker"] == other.worker_id
+    assert not stack.gateway.gateway.directory.unhealthy
+
+    other.behaviour = small.behaviour
+    for path, body, param in (
+        ("/v1/completions", {"prompt": [72] * 5, "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": True}, "prompt"),
+        ("/v1/chat/completions", chat(SYSTEM_A), "messages"),
+        ("/v1/chat/completions", chat(SYSTEM_A, stream=True), "messages"),
+    ):
+        asked = sum(len(w.record.requests) for w in stack.workers)
+        err = assert_error(
+            await stack.http.post(path, json=body), 400, param, "context_length_exceeded"
+        )
+        assert "maximum context length is 1024 tokens" in err["message"], err
+        assert sum(len(w.record.requests) for w in stack.workers) == asked + 2  # tried both
+    err = assert_error(
+        await stack.http.post("/v1/completions", json={"prompt": [72] * 5, "max_tokens": 2}), 400
+    )
+    assert "7 tokens (5 in the prompt, 2 for the completion)" in err["message"]
+
+
+async def test_chat_template_kwargs_override_the_requests_template_parameters(stack: Stack):
+    """vLLM's rule: a chat_template_kwargs key named as one of the request's own template
+    parameters sets it, so a request written for vLLM renders the same prompt here."""
+
+    async def prompt(**fields) -> list[int]:
+        body = {**chat(SYSTEM_A), **fields}
+        resp = await stack.http.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        [sent] = [r for w in stack.workers for r in w.record.requests][-1:]
+        return list(sent.prompt_token_ids.ids)
+
+    default = await prompt()
+    without = await prompt(add_generation_prompt=False)
+    assert without != default
+    assert await prompt(chat_template_kwargs={"add_generation_prompt": False}) == without
+    both = {"add_generation_prompt": True, "chat_template_kwargs": {"add_generation_prompt": False}}
+    assert await prompt(**both) == without  # the kwarg wins, as in vLLM
+    assert await prompt(chat_template_kwargs={"some_variable": 1}) == default
+
+
 async def test_requests_share_one_call_per_worker(stack: Stack):
     """The gateway's requests to a worker go over one GenerateMany call, concurrent ones too."""
     bodies = [{"prompt": f"p{i}", "max_tokens": 4} for i in range(6)]
@@ -313,6 +412,44 @@ async def test_non_streaming_disconnect_cancels_the_worker_request(stack: Stack)
         await stack.http.post("/v1/completions", json=body, timeout=0.5)
     await wait_for(lambda: any(w.record.cancelled for w in stack.workers))
     assert not any(w.record.finished for w in stack.workers)
+
+
+async def test_a_client_gone_while_sending_its_body_is_499_not_an_error(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+):
+    """A client that closes the connection with its body half sent (Content-Length 1000, a
+    few bytes, close) went away, as one that leaves mid-response: 499 in the metrics, no
+    ERROR and no traceback in the log (Starlette's ClientDisconnect was a 500, logged as an
+    unhandled error)."""
+    caplog.set_level(logging.INFO)
+    host, port = stack.gateway.http_address.rsplit(":", 1)
+    paths = {"/v1/completions": "/v1/completions", "/v1/chat/completions": "/v1/chat/completions"}
+    paths["/admin/cache/evict"] = "/admin"
+    for path in paths:
+        _, writer = await asyncio.open_connection(host, int(port))
+        head = f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Length: 1000\r\n"
+        writer.write(f"{head}Content-Type: application/json\r\n\r\n".encode() + b'{"prompt": "')
+        await writer.drain()
+        await asyncio.sleep(0.1)  # the route is waiting for the rest of the body
+        writer.close()
+        await writer.wait_closed()
+
+    def closed(metrics: str, endpoint: str) -> bool:
+        return (
+            f'kvserve_gateway_requests_total{{endpoint="{endpoint}",status="499"}} 1.0' in metrics
+        )
+
+    for _ in range(100):
+        metrics = (await stack.http.get("/metrics")).text
+        if all(closed(metrics, e) for e in paths.values()):
+            break
+        await asyncio.sleep(0.02)
+    assert all(closed(metrics, e) for e in paths.values()), metrics
+    assert 'status="500"' not in metrics
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert "client disconnected while sending its request body" in caplog.text
+    assert not any(w.record.requests for w in stack.workers)
+    assert (await stack.http.post("/v1/completions", json={"prompt": "x"})).status_code == 200
 
 
 async def test_metrics(stack: Stack):
@@ -469,7 +606,9 @@ async def test_grpc_generate_through_the_gateway(stack: Stack):
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
         info = await stub.GetInfo(pb.GetInfoRequest())
-        assert info.model == MODEL and info.max_context == 4096
+        # What a request can use: the fakes' pools (256 blocks of 4) hold less than the 4096
+        # of the model's context.
+        assert info.model == MODEL and info.max_context == 256 * 4
         assert info.num_blocks == sum(w.num_blocks for w in stack.workers)
 
 

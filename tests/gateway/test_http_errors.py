@@ -193,6 +193,54 @@ async def test_prompt_beyond_the_context(client, tokenizer):
     )
 
 
+@pytest.mark.parametrize(
+    "key", [" 12", "12 ", "+12", "-12", "1_2", "\u0661\u0662", "\uff11\uff12", "", "0x1"]
+)
+async def test_logit_bias_keys_are_ascii_digits(client, key):
+    """Python's int() takes " 12", "+12", "1_2" and other scripts' digits (Arabic-Indic, fullwidth) as 12:
+    each biased token 12 for a key that is not "12"."""
+    body = {"prompt": "x", "max_tokens": 1, "logit_bias": {key: 5}}
+    err = assert_error(await client.post("/v1/completions", json=body), 400, param="logit_bias")
+    assert repr(key) in err["message"]
+
+
+async def test_logit_bias_digit_keys_pass(client):
+    for key in ("12", "0012"):  # (no worker here: past the checks it is a 503)
+        body = {"prompt": "x", "max_tokens": 1, "logit_bias": {key: 5}}
+        assert (await client.post("/v1/completions", json=body)).status_code == 503
+
+
+@pytest.mark.parametrize(
+    "key", ["messages", "conversation", "chat_template", "tokenize", "return_dict", "padding"]
+)
+async def test_chat_template_kwargs_cannot_set_the_renderings_own_arguments(client, key):
+    """A kwarg that is an argument of the rendering call, not a template variable: a 400 naming
+    it (it was Python's "got multiple values for keyword argument" in the message)."""
+    body = {**CHAT, "chat_template_kwargs": {key: True}}
+    err = assert_error(
+        await client.post("/v1/chat/completions", json=body), 400, f"chat_template_kwargs.{key}"
+    )
+    assert repr(key) in err["message"] and "keyword argument" not in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"add_generation_prompt": "x"}, "chat_template_kwargs.add_generation_prompt"),
+        ({"continue_final_message": 1}, "chat_template_kwargs.continue_final_message"),
+        ({"tools": "all"}, "chat_template_kwargs.tools"),
+        # It sets the request's flag: the final message must be the assistant's, as for it.
+        ({"continue_final_message": True}, "messages"),
+    ],
+)
+async def test_chat_template_kwargs_that_set_request_fields_are_checked_as_them(
+    client, kwargs, param
+):
+    body = {**CHAT, "chat_template_kwargs": kwargs}
+    err = assert_error(await client.post("/v1/chat/completions", json=body), 400, param)
+    assert "keyword argument" not in err["message"]
+
+
 async def test_oversized_body_is_413(client):
     big = json.dumps({"prompt": "x" * 100_000}).encode()
     assert_error(await client.post("/v1/completions", content=big), 413, code="request_too_large")
@@ -272,6 +320,18 @@ async def test_admin_needs_a_pool_and_a_prefix(client):
     for nodes in (0, 2**64):
         resp = await client.get(f"/admin/dashboard/tree?pool=w0&max_nodes={nodes}")
         assert_error(resp, 400, param="max_nodes")
+    # Body numbers too: blocks is EvictRequest.num_blocks, a uint32.
+    for blocks, bound in ((0, "1"), (-1, "1"), (2**32, str(2**32 - 1)), (2**64, str(2**32 - 1))):
+        resp = await client.post("/admin/cache/evict", json={"pool": "w0", "blocks": blocks})
+        err = assert_error(resp, 400, param="blocks")
+        assert err["message"].startswith("blocks") and bound in err["message"], err
+    # The largest is built and sent (here to no cache service: 503, not 400 or 500).
+    resp = await client.post("/admin/cache/evict", json={"pool": "w0", "blocks": 2**32 - 1})
+    assert resp.status_code == 503, resp.text
+    # Token ids are int32 on the wire: one past it is a 400 naming it, on every prefix route.
+    for path in ("/admin/cache/evict", "/admin/cache/pin", "/admin/cache/lookup"):
+        body = {"pool": "w0", "token_ids": [1, 2**31]}
+        assert_error(await client.post(path, json=body), 400, param="token_ids.1")
 
 
 @pytest.mark.parametrize("top_k", ["vocab + 1", 2**31 - 1, 2**31, 2**63, 2**64])

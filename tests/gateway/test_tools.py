@@ -353,7 +353,9 @@ def test_required_schema_compiles_and_says_what_calls_are():
     }
     schema = required_schema(params, parallel=True)
     checked(StructuredOutput.json_schema(schema), "tools")
-    assert "$defs" in schema and "$defs" not in schema["items"]["anyOf"][1]["properties"]
+    # Each tool's parameters whole in the root's $defs, its own $defs inside them.
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"$ref": "#/$defs/lookup"}
+    assert schema["$defs"]["lookup"]["properties"]["item"] == {"$ref": "#/$defs/lookup/$defs/Item"}
     good = [
         {"name": "get_weather", "parameters": PARIS},
         {"name": "lookup", "parameters": {"item": "a"}},
@@ -375,6 +377,136 @@ def test_required_schema_compiles_and_says_what_calls_are():
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(good, one)
     assert params["lookup"] is not None and "$defs" in params["lookup"]  # not changed
+
+
+# Parameters whose local references point elsewhere than #/$defs: each must still point inside
+# its tool's parameters once they are nested in required's array (the wrapper's root is not
+# theirs). (tool's parameters, a call's arguments they take, arguments they refuse)
+RELOCATED = {
+    "definitions": (
+        {
+            "type": "object",
+            "properties": {"v": {"$ref": "#/definitions/Item"}},
+            "required": ["v"],
+            "definitions": {"Item": {"type": "integer"}},
+        },
+        {"v": 7},
+        {"v": "7"},
+    ),
+    "sibling": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}},
+            "required": ["a", "b"],
+        },
+        {"a": 1, "b": 2},
+        {"a": 1, "b": "2"},
+    ),
+    "recursive": (
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "children": {"type": "array", "items": {"$ref": "#"}},
+            },
+            "required": ["name"],
+            "additionalProperties": False,
+        },
+        {"name": "a", "children": [{"name": "b"}]},
+        {"name": "a", "children": [{"name": "b", "x": 1}]},
+    ),
+    # A property called "$ref" is data, not a reference; a reference to it is one.
+    "ref_named": (
+        {
+            "type": "object",
+            "properties": {"$ref": {"type": "string"}, "copy": {"$ref": "#/properties/$ref"}},
+            "required": ["$ref", "copy"],
+            "additionalProperties": False,
+        },
+        {"$ref": "#", "copy": "x"},
+        {"$ref": "#", "copy": 1},
+    ),
+    # References inside the tool's definitions, and the same definition name in another tool.
+    "in_defs": (
+        {
+            "type": "object",
+            "properties": {"item": {"$ref": "#/$defs/Item"}},
+            "required": ["item"],
+            "$defs": {
+                "Item": {"type": "array", "items": {"$ref": "#/$defs/Leaf"}},
+                "Leaf": {"type": "boolean"},
+            },
+        },
+        {"item": [True]},
+        {"item": ["a"]},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", RELOCATED)
+def test_required_keeps_references_inside_their_tool(name: str):
+    import llguidance
+
+    from kvserve_model.tiny_model import IM_END
+
+    schema, good, bad = RELOCATED[name]
+    other = {"type": "object", "$defs": {"Item": {"type": "string"}}, "properties": {}}
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": schema}},
+        {"type": "function", "function": {"name": "other", "parameters": other}},
+    ]
+    plan = tool_plan(chat(tools=tools, tool_choice="required"), None)
+    assert plan is not None and plan.constraint is not None
+    grammar = plan.constraint.check()
+    wrapper = json.loads(plan.constraint.spec)
+    call = [{"name": name, "parameters": good}]
+    jsonschema.validate(call, wrapper)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": name, "parameters": bad}], wrapper)
+    tokenizer_json = (ensure_tiny_model() / "tokenizer.json").read_text()
+    tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=IM_END)
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    text = json.dumps(call, separators=(", ", ": "))
+    assert matcher.consume_tokens(tokenizer.tokenize_str(text)), matcher.get_error()
+    assert matcher.is_accepting()
+    refused = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    bad_text = json.dumps([{"name": name, "parameters": bad}], separators=(", ", ": "))
+    assert not refused.consume_tokens(tokenizer.tokenize_str(bad_text))
+
+
+def test_a_schema_that_is_only_a_reference_to_itself_stays_one():
+    """``{"$ref": "#"}``: nested, "#" would be the wrapper (an array of calls); it is the tool's
+    parameters again, as with the tool named (where the schema is used alone)."""
+    schema = required_schema({"f": {"$ref": "#"}}, parallel=True)
+    assert schema["$defs"]["f"] == {"$ref": "#/$defs/f"}
+    checked(StructuredOutput.json_schema(schema), "tools")
+
+
+def test_relocated_references_escape_the_key_and_keep_what_is_not_theirs():
+    params = {
+        "a/b~c d": {
+            "type": "object",
+            "properties": {
+                "x": {"$ref": "#/properties/y"},
+                "y": {"enum": [{"$ref": "#"}], "default": {"$ref": "#"}},
+                "z": {"$ref": "#Anchor"},
+                "w": {"$ref": "other.json#/x"},
+                "r": {"$id": "https://example.com/r", "items": {"$ref": "#/$defs/R"}},
+            },
+        }
+    }
+    schema = required_schema(params, parallel=True)
+    key = "a~1b~0c%20d"
+    assert schema["items"]["anyOf"][0]["properties"]["parameters"] == {"$ref": f"#/$defs/{key}"}
+    moved = schema["$defs"]["a/b~c d"]["properties"]
+    assert moved["x"] == {"$ref": f"#/$defs/{key}/properties/y"}
+    assert moved["y"] == params["a/b~c d"]["properties"]["y"]  # data: enum and default
+    assert moved["z"] == {"$ref": "#Anchor"} and moved["w"] == {"$ref": "other.json#/x"}
+    assert moved["r"] == params["a/b~c d"]["properties"]["r"]  # its own resource: its own "#"
+    arguments = {"x": {"$ref": "#"}, "y": {"$ref": "#"}}
+    jsonschema.validate([{"name": "a/b~c d", "parameters": arguments}], schema)
+    with pytest.raises(jsonschema.ValidationError):  # x is y's enum, wherever it now lies
+        jsonschema.validate([{"name": "a/b~c d", "parameters": {"x": 1}}], schema)
 
 
 def test_the_grammar_takes_the_calls_it_should():
