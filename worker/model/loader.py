@@ -156,8 +156,36 @@ def build_model(
         log.info("dequantized the weights to %s: the CPU runs them on BLAS", dtype)
     if shard is not None:
         shard(model)
-    mx.eval(model.parameters())
+    mx.eval(model_arrays(model))
     return model, config
+
+
+def model_arrays(model: nn.Module) -> list[mx.array]:
+    """Every array ``model`` holds: its parameters, and the arrays its modules keep outside
+    them. RoPE variants build their frequencies in ``__init__`` into private attributes
+    (``Llama3RoPE._freqs``, YaRN's, Phi-3's longrope), not parameters, so evaluating only
+    ``parameters()`` left them as graphs on the loading thread's stream; the first forward, on
+    the model thread, failed with "There is no Stream(cpu, 0) in current thread": Llama 3.x,
+    YaRN and longrope models, gemma4 and deepseek_v2 could not start. Evaluated here, they are
+    plain arrays any thread reads."""
+    out: list[mx.array] = []
+    seen: set[int] = set()
+    todo: list[Any] = [model]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, mx.array):
+            out.append(x)
+        elif isinstance(x, nn.Module):
+            todo.extend(x.values())  # children and parameters
+            todo.extend(vars(x).values())  # what it keeps outside them (private attributes)
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+    return out
 
 
 def _none_loaded(path: Path) -> Future[Any]:

@@ -19,7 +19,6 @@ paths it measures against each other at start.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import statistics
@@ -299,6 +298,7 @@ class CpuBackend(AttentionBackend):
         projected back by another (see :meth:`choose_decode`)."""
         k, v = pool.layer_arrays(0)
         heads, per_head, bs, dim = k.shape
+        v_dim = v.shape[-1]  # the key's but for MLA (deepseek_v2/v3: values narrower than keys)
         n = max(1, min(context // bs, (per_head - 1) // batch))
         batch = max(1, min(batch, (per_head - 1) // n))
         args = getattr(model, "args", None)
@@ -307,7 +307,7 @@ class CpuBackend(AttentionBackend):
         keys = mx.random.split(mx.random.key(0), 3)
         x = mx.random.normal((batch, hidden), key=keys[0]).astype(k.dtype)
         w_in = (mx.random.normal((hidden, hq * dim), key=keys[1]) * hidden**-0.5).astype(k.dtype)
-        w_out = (mx.random.normal((hq * dim, hidden), key=keys[2]) * hidden**-0.5).astype(k.dtype)
+        w_out = (mx.random.normal((hq * v_dim, hidden), key=keys[2]) * hidden**-0.5).astype(k.dtype)
         mx.eval(x, w_in, w_out)
         order = np.random.default_rng(0).permutation(per_head - 1)[: batch * n].tolist()
         decodes = [SeqInput([0], order[i * n : (i + 1) * n], n * bs - 1) for i in range(batch)]
@@ -319,7 +319,7 @@ class CpuBackend(AttentionBackend):
         def layer(attend: Callable[[mx.array], mx.array]) -> Callable[[], mx.array]:
             def run() -> mx.array:
                 q = (x @ w_in).reshape(batch, hq, 1, dim)
-                return attend(q).reshape(batch, hq * dim) @ w_out
+                return attend(q).reshape(batch, hq * v_dim) @ w_out
 
             return run
 
@@ -363,12 +363,7 @@ def _cores() -> int:
     return len(affinity(0)) if affinity else os.cpu_count() or 1
 
 
-@functools.cache
-def _streams_of_thread(thread: int, count: int) -> tuple[mx.Stream, ...]:
-    del thread  # part of the cache key only
-    device = mx.default_device()
-    extra = [mx.new_stream(device) for _ in range(count - 1)]
-    return (mx.default_stream(device), *extra)
+_THREAD_STREAMS = threading.local()
 
 
 def _streams(count: int) -> tuple[mx.Stream, ...]:
@@ -376,5 +371,14 @@ def _streams(count: int) -> tuple[mx.Stream, ...]:
 
     Each MLX stream owns a thread and belongs to the thread that made it, so they are made once
     per calling thread and count, however many runners a process (or a test session) builds.
+    Kept in thread-local storage, not by thread id: a new thread may get the id of one that
+    ended, and its streams ("There is no Stream(cpu, 3) in current thread").
     """
-    return _streams_of_thread(threading.get_ident(), count) if count > 1 else ()
+    if count <= 1:
+        return ()
+    made: dict[int, tuple[mx.Stream, ...]] = _THREAD_STREAMS.__dict__.setdefault("by_count", {})
+    if count not in made:
+        device = mx.default_device()
+        extra = [mx.new_stream(device) for _ in range(count - 1)]
+        made[count] = (mx.default_stream(device), *extra)
+    return made[count]
