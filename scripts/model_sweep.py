@@ -66,6 +66,11 @@ sliding windows of 16) and classified:
 `make test` runs the fast form of this sweep (one composite scenario, all families:
 `tests/worker/test_family_sweep.py`); `pytest -m sweep` runs these scenarios.
 
+The sweep builds and runs each model on one thread, with the families' default configs; a
+worker loads on one thread and runs on another, and `tests/worker/test_loader_threads.py`
+checks that (and RoPE scaling: Llama 3's, YaRN; gemma4, deepseek_v2, MLA on the CPU's start-up
+decode choice), which the sweep cannot see.
+
 """
 
 
