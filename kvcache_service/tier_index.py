@@ -20,6 +20,7 @@ from typing import NamedTuple, Protocol
 
 from kvcache_service.errors import InvalidArgument
 from kvcache_service.ids import Namespace
+from kvserve_proto.block_keys import namespace_key
 
 
 class Medium(enum.IntEnum):
@@ -70,8 +71,8 @@ class _Tier:
     """One medium's blocks.
 
     ``entries`` is the LRU order (oldest first). ``children`` counts, for each key, the
-    entries here whose parent it is (keys with none are absent), whether or not that key is
-    here itself: a manifest may name a child before its parent. ``leaves`` is a heap of
+    entries here whose parent it is (keys with none are absent): a key held here, or a
+    namespace's key (the parent of its chains' first blocks; never held). ``leaves`` is a heap of
     (stamp, key), lazily cleaned: an item is current while its key is here with that stamp
     and no child; every entry without a child has a current item, so the least recently used
     leaf is the first current item popped.
@@ -127,6 +128,17 @@ class TierIndex:
     """Per medium a capacity in blocks and the blocks held: key -> (parent key, namespace,
     last use). A key may be held by several media at once.
 
+    Chains: a tier holds a block only with its parent (or as the first block of its
+    namespace's chain, its parent key that namespace's key): a load stops at the first block
+    missing, so a block without the blocks before it is of no use, and counted as a leaf it
+    would push out the prefix that makes it useful (a 62-block chain stored 8 at a time into
+    13 slots kept its blocks 48-60, none loadable). A stored block whose parent the tier
+    does not hold, nor an earlier block of the same call, is refused: not stored, and put in
+    the outbox so the worker deletes what it wrote. A block that goes for any other reason
+    than leaves-first eviction (the worker dropped it; the no-leaf fallback) takes its
+    descendants in that tier with it, to the outbox. So after every call every block a tier
+    holds has its parent held there too, or is a chain's first block.
+
     Capacity: after every update, a tier over its capacity drops its least recently used
     blocks, leaves first (a block with a child in the same tier is not dropped before the
     child: the child is of no use without it). The keys it drops go to the ``outbox``, which
@@ -156,6 +168,8 @@ class TierIndex:
         self._outbox: OrderedDict[tuple[int, Medium], None] = OrderedDict()
         # Namespaces as stored: one string each, not one per entry.
         self._names: dict[str, Namespace] = {}
+        # Each namespace's key: the parent key of its chains' first blocks.
+        self._roots: dict[str, int] = {}
         # Told of every block that enters or leaves a tier (events.PoolRecorder: KV events).
         self.listener: TierListener | None = None
 
@@ -212,24 +226,26 @@ class TierIndex:
 
     def update(self, stored: Sequence[TierBlock], dropped: Sequence[tuple[int, Medium]]) -> None:
         """What a worker reports: ``stored`` (in turn, each the most recently used of its
-        tier), then ``dropped`` (key, medium) (a key in both ends dropped: the worker may not
-        have it), then each tier over its capacity evicts. Every medium is checked first: a
-        call naming a tier the pool lacks changes nothing."""
+        tier; one whose parent the tier does not hold is refused, see the class docstring),
+        then ``dropped`` (key, medium) (a key in both ends dropped: the worker may not have
+        it; its descendants in that tier go with it), then each tier over its capacity
+        evicts. Every medium is checked first: a call naming a tier the pool lacks changes
+        nothing."""
         for block in stored:
             self._tier(block.medium)
         for _, medium in dropped:
             self._tier(medium)
-        names = self._names
-        for key, parent, ns, medium in stored:
-            name = names.get(ns)
-            if name is None:
-                name = names[ns] = ns
-            self._store(self._tiers[medium], medium, key, parent, name)
+        self._admit(stored)
+        orphaned: dict[Medium, list[int]] = {}
         for key, medium in dropped:
             tier = self._tiers[medium]
             if key in tier.entries:
                 self._remove(tier, key)
                 tier.counters.dropped += 1
+                if key in tier.children:
+                    orphaned.setdefault(medium, []).append(key)
+        for medium, keys in orphaned.items():
+            self._drop_descendants(self._tiers[medium], keys)
         if stored and any(t.quota is not None for t in self._fastest):
             self._evict_over_quota(dict.fromkeys(b.namespace for b in stored))
         self._evict_over_capacity()
@@ -240,15 +256,21 @@ class TierIndex:
 
     def drop(self, keys: Iterable[int], medium: Medium | None = None) -> int:
         """Blocks ``medium`` (None: every tier) no longer holds, as the worker reports them
-        (it knows: they are not sent back to it). Returns how many entries went."""
+        (it knows: they are not sent back to it). Returns how many entries went; their
+        descendants in the same tier go too, to the outbox (not counted here)."""
         tiers = [self._tier(medium)] if medium is not None else self._fastest
         n = 0
+        orphaned: dict[Medium, list[int]] = {}
         for key in keys:
             for tier in tiers:
                 if key in tier.entries:
                     self._remove(tier, key)
                     tier.counters.dropped += 1
                     n += 1
+                    if key in tier.children:
+                        orphaned.setdefault(tier.medium, []).append(key)
+        for m, gone in orphaned.items():
+            self._drop_descendants(self._tiers[m], gone)
         return n
 
     def touch(self, keys: Iterable[int]) -> None:
@@ -315,6 +337,73 @@ class TierIndex:
         return len(self._outbox)
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _root(self, ns: Namespace) -> int:
+        """``ns``'s key: the parent key a chain's first block names."""
+        root = self._roots.get(ns)
+        if root is None:
+            root = self._roots[ns] = namespace_key(ns)
+        return root
+
+    def _admit(self, stored: Sequence[TierBlock]) -> None:
+        """Stores each of ``stored`` in turn whose parent its tier holds (or that is a
+        chain's first block). One whose parent comes later in the same call (a manifest may
+        name a child before its parent) waits for it and is stored right after it; any other
+        is refused: not stored, and sent to the outbox (unless the tier holds that key
+        already: a collision; the entry stays as it is). The blocks waiting for a refused
+        block, and those still waiting at the end, are refused too."""
+        names = self._names
+        # (medium, key) -> how many of the blocks not yet taken name it: built only when
+        # a parent is missing (a worker's spills and manifests name parents first).
+        ahead: Counter[tuple[Medium, int]] | None = None
+        waiting: dict[tuple[Medium, int], list[TierBlock]] = {}
+        refused: list[TierBlock] = []
+        for i, block in enumerate(stored):
+            if ahead is not None:
+                ahead[(block.medium, block.key)] -= 1
+            todo = [block]
+            while todo:
+                b = todo.pop()
+                key, parent, ns, medium = b
+                tier = self._tiers[medium]
+                name = names.get(ns)
+                if name is None:
+                    name = names[ns] = ns
+                if parent in tier.entries or parent == self._root(name):
+                    self._store(tier, medium, key, parent, name)
+                    todo.extend(reversed(waiting.pop((medium, key), ())))
+                    continue
+                if ahead is None:
+                    ahead = Counter((s.medium, s.key) for s in islice(stored, i + 1, None))
+                if ahead[(medium, parent)] > 0:
+                    waiting.setdefault((medium, parent), []).append(b)
+                else:
+                    refused.append(b)
+                    todo.extend(reversed(waiting.pop((medium, key), ())))
+        refused += [b for blocks in waiting.values() for b in blocks]
+        for key, _, _, medium in refused:
+            if key not in self._tiers[medium].entries:
+                self._outbox[(key, medium)] = None
+
+    def _drop_descendants(self, tier: _Tier, gone: Iterable[int]) -> None:
+        """Drops every block of ``tier`` below the blocks ``gone`` from it (held no more:
+        their descendants cannot be loaded), oldest first, to the outbox. O(blocks held):
+        only a block that goes with children held (a worker's drop, the no-leaf fallback)
+        costs it, never leaves-first eviction."""
+        kids: dict[int, list[int]] = {}
+        for k, e in tier.entries.items():
+            kids.setdefault(e.parent_key, []).append(k)
+        doomed: set[int] = set()
+        stack = list(gone)
+        while stack:
+            for child in kids.get(stack.pop(), ()):
+                if child not in doomed:
+                    doomed.add(child)
+                    stack.append(child)
+        for key in [k for k in tier.entries if k in doomed]:
+            self._remove(tier, key)
+            tier.counters.dropped += 1
+            self._outbox[(key, tier.medium)] = None
 
     def _store(self, tier: _Tier, medium: Medium, key: int, parent: int, ns: Namespace) -> None:
         old = tier.entries.get(key)
@@ -430,6 +519,8 @@ class TierIndex:
                     self._remove(tier, victim)
                     tier.counters.dropped += 1
                     self._outbox[(victim, medium)] = None
+                    if victim in tier.children:  # the fallback: its descendants go too
+                        self._drop_descendants(tier, [victim])
 
     def _evict_over_capacity(self) -> None:
         for medium in TIER_MEDIA:
@@ -447,11 +538,14 @@ class TierIndex:
                         break
                 if victim is None:
                     # No leaf: every block is some block's parent (keys in a cycle, from
-                    # collisions or a confused worker). The oldest goes.
+                    # collisions or a confused worker). The oldest goes, and with it
+                    # its descendants.
                     victim = next(iter(entries))
                 self._remove(tier, victim)
                 tier.counters.dropped += 1
                 self._outbox[(victim, medium)] = None
+                if victim in children:
+                    self._drop_descendants(tier, [victim])
 
     # -- integrity ----------------------------------------------------------------------------
 
@@ -488,14 +582,25 @@ class TierSnapshot:
     ] = field(default_factory=dict)
 
     def problems(self) -> list[str]:
-        """Each tier within its capacity; its LRU order by last use; its child counts a
-        recount of its entries' parents; every leaf findable in its heap; nothing both held
-        and waiting in the outbox to be deleted."""
+        """Each tier within its capacity; every block it holds with its parent, or a chain's
+        first block; its LRU order by last use; its child counts a recount of its entries'
+        parents; every leaf findable in its heap; nothing both held and waiting in the outbox
+        to be deleted."""
         found = []
+        roots: dict[str, int] = {}
         for medium, (capacity, entries, children, leaves) in self.tiers.items():
             name = medium.name
             if len(entries) > capacity:
                 found.append(f"{name} tier holds {len(entries)} blocks, over {capacity}")
+            orphans = 0
+            for e in entries.values():
+                if e.parent_key not in entries:
+                    root = roots.get(e.namespace)
+                    if root is None:
+                        root = roots[e.namespace] = namespace_key(e.namespace)
+                    orphans += e.parent_key != root
+            if orphans:
+                found.append(f"{name} tier: {orphans} blocks held without their parent")
             stamps = [e.stamp for e in entries.values()]
             if any(a >= b for a, b in pairwise(stamps)):
                 found.append(f"{name} tier's LRU order is not by last use")

@@ -23,6 +23,7 @@ from kvcache_service.leases import AcquireRequest, Grant, SequenceUpdate
 from kvcache_service.pool import PoolSpec
 from kvcache_service.tier_index import Medium, TierBlock
 from kvcache_service.tokens import pack
+from kvserve_proto.block_keys import namespace_key
 from tests.kvcache.event_replay import Replica
 from tests.kvcache.test_pool_model import (
     POOLS,
@@ -353,8 +354,12 @@ def test_tier_blocks_are_events_by_key_and_in_snapshots() -> None:
     auth.watch_events(lambda: None)
     replica = _replica_of(auth)
 
+    root = namespace_key("t")  # a chain's first block's parent key: 11 and 21 are first blocks
+
     def blocks(keys: list[int]) -> list[TierBlock]:
-        return [TierBlock(k, k - 1, Namespace("t"), Medium.DISK) for k in keys]
+        return [
+            TierBlock(k, root if k % 10 == 1 else k - 1, Namespace("t"), Medium.DISK) for k in keys
+        ]
 
     def held() -> dict[int, tuple[str, int]]:
         for b in auth.events.after(replica.seq, 1 << 30):
@@ -363,7 +368,7 @@ def test_tier_blocks_are_events_by_key_and_in_snapshots() -> None:
 
     auth.update_tiers(PoolId("a"), inc, blocks([11, 12, 13]), [])
     auth.events.seal()
-    assert held() == {11: ("t", 10), 12: ("t", 11), 13: ("t", 12)}
+    assert held() == {11: ("t", root), 12: ("t", 11), 13: ("t", 12)}
     auth.update_tiers(PoolId("a"), inc, blocks([21, 22]), [(12, Medium.DISK)])
     auth.events.seal()
     tier = auth.pools[PoolId("a")].tiers

@@ -17,6 +17,7 @@ import pytest
 from kvcache_service.config import ServiceConfig
 from kvcache_service.server import RunningService, running
 from kvcache_service.tier_index import Medium
+from kvserve_proto.block_keys import namespace_key
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as pb
 from kvserve_proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from tests.kvcache.event_replay import Replica
@@ -405,8 +406,10 @@ async def test_tier_blocks_reach_a_watcher_by_key(driver: Driver) -> None:
     watch = Watch(driver.kv)
     await watch.until(driver.end())
     chain = [1000 + i for i in range(6)]  # a chain of 6 into a tier of 4: two go
+    parents = [namespace_key("t"), *chain[:-1]]  # the first block's parent: its namespace's key
     stored = [
-        pb.TierBlock(key=k, parent_key=k - 1, namespace="t", medium=pb.MEDIUM_DISK) for k in chain
+        pb.TierBlock(key=k, parent_key=p, namespace="t", medium=pb.MEDIUM_DISK)
+        for k, p in zip(chain, parents, strict=True)
     ]
     await driver.kv.UpdateTiers(pb.UpdateTiersRequest(pool=pool, stored=stored), metadata=SERVICE)
     await watch.until(driver.end())

@@ -4,9 +4,12 @@ key -> (parent key, namespace, last use), and eviction by a scan of every entry.
 Randomized operation sequences mirror every operation on both; after each one the content
 and LRU order of every tier, the counters, the outbox and ``run`` must agree, and
 ``check_integrity`` must find nothing. Keys come from a small universe with parents that are
-mostly the key before (chains, shared prefixes) and sometimes anything (a cycle, a key its own
-parent: collisions or a confused worker), so that leaves-first eviction and its fallback are
-both exercised.
+mostly the key before (chains, shared prefixes; key 0's parent is its namespace's key, a
+chain's first block), sometimes the namespace's key (another chain's first block) and sometimes
+anything (a cycle, a key its own parent: collisions or a confused worker), so that
+leaves-first eviction and its fallback, refused blocks and dropped descendants are all
+exercised. After every operation every block a tier holds has its parent held there too, or is
+a chain's first block.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvcache_service.errors import InvalidArgument
 from kvcache_service.ids import Namespace
 from kvcache_service.tier_index import TIER_MEDIA, Medium, TierBlock, TierIndex
+from kvserve_proto.block_keys import namespace_key
 
 KEYS = st.integers(0, 15)
+ROOT = namespace_key("")  # the parent key of a first block of namespace ""
 NAMESPACES = st.sampled_from([Namespace(""), Namespace("t1")])
 
 
@@ -49,16 +54,45 @@ class RefTiers:
     def lru(self, m: Medium) -> list[int]:
         return sorted(self.held[m], key=lambda k: self.held[m][k][2])
 
+    def admissible(self, m: Medium, parent: int, ns: str) -> bool:
+        return parent in self.held[m] or parent == namespace_key(ns)
+
     def update(self, stored: list[TierBlock], dropped: list[tuple[int, Medium]]) -> None:
-        for key, parent, ns, m in stored:
-            if key not in self.held[m]:
-                self.stored[m] += 1
-                if (key, m) in self.outbox:
-                    self.outbox.remove((key, m))
-            self._stamp(m, key, parent, ns)
+        # Each block in turn; one whose parent is missing waits for a later block of the call
+        # that is its parent, else is refused (to the outbox, unless held: a collision).
+        waiting: list[TierBlock] = []
+        refused: list[TierBlock] = []
+
+        def settle(b: TierBlock, rest: list[TierBlock]) -> None:
+            key, parent, ns, m = b
+            if self.admissible(m, parent, ns):
+                if key not in self.held[m]:
+                    self.stored[m] += 1
+                    if (key, m) in self.outbox:
+                        self.outbox.remove((key, m))
+                self._stamp(m, key, parent, ns)
+            elif any((c.key, c.medium) == (parent, m) for c in rest):
+                waiting.append(b)
+                return
+            else:
+                refused.append(b)
+            released = [w for w in waiting if (w.parent_key, w.medium) == (key, m)]
+            waiting[:] = [w for w in waiting if (w.parent_key, w.medium) != (key, m)]
+            for w in released:
+                settle(w, rest)
+
+        for i, block in enumerate(stored):
+            settle(block, stored[i + 1 :])
+        for key, _, _, m in refused + waiting:
+            if key not in self.held[m] and (key, m) not in self.outbox:
+                self.outbox.append((key, m))
+        gone: dict[Medium, list[int]] = {}
         for key, m in dropped:
             if self.held[m].pop(key, None) is not None:
                 self.dropped[m] += 1
+                gone.setdefault(m, []).append(key)
+        for m, keys in gone.items():
+            self.drop_descendants(m, keys)
         for m in self.media():
             if m in self.quotas:
                 for ns in dict.fromkeys(b.namespace for b in stored):
@@ -79,14 +113,32 @@ class RefTiers:
             del held[victim]
             self.dropped[m] += 1
             self.outbox.append((victim, m))
+            self.drop_descendants(m, [victim])
+
+    def drop_descendants(self, m: Medium, gone: list[int]) -> None:
+        """Every block of ``m`` below ``gone`` goes, oldest first, to the outbox."""
+        held = self.held[m]
+        doomed: set[int] = set()
+        frontier = set(gone)
+        while frontier:
+            frontier = {k for k, (p, _, _) in held.items() if p in frontier} - doomed
+            doomed |= frontier
+        for key in [k for k in self.lru(m) if k in doomed]:
+            del held[key]
+            self.dropped[m] += 1
+            self.outbox.append((key, m))
 
     def drop(self, keys: list[int], medium: Medium | None) -> int:
         n = 0
+        gone: dict[Medium, list[int]] = {}
         for key in keys:
             for m in [medium] if medium is not None else self.media():
                 if self.held[m].pop(key, None) is not None:
                     self.dropped[m] += 1
                     n += 1
+                    gone.setdefault(m, []).append(key)
+        for m, g in gone.items():
+            self.drop_descendants(m, g)
         return n
 
     def touch(self, keys: list[int]) -> None:
@@ -120,12 +172,17 @@ class RefTiers:
 
 def blocks(media: list[Medium]) -> st.SearchStrategy[list[TierBlock]]:
     def block(key: int, parent: int | None, ns: Namespace, medium: Medium) -> TierBlock:
-        # Mostly a chain (the key before: its parent); sometimes any key, itself included.
-        return TierBlock(key, key - 1 if parent is None else parent, ns, medium)
+        # Mostly a chain (the key before: its parent; key 0 first, its parent the namespace's
+        # key); sometimes a first block (-1: the namespace's key), sometimes any key, itself
+        # included.
+        if parent is None:
+            parent = key - 1
+        if parent < 0:
+            parent = namespace_key(ns)
+        return TierBlock(key, parent, ns, medium)
 
-    one = st.builds(
-        block, KEYS, st.one_of(st.none(), st.none(), KEYS), NAMESPACES, st.sampled_from(media)
-    )
+    parents = st.one_of(st.none(), st.none(), st.just(-1), KEYS)
+    one = st.builds(block, KEYS, parents, NAMESPACES, st.sampled_from(media))
     return st.lists(one, max_size=8)
 
 
@@ -203,6 +260,15 @@ class TierMachine(RuleBasedStateMachine):
         assert bool(real) == any(ref.held[m] for m in ref.media())
         assert real.check_integrity() == []
 
+    @invariant()
+    def every_block_has_its_parent(self) -> None:
+        """The tiers' rule itself, on the naive model (the real one agrees with it above):
+        a block of no use without the blocks before it is never held without them."""
+        for m in self.ref.media():
+            held = self.ref.held[m]
+            for parent, ns, _ in held.values():
+                assert parent in held or parent == namespace_key(ns)
+
 
 class DiskOnly(TierMachine):
     CAPACITIES = {Medium.DISK: 4}
@@ -249,11 +315,11 @@ def test_leaves_go_first_and_the_oldest_leaf_first() -> None:
     9: over capacity, the oldest leaf goes (9, then 3), never a block with a child."""
     tiers = TierIndex([(Medium.DISK, 3)])
     ns = Namespace("")
-    tiers.store([TierBlock(9, 0, ns, Medium.DISK)])
-    tiers.store([TierBlock(k, k - 1, ns, Medium.DISK) for k in (1, 2, 3)])
+    tiers.store([TierBlock(9, ROOT, ns, Medium.DISK)])
+    tiers.store([TierBlock(k, k - 1 if k > 1 else ROOT, ns, Medium.DISK) for k in (1, 2, 3)])
     assert tiers.take_evicted(10) == [(9, Medium.DISK)]
     tiers.touch([3])  # the leaf is young again; its parents are older but not leaves
-    tiers.store([TierBlock(20, 0, ns, Medium.DISK)])
+    tiers.store([TierBlock(20, ROOT, ns, Medium.DISK)])
     assert tiers.take_evicted(10) == [(3, Medium.DISK)]  # the only leaf but the new block
     assert tiers.keys(Medium.DISK) == [1, 2, 20]
     assert tiers.check_integrity() == []
@@ -262,11 +328,70 @@ def test_leaves_go_first_and_the_oldest_leaf_first() -> None:
 def test_a_block_stored_again_is_not_deleted() -> None:
     tiers = TierIndex([(Medium.DISK, 1)])
     ns = Namespace("")
-    tiers.store([TierBlock(1, 0, ns, Medium.DISK), TierBlock(2, 0, ns, Medium.DISK)])
+    tiers.store([TierBlock(1, ROOT, ns, Medium.DISK), TierBlock(2, ROOT, ns, Medium.DISK)])
     assert tiers.pending_evictions == 1  # 1, the older leaf
-    tiers.store([TierBlock(1, 0, ns, Medium.DISK)])  # the worker spilled it again
+    tiers.store([TierBlock(1, ROOT, ns, Medium.DISK)])  # the worker spilled it again
     assert tiers.take_evicted(10) == [(2, Medium.DISK)]
     assert tiers.keys(Medium.DISK) == [1]
+
+
+def chain(n: int, first: int = 1000, ns: str = "") -> list[tuple[int, int]]:
+    """(key, parent key) of a chain of ``n`` blocks, first to last."""
+    keys = list(range(first, first + n))
+    return list(zip(keys, [namespace_key(ns), *keys[:-1]], strict=True))
+
+
+@pytest.mark.parametrize("medium", TIER_MEDIA)
+@pytest.mark.parametrize("batch", [1, 8, 62])
+def test_a_tier_smaller_than_a_chain_keeps_its_first_blocks(batch: int, medium: Medium) -> None:
+    """A 62-block chain stored in batches into 13 slots: the tier keeps blocks 0-12, the ones
+    a load can use; the rest are refused or evicted, every one of them to the outbox (the
+    worker deletes what it wrote). It kept 48-60 when a block whose parent had gone counted
+    as a young leaf and pushed the prefix out."""
+    tiers = TierIndex([(medium, 13)])
+    blocks = [TierBlock(k, p, Namespace(""), medium) for k, p in chain(62)]
+    for i in range(0, 62, batch):
+        tiers.store(blocks[i : i + batch])
+        assert tiers.check_integrity() == []
+    assert tiers.keys(medium) == [b.key for b in blocks[:13]]
+    assert tiers.run([b.key for b in blocks]) == 13
+    assert sorted(k for k, _ in tiers.take_evicted(100)) == [b.key for b in blocks[13:]]
+
+
+def test_a_block_without_its_parent_is_refused_and_deleted() -> None:
+    """A block whose parent the tier does not hold is not stored, whatever room there is (the
+    worker is told to delete it); a child named before its parent in the same call waits for
+    it (a manifest's order); the host tier keeps to the same rule, on its own blocks."""
+    ns = Namespace("")
+    tiers = TierIndex([(Medium.HOST, 8), (Medium.DISK, 8)])
+    (a, ra), (b, _), (c, _) = chain(3)
+    tiers.store([TierBlock(c, b, ns, Medium.DISK)])
+    assert tiers.keys(Medium.DISK) == [] and tiers.take_evicted(10) == [(c, Medium.DISK)]
+    tiers.store([TierBlock(c, b, ns, Medium.DISK), TierBlock(b, a, ns, Medium.DISK)])
+    tiers.store([TierBlock(a, ra, ns, Medium.DISK)])
+    assert tiers.keys(Medium.DISK) == [a]  # a came in a later call: b and c were refused
+    assert tiers.take_evicted(10) == [(b, Medium.DISK), (c, Medium.DISK)]
+    manifest = [TierBlock(c, b, ns, Medium.DISK), TierBlock(b, a, ns, Medium.DISK)]
+    tiers.store(manifest)
+    assert tiers.keys(Medium.DISK) == [a, b, c] and tiers.pending_evictions == 0
+    tiers.store([TierBlock(b, a, ns, Medium.HOST)])  # the disk holds a, the host does not
+    assert tiers.count(Medium.HOST) == 0 and tiers.take_evicted(10) == [(b, Medium.HOST)]
+    assert tiers.counters(Medium.DISK).stored == 3 and tiers.check_integrity() == []
+
+
+def test_a_dropped_block_takes_its_descendants() -> None:
+    """A block the worker reports gone (a corrupt file) leaves its descendants of no use: they
+    go too, and the worker is told to delete them; another chain stays."""
+    ns = Namespace("")
+    tiers = TierIndex([(Medium.DISK, 16)])
+    one, other = chain(4), chain(2, first=2000)
+    tiers.store([TierBlock(k, p, ns, Medium.DISK) for k, p in one + other])
+    tiers.update([], [(one[1][0], Medium.DISK)])
+    assert tiers.keys(Medium.DISK) == [one[0][0]] + [k for k, _ in other]
+    assert tiers.take_evicted(10) == [(one[2][0], Medium.DISK), (one[3][0], Medium.DISK)]
+    assert tiers.drop([other[0][0]]) == 1  # the call's own; the descendant goes to the outbox
+    assert tiers.take_evicted(10) == [(other[1][0], Medium.DISK)]
+    assert tiers.counters(Medium.DISK).dropped == 5 and tiers.check_integrity() == []
 
 
 def test_registration_checks() -> None:

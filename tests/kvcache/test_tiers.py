@@ -163,10 +163,13 @@ def test_no_reuse_loads_nothing() -> None:
 def test_a_block_the_worker_dropped_is_not_granted() -> None:
     w = World()
     keys = w.spill(PROMPT)
-    w.auth.update_tiers(POOL, w.inc, [], [(keys[2], Medium.DISK)])
+    evicted = w.auth.update_tiers(POOL, w.inc, [], [(keys[2], Medium.DISK)])
+    # Blocks 3 and 4 are of no use without block 2: they go too, and the worker deletes them.
+    assert evicted == [(keys[3], Medium.DISK), (keys[4], Medium.DISK)]
     grant = w.grant(PROMPT)
     assert grant.tier_blocks == 2  # blocks 0 and 1; block 2 is computed, and all after it
-    assert w.pool.tiers.counters(Medium.DISK).dropped == 1
+    assert w.pool.tiers.counters(Medium.DISK).dropped == 3
+    w.check()
 
 
 def test_namespaces_do_not_share_tier_blocks() -> None:

@@ -134,12 +134,18 @@ async def test_corrupt_truncated_and_foreign_files_are_recomputed(
         await asyncio.sleep(0.3)
         got = await generate(stub, request(p, max_tokens=16))
         assert got["tokens"] == reference(p, 16)[0]  # nothing wrong served
-        # Blocks 0-2 load; 3 was dropped at the scan (foreign), so the run ends there.
+        # Blocks 0-2 load; 3 was dropped at the scan (foreign), so the run ends there. Blocks
+        # 4-8 were of no use without it: the service refused them and the worker deleted
+        # them (block 5's corrupt file too), then wrote 3-8 again from this request.
         assert got["last"].usage.cached_tokens == 3 * BS
         await system.wait_idle()
-        # Block 5's corruption is found when it is read: drop the pool's copies and ask
-        # again from a prompt whose blocks 3 and 4 are on disk again (written back just now).
         await wait_for_disk_blocks(system, 9)
+        # Block 5's corruption is found when it is read: corrupt the file written just now,
+        # drop the pool's copies and ask again.
+        again = block_files(tmp_path)
+        data = bytearray(again[5].read_bytes())
+        data[-100] ^= 0x5A
+        again[5].write_bytes(bytes(data))
         await flush_pool(system)
         got = await generate(stub, request(p, max_tokens=16))
         assert got["tokens"] == reference(p, 16)[0]

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from operator import attrgetter
 
 from kvserve_proto.block_keys import block_keys, namespace_key
 from kvserve_proto.packed_tokens import pack
@@ -155,10 +156,15 @@ class TierStore:
 
     def manifest(self) -> list[tuple[BlockMeta, str]]:
         """Every block the tiers hold now, with its medium (what a registration is followed
-        by)."""
-        out = [(m, "disk") for m in self.disk.metas()] if self.disk is not None else []
+        by), each medium's by position: a parent before its children, whatever chunk of the
+        manifest they go in (the service refuses a block whose parent its tier does not
+        hold)."""
+        by_position = attrgetter("position")
+        out = []
+        if self.disk is not None:
+            out = [(m, "disk") for m in sorted(self.disk.metas(), key=by_position)]
         if self.host is not None:
-            out += [(m, "host") for m in self.host.metas()]
+            out += [(m, "host") for m in sorted(self.host.metas(), key=by_position)]
         return out
 
     # -- naming blocks ------------------------------------------------------------------------
