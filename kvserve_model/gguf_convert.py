@@ -22,7 +22,7 @@ SentencePiece vocabulary) is refused with one line naming it, before anything is
 
 The output is written to a temporary sibling and renamed into place: a crash mid-way leaves no
 half-written model, and the next start converts again. The directory's name carries the
-source's identity (its size, header and sampled data, as the worker fingerprints weights), so a
+source's identity (its size, header and sampled data), so a
 changed file converts anew. Numpy reads the GGUF through a memory map; the conversion needs no
 MLX, so the launcher and the gateway can run it.
 

@@ -27,18 +27,15 @@ as a refusal at the first start, not as fluent nonsense.
 The fingerprint travels with the worker's pool registration: the cache service must never match
 a prefix computed by one model against blocks of another, and two workers with the same
 fingerprint may share routing. It hashes the config, the tokenizer (the index is keyed by token
-ids) and the weights' identity: each safetensors file's name, size, header (names, dtypes,
-shapes) and its first and last MiB of data. Reading every byte of a many-GB checkpoint at each
-start would cost seconds; a fine-tune changes the sampled bytes too.
+ids) and every byte of the weights, each file's digest kept in a per-user cache by its path,
+size, times and inode, so only a first start (or a changed file) reads them all
+(``kvserve_model.fingerprint``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -51,15 +48,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from kvserve_model.context import context_length, load_config
+from kvserve_model.context import context_length
 from kvserve_model.errors import ModelLoadError
+from kvserve_model.fingerprint import model_fingerprint
 from kvserve_model.gguf_convert import mark_checked, pending_check
 from kvserve_model.resolve import resolve_model
 from worker.model import mlx_lm_light
 
 log = logging.getLogger(__name__)
 
-SAMPLE_BYTES = 1 << 20
 # "auto" dequantizes on a CPU when the float32 weights take at most this share of the memory.
 DEQUANTIZE_MEMORY_SHARE = 0.25
 CHECK_TOKENS = 24  # of the converted model's greedy answer
@@ -293,33 +290,3 @@ def check_converted(model: nn.Module, tokenizer: Any, path: Path, check: Mapping
         )
     mark_checked(path, text)
     log.info("converted model checked: %r -> %r (%.2f s)", question, text, time.perf_counter() - t0)
-
-
-def model_fingerprint(path: Path) -> str:
-    """A stable id of the model in ``path``: ``sha256:<hex>`` (see the module docstring)."""
-    h = hashlib.sha256()
-    config = load_config(path)
-    h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
-    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
-        file = path / name
-        if file.exists():
-            h.update(name.encode() + hashlib.sha256(file.read_bytes()).digest())
-    weights = sorted(path.glob("*.safetensors"))
-    if not weights:
-        raise ModelLoadError(f"{path} has no *.safetensors weights")
-    for file in weights:
-        h.update(file.name.encode())
-        h.update(_weights_identity(file))
-    return "sha256:" + h.hexdigest()
-
-
-def _weights_identity(file: Path) -> bytes:
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        header_len = struct.unpack("<Q", f.read(8))[0]
-        header = f.read(header_len)
-        data_start = 8 + header_len
-        head = f.read(SAMPLE_BYTES)
-        f.seek(max(data_start, size - SAMPLE_BYTES))
-        tail = f.read(SAMPLE_BYTES)
-    return hashlib.sha256(struct.pack("<Q", size) + header + head + tail).digest()
