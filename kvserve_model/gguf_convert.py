@@ -22,7 +22,7 @@ SentencePiece vocabulary) is refused with one line naming it, before anything is
 
 The output is written to a temporary sibling and renamed into place: a crash mid-way leaves no
 half-written model, and the next start converts again. The directory's name carries the
-source's identity (its size, header and sampled data), so a
+source's identity (a digest of every byte, cached per user by the file's identity), so a
 changed file converts anew. Numpy reads the GGUF through a memory map; the conversion needs no
 MLX, so the launcher and the gateway can run it.
 
@@ -37,7 +37,6 @@ import collections
 import hashlib
 import json
 import os
-import struct
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvserve_model.errors import ModelLoadError
+from kvserve_model.fingerprint import file_digest
 from kvserve_model.gguf_file import GGMLType, GGUFHeader, TensorInfo, read_header, type_name
 from kvserve_model.gguf_tokenizer import tokenizer_files
 from kvserve_model.model_cache import build_once, models_dir
@@ -162,20 +162,20 @@ def mark_checked(directory: Path, answer: str) -> None:
     os.replace(tmp, directory / MARKER)
 
 
-def source_identity(path: Path, sample: int = 1 << 20) -> str:
-    """sha256 of the file's size, its first and last ``sample`` bytes (the GGUF header is at
-    the front): reading every byte of a many-GB file at each start would cost seconds."""
+def source_identity(path: Path) -> str:
+    """sha256 of every byte of the file, and the converter's version. The digest is the one
+    the fingerprint takes of a weights file (:func:`kvserve_model.fingerprint.file_digest`),
+    cached per user by the file's path, size, times, inode and device: a start after the
+    first reads no byte of the file for it. It once hashed the size and the first and last
+    MiB only, so a file rewritten in place (same size and header, a tensor's bytes changed)
+    kept serving its earlier conversion."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(sample)
-            f.seek(max(0, size - sample))
-            tail = f.read(sample)
+        digest = file_digest(path)
     except OSError as e:
         raise ModelLoadError(f"cannot read {path}: {e}") from e
-    digest = hashlib.sha256(struct.pack("<Q", size) + head + tail)
-    digest.update(str(CONVERTER_VERSION).encode())
-    return digest.hexdigest()
+    h = hashlib.sha256(digest)
+    h.update(f"gguf-source-v2:{CONVERTER_VERSION}".encode())
+    return h.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 
 import gguf
@@ -191,6 +192,29 @@ def test_conversion_is_atomic_and_keyed_by_the_file(tmp_path, models_dir, monkey
     write_gguf(path, "llama", CONFIG, weights(CONFIG, seed=1), default_kind=T.Q4_0)
     second = ensure_converted(path, log=lines.append)
     assert second != first and len(lines) == 2
+
+
+def test_a_file_rewritten_in_place_converts_anew(tmp_path, models_dir, monkeypatch):
+    """The conversion is named by every byte of its source: one weight changed in the middle
+    of a several-MiB file, with its size, header and first and last MiB kept (and its mtime
+    put back), is another model. The identity once hashed only those, and kept serving the
+    earlier conversion."""
+    monkeypatch.setenv("KVSERVE_MODEL_DIR", str(models_dir))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the digest records
+    big = {**CONFIG, "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8}
+    path = write_gguf(tmp_path / "m.gguf", "llama", big, weights(big), default_kind=T.F32)
+    size = path.stat().st_size
+    assert size > 3 << 20
+    first = ensure_converted(path)
+    assert ensure_converted(path) == first  # unchanged: the same directory, not converted again
+    data = bytearray(path.read_bytes())
+    data[size // 2] ^= 1  # the lowest bit of one F32 weight
+    stat = path.stat()
+    with open(path, "r+b") as f:  # in place: the same inode
+        f.write(data)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second = ensure_converted(path)
+    assert second != first and is_converted(second)
 
 
 def test_config_from_metadata(tmp_path):
