@@ -1,21 +1,26 @@
 """The early mask fill of a decode step that looks ahead (``worker.model.grammar``): the masks of
-the state after each row's token, with the matchers left as they are, at batch 32.
+the state after each row's token, at batch 32.
 
-A lookahead step knows its tokens before the engine consumes them, and starts the next step's
-masks then (``MaskPrefetch.start_after``). Three ways to fill the same 32 masks, alternated on
-each step of 32 matchers walking the examples of ``bench/structured_schemas.py`` (schema
-``i % 20``, compiled with the default model's tokenizer; a matcher that finished its example
-starts it again):
+A lookahead step knows its tokens before the engine appends them, and starts the next step's
+masks then (``MaskPrefetch.start_after``). Four ways to get the same 32 masks, on each step of
+32 matchers walking the examples of ``bench/structured_schemas.py`` (schema ``i % 20``,
+compiled with the default model's tokenizer; a matcher that finished its example starts it
+again):
 
-- **now**: the state as it is (``fill_masks``), the loop's fill after it consumed: the
-  reference;
+- **now**: the loop's fill of the state after it consumed the tokens (``fill_masks``; the
+  consumes not timed): the reference;
 - **draft**: llguidance's draft-token fill (``fill_next_token_bitmask_par_with_draft_tokens``),
-  which fills each state before and after its token and rolls the token back;
-- **kvserve**: ``fill_masks_after``: the tokens checked, consumed together, the states after
-  them filled, the tokens rolled back.
+  which fills each state before and after its token and rolls the token back (kvserve's first
+  early fill);
+- **roll back**: the tokens checked, consumed together, the states after them filled, the
+  tokens rolled back, the matchers left as they were (kvserve's second; the engine then waited
+  for it and consumed the tokens again);
+- **consume**: ``consume_then_fill``, kvserve's now: the tokens consumed together and the states
+  after them filled; the engine does not consume them again, nor wait for it.
 
-Prints the median and p90 of a step's fill in microseconds; each way's masks are checked
-against the reference's after the tokens are consumed.
+The first two ways alternate in order; then **consume** runs (it advances the matchers), then
+the reference. Prints the median and p90 of a step's fill in microseconds; each way's masks
+are checked against the reference's.
 
     .venv/bin/python bench/bench_mask_fill.py [--steps 200] [--model default]
 """
@@ -54,7 +59,7 @@ def main() -> None:
     from kvserve_model.structured_output import StructuredOutput
     from kvserve_model.tokenizer import load_tokenizer
     from worker.model import grammar
-    from worker.model.grammar import Grammars, fill_masks, fill_masks_after
+    from worker.model.grammar import Grammars, consume_then_fill, fill_masks
 
     path = Path(model_path(args.model))
     config = json.loads((path / "config.json").read_text())
@@ -77,8 +82,16 @@ def main() -> None:
         )
         return both[1::2]
 
-    ways = {"draft": draft, "kvserve": lambda pairs: fill_masks_after(pairs, vocab)}
-    times: dict[str, list[float]] = {"now": [], **{w: [] for w in ways}}
+    def roll_back(pairs: list[tuple[object, int]]) -> np.ndarray:
+        assert all(m.validate_tokens([t]) == 1 for m, t in pairs)  # type: ignore[attr-defined]
+        consumed = executor.consume_token_par(pairs)
+        masks = fill_masks([m for m, _ in pairs], vocab)
+        for (m, _), ok in zip(pairs, consumed, strict=True):
+            assert ok and m.rollback(1)  # type: ignore[attr-defined]
+        return masks
+
+    ways = {"draft": draft, "roll back": roll_back}
+    times: dict[str, list[float]] = {"now": [], **{w: [] for w in ways}, "consume": []}
     for step in range(args.steps):
         tokens = []
         for i, m in enumerate(matchers):
@@ -94,8 +107,10 @@ def main() -> None:
             t0 = time.perf_counter()
             got[w] = ways[w](pairs)
             times[w].append(time.perf_counter() - t0)
-        for m, t in pairs:
-            assert m.consume_token(t), m.get_error()
+        t0 = time.perf_counter()
+        got["consume"] = consume_then_fill(pairs, vocab)  # the matchers advance
+        times["consume"].append(time.perf_counter() - t0)
+        assert not any(m.is_error() for m in matchers)
         t0 = time.perf_counter()
         want = fill_masks(matchers, vocab)
         times["now"].append(time.perf_counter() - t0)

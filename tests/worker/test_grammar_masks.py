@@ -84,63 +84,84 @@ def _allowed(masks: np.ndarray, row: int) -> list[int]:
     return np.flatnonzero(bits).tolist()
 
 
-def test_a_fill_after_the_tokens_is_kept_only_for_those_tokens(grammars) -> None:
-    """``MaskPrefetch.start_after`` (a lookahead step, its tokens just known) fills each
-    matcher's mask of the state after its token and leaves the matcher as it was; the loop's
-    ``start`` keeps that fill when every matcher then consumed exactly that token, and fills
-    anew otherwise; either way ``take`` gives what a direct fill of the state now gives."""
+def test_a_lookahead_fill_consumes_the_tokens_and_the_engine_does_not_again(grammars) -> None:
+    """``MaskPrefetch.start_after`` (a lookahead step, its tokens just known) makes each
+    matcher consume its token and fills the mask of the state after it; the engine's accept of
+    that token does not consume it again (nor wait for the fill), and the loop's ``start``
+    keeps the fill. A row whose token the engine drops (``discard_ahead``: lost its lease) or
+    replaces (not expected) gets it back, and the fill is made anew. Either way ``take`` gives
+    exactly a direct fill of the state now, whose sequence of consumed tokens is the output's."""
+    from kvserve_model.sampling_params import SamplingParams
     from kvserve_model.structured_output import StructuredOutput
     from worker.model.grammar import MaskPrefetch, fill_masks
+    from worker.model.sampling import RowSampler
 
     schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}}
     vocab = grammars.vocab_size
-    matchers = [grammars.matcher(StructuredOutput.json_schema(schema)) for _ in range(3)]
+    so = StructuredOutput.json_schema(schema)
+    samplers = [RowSampler(SamplingParams(max_tokens=64), grammars.matcher(so)) for _ in range(3)]
+    outputs: list[list[int]] = [[] for _ in samplers]
     rng = np.random.default_rng(0)
-    for step in range(8):
+    prefetch = MaskPrefetch()
+    for step in range(12):
+        matchers = [s.grammar for s in samplers]
         now = fill_masks(matchers, vocab)
-        picks = [int(rng.choice(_allowed(now, i))) for i in range(len(matchers))]
-        prefetch = MaskPrefetch()
+        picks = [int(rng.choice(_allowed(now, i))) for i in range(len(samplers))]
+        for s, t in zip(samplers, picks, strict=True):
+            s.consumed_ahead(t, prefetch.wait)
         prefetch.start_after(list(zip(matchers, picks, strict=True)), vocab)
-        prefetch.wait()
-        assert np.array_equal(fill_masks(matchers, vocab), now)  # the matchers as they were
-        differ = step % 3 == 2  # the loop consumed another token for matcher 0
-        consumed = list(picks)
-        if differ:
-            others = [t for t in _allowed(now, 0) if t != picks[0]]
-            if not others:
+        case = step % 4  # 0, 1: the usual step; 2: row 0 dropped; 3: row 0 got another token
+        for i, (s, t) in enumerate(zip(samplers, picks, strict=True)):
+            if i == 0 and case == 2:
+                s.discard_ahead()
                 continue
-            consumed[0] = others[0]
-        for m, t in zip(matchers, consumed, strict=True):
-            assert m.consume_token(t)
-        prefetch.start(matchers, vocab, consumed)
+            if i == 0 and case == 3:
+                others = [x for x in _allowed(now, 0) if x != t]
+                t = others[0] if others else t
+            s.accept(t)
+            outputs[i].append(t)
+        assert not any(s.consumed_early for s in samplers)
+        prefetch.start(matchers, vocab, [o[-1] if o else -1 for o in outputs])
         order = [2, 0, 1] if step % 2 else [0, 1, 2]
         got = prefetch.take([matchers[i] for i in order], vocab)
         assert got is not None
         assert np.array_equal(got, fill_masks([matchers[i] for i in order], vocab))
-        assert prefetch.early == (0 if differ else 1) and prefetch.used == 1
+        assert prefetch.early == step + 1 - sum(1 for k in range(step + 1) if k % 4 in (2, 3))
+        # the matchers hold exactly the output: a fresh one fed it agrees
+        for s, out in zip(samplers, outputs, strict=True):
+            fresh = grammars.matcher(so)
+            assert all(fresh.consume_token(t) for t in out)
+            assert np.array_equal(fill_masks([fresh], vocab), fill_masks([s.grammar], vocab))
         if any(m.is_stopped() for m in matchers):
             break
 
 
-def test_a_refused_token_leaves_its_matcher_as_it_was(grammars) -> None:
-    """A token the grammar refuses (never drawn through its mask, but a fill must not depend
-    on that): the early fill leaves every matcher usable, and the others' masks are those of
-    the state after their tokens."""
+def test_a_refused_token_fails_its_row_alone(grammars) -> None:
+    """A token the grammar refuses (never drawn through its mask, but the fill must not depend
+    on that): its matcher ends in an error state, as the engine's own consume would leave it,
+    and the next sampling fails that row alone; the others' masks are those after their
+    tokens."""
+    from kvserve_model.sampling_params import SamplingParams
     from kvserve_model.structured_output import StructuredOutput
+    from worker.errors import ConstraintFailed
     from worker.model.grammar import MaskPrefetch, fill_masks
+    from worker.model.sampling import RowSampler, adjust_logits
 
     vocab = grammars.vocab_size
     so = StructuredOutput.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}})
-    matchers = [grammars.matcher(so) for _ in range(3)]
+    samplers = [RowSampler(SamplingParams(max_tokens=8), grammars.matcher(so)) for _ in range(3)]
+    matchers = [s.grammar for s in samplers]
     now = fill_masks(matchers, vocab)
     refused = next(t for t in range(vocab) if t not in set(_allowed(now, 0)))
     picks = [refused, _allowed(now, 1)[0], _allowed(now, 2)[-1]]
     prefetch = MaskPrefetch()
+    for s, t in zip(samplers, picks, strict=True):
+        s.consumed_ahead(t, prefetch.wait)
     prefetch.start_after(list(zip(matchers, picks, strict=True)), vocab)
-    prefetch.wait()
-    assert not any(m.is_error() for m in matchers)
-    assert np.array_equal(fill_masks(matchers, vocab), now)
-    for m, t in zip(matchers[1:], picks[1:], strict=True):
-        assert m.consume_token(t)
-    got = prefetch.take(matchers[1:], vocab)
-    assert got is not None and np.array_equal(got, fill_masks(matchers[1:], vocab))
+    for s, t in zip(samplers, picks, strict=True):
+        s.accept(t)
+    prefetch.start(matchers, vocab, picks)
+    rows = [(i, s, [], 0) for i, s in enumerate(samplers)]
+    _, failed = adjust_logits(mx.zeros((3, vocab)), rows, prefetch)
+    assert list(failed) == [0] and isinstance(failed[0].error, ConstraintFailed)
+    assert not matchers[1].is_error() and not matchers[2].is_error()

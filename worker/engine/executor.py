@@ -395,12 +395,14 @@ class ModelExecutor:
         """For a step that looks ahead with grammar rows: what starts the next step's masks
         once this step's tokens are known (``MaskPrefetch.start_after``), so that their fill
         runs while the next forward launches and the loop streams, not in the next step."""
-        constrained = [(k, r[1].grammar) for k, r in enumerate(rows) if r[1].grammar is not None]
+        constrained = [(k, r[1]) for k, r in enumerate(rows) if r[1].grammar is not None]
         if not constrained:
             return None
 
         def fill(ids: list[int]) -> None:
-            self.masks.start_after([(g, ids[k]) for k, g in constrained], vocab_size)
+            for k, sampler in constrained:
+                sampler.consumed_ahead(ids[k], self.masks.wait)
+            self.masks.start_after([(s.grammar, ids[k]) for k, s in constrained], vocab_size)
 
         return fill
 

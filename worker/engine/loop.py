@@ -250,7 +250,16 @@ class Engine:
             self._log_step(step, took, time.perf_counter() - started)
         sampled = self._end_failed_rows(step, results)
         before = sum(len(item.seq.output) for item in step.items)  # a sequence once a step
-        self.executor.masks.wait()  # postprocess consumes tokens: no fill may be in flight
+        if any(
+            i.seq.sampler is not None
+            and i.seq.sampler.grammar is not None
+            and not i.seq.sampler.consumed_early
+            for i in step.items
+        ):
+            # postprocess consumes their tokens: no fill may hold a matcher meanwhile. A step
+            # that looked ahead had its grammar rows consume theirs with the next masks' fill
+            # (``MaskPrefetch.start_after``), and the loop goes on while that fill runs.
+            self.executor.masks.wait()
         finished = self.scheduler.postprocess(step, sampled)
         self._prefetch_masks()
         self.scheduler.observe(took)  # after postprocess: it counts the step's decode tokens

@@ -189,6 +189,8 @@ class Scheduler:
         for item, s in zip(step.items, sampled, strict=True):
             seq = item.seq
             if seq.lease is None or seq.lease.lease_id != item.lease_id or seq.aborted:
+                if seq.sampler is not None:
+                    seq.sampler.discard_ahead()  # its grammar took the token early: undone
                 continue  # lost its lease or was cancelled while the forward ran
             if isinstance(s, Accepted):
                 seq.num_computed = item.start + 1 + s.accepted

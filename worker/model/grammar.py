@@ -168,37 +168,20 @@ def _refuse_errors(matchers: Sequence[Any]) -> None:
             raise constraint_failed(m)
 
 
-def fill_masks_after(pairs: Sequence[tuple[Any, int]], vocab_size: int) -> np.ndarray:
-    """Each matcher's mask for the state after it consumes its token (row i: pair i's), the
-    matchers left as they are: the tokens consumed together (in parallel, without the GIL),
-    the masks filled, each token rolled back, as llguidance's own draft-token fill does, but
-    without that fill's mask of the state before (here a third of its time). A refused token
-    would leave its matcher in an error state no rollback undoes, so the tokens are checked
-    first, and where one is refused llguidance's draft-token fill (which checks as it goes)
-    fills them all."""
-    from llguidance.numpy import (
-        allocate_token_bitmask,
-        fill_next_token_bitmask_par_with_draft_tokens,
-    )
+def consume_then_fill(pairs: Sequence[tuple[Any, int]], vocab_size: int) -> np.ndarray:
+    """Each matcher consumes its token (together, in parallel, without the GIL), then its mask
+    for the state after it is filled (row i: pair i's): the lookahead's early fill, whose
+    tokens the engine then does not consume again (``RowSampler.consumed_ahead``). A refused
+    token leaves its matcher in an error state, as the engine's own consume would, and its row
+    unfilled: the next step's sampling fails that row alone (``adjust_logits``)."""
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
-    _refuse_errors([m for m, _ in pairs])
-    if not all(m.validate_tokens([t]) == 1 for m, t in pairs):
-        both = allocate_token_bitmask(2 * len(pairs), vocab_size)  # now, then after the token
-        fill_next_token_bitmask_par_with_draft_tokens(
-            _llg_executor(), [(m, 2 * i, [t]) for i, (m, t) in enumerate(pairs)], both
-        )
-        return np.ascontiguousarray(both[1::2])
-    consumed = _llg_executor().consume_token_par(list(pairs))
-    try:
-        if not all(consumed):  # checked just above: not expected
-            raise RuntimeError("structured output: a checked token was refused")
-        return fill_masks([m for m, _ in pairs], vocab_size)
-    finally:
-        for (m, _), ok in zip(pairs, consumed, strict=True):
-            if ok and not m.rollback(1):
-                raise RuntimeError(
-                    f"structured output: rolling a token back failed: {m.get_error()}"
-                )
+    _llg_executor().consume_token_par(list(pairs))
+    masks = allocate_token_bitmask(len(pairs), vocab_size)
+    ok = [(m, i) for i, (m, _) in enumerate(pairs) if not m.is_error()]
+    if ok:
+        fill_next_token_bitmask_par(_llg_executor(), ok, masks)
+    return masks
 
 
 def fill_masks(matchers: Sequence[Any], vocab_size: int, check: bool = True) -> np.ndarray:
@@ -262,32 +245,38 @@ class MaskPrefetch:
     ) -> None:
         """Fills ``matchers``' masks for their current state, unless the pending fill is one
         :meth:`start_after` began after exactly the tokens each has consumed since (``last``:
-        each matcher's last consumed token)."""
-        self.wait()
-        if not matchers:
-            return
+        each matcher's last consumed token): that one is kept, still filling."""
         pending = self._pending
         if (
-            pending is not None
+            matchers
+            and pending is not None
             and pending.after is not None
             and last is not None
             and pending.vocab_size == vocab_size
-            and all(pending.after.get(id(m), -1) == t for m, t in zip(matchers, last, strict=True))
+            and all(
+                id(m) in pending.after and pending.after[id(m)] == t
+                for m, t in zip(matchers, last, strict=True)
+            )
         ):
-            return  # filled already, after these tokens
+            return  # filling already, after these tokens
+        self.wait()
+        if not matchers:
+            return
         held = list(matchers)
         self._pending = _Fill(held, self._submit(fill_masks, held, vocab_size), vocab_size)
 
     def start_after(self, pairs: Sequence[tuple[Any, int]], vocab_size: int) -> None:
-        """Fills each matcher's mask for the state after it consumes its token, before it
-        does (the engine's :meth:`wait` then lets the fill end before it consumes)."""
+        """Makes each matcher consume its token and fills its mask for the state after, on the
+        fill's thread (:func:`consume_then_fill`): the caller has marked each row's sampler
+        (``RowSampler.consumed_ahead``), so the engine appends the token without consuming it
+        again, and without waiting for this fill."""
         self.wait()
         self._pending = None
         if not pairs:
             return
         held = [m for m, _ in pairs]
         after = {id(m): t for m, t in pairs}
-        future = self._submit(fill_masks_after, list(pairs), vocab_size)
+        future = self._submit(consume_then_fill, list(pairs), vocab_size)
         self._pending = _Fill(held, future, vocab_size, after)
 
     def wait(self) -> None:

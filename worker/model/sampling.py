@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,11 @@ class RowSampler:
     _delta: dict[int, float] = field(init=False)
     _bias: dict[int, float] = field(init=False)
     _counts: dict[int, int] = field(init=False)
+    # A token the grammar consumed before the engine appended it (a step that looked ahead
+    # consumes it with the next step's mask fill, on the fill's thread: :meth:`consumed_ahead`),
+    # and what waits for that fill to end; :meth:`accept` does not consume it again.
+    _ahead: int | None = field(init=False, default=None)
+    _settle: Callable[[], None] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         p = self.params
@@ -92,7 +97,36 @@ class RowSampler:
             n = self._counts[token] = self._counts.get(token, 0) + 1
             self._delta[token] = self._penalized(token, n)
         if self.grammar is not None:
+            if self._ahead is not None:
+                ahead, self._ahead = self._ahead, None
+                if ahead == token:
+                    return  # consumed already, on the fill's thread
+                self._unconsume()  # not expected: the token the fill took was not appended
             self.grammar.consume_token(token)
+
+    def consumed_ahead(self, token: int, settle: Callable[[], None]) -> None:
+        """The grammar consumes ``token`` on another thread before the engine appends it
+        (``MaskPrefetch.start_after``): the engine's :meth:`accept` of it does not wait for
+        that thread, nor consume it again. ``settle`` waits for that thread to be done."""
+        self._ahead, self._settle = token, settle
+
+    def discard_ahead(self) -> None:
+        """The engine dropped the token consumed ahead (its sequence lost its lease or was
+        cancelled during the step): the grammar gives it back."""
+        if self._ahead is not None:
+            self._ahead = None
+            self._unconsume()
+
+    def _unconsume(self) -> None:
+        if self._settle is not None:
+            self._settle()  # no matcher is touched while the fill may hold it
+        if not self.grammar.is_error():  # a refused token: the row fails at its next sampling
+            self.grammar.rollback(1)
+
+    @property
+    def consumed_early(self) -> bool:
+        """Whether the grammar holds a token the engine has not appended yet."""
+        return self._ahead is not None
 
     def deltas(self, extra: Sequence[int] = ()) -> dict[int, float]:
         """What bias and penalties add per token, with ``extra`` tokens (drafts being
