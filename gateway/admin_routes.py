@@ -16,7 +16,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.chat import template_messages
+from gateway.chat import conversation_chars, template_messages
 from gateway.core import Gateway
 from gateway.errors import InvalidRequest
 from gateway.protocol import ChatMessage, TokenId, parse_json
@@ -75,19 +75,23 @@ async def _body(request: Request, model: type[B]) -> B:
     return parse_json(await request.body() or b"{}", model)
 
 
-def _tokens(gw: Gateway, b: PrefixBody, required: bool = True) -> list[int]:
-    """The body's prefix as token ids (tokenized as the OpenAI endpoints do); [] if none
-    was given and none is ``required``."""
+async def _tokens(gw: Gateway, b: PrefixBody, required: bool = True) -> list[int]:
+    """The body's prefix as token ids (tokenized as the OpenAI endpoints do: the same length
+    limit, long prompts off the event loop); [] if none was given and none is ``required``."""
     given = [x is not None for x in (b.token_ids, b.prompt, b.messages)]
     if sum(given) > 1 or (required and not any(given)):
         raise InvalidRequest("give exactly one of token_ids, prompt or messages")
     if b.token_ids is not None:
         ids = list(b.token_ids)
     elif b.prompt is not None:
-        ids = gw.tokenizer.encode(b.prompt)
+        gw.serving.limits.check_prompt_chars(len(b.prompt))
+        ids = await gw.tokenizer.encode_async(b.prompt)
     elif b.messages is not None:
-        ids = gw.tokenizer.apply_chat_template(
-            template_messages(b.messages), add_generation_prompt=False
+        messages = template_messages(b.messages)
+        chars = conversation_chars(messages)
+        gw.serving.limits.check_prompt_chars(chars, param="messages")
+        ids = await gw.tokenizer.apply_chat_template_async(
+            messages, chars, add_generation_prompt=False
         )
     else:
         return []
@@ -139,7 +143,7 @@ def _add_inspect_routes(router: APIRouter, gw: Gateway) -> None:
     async def lookup(request: Request) -> dict[str, Any]:
         """Dry-run match of a prompt on every pool (or one): cached tokens, blocks needed."""
         b = await _body(request, PrefixBody)
-        ids = _tokens(gw, b)
+        ids = await _tokens(gw, b)
         req = pb.LookupRequest(pool_id=b.pool, namespace=b.namespace, prompt_token_ids=ids)
         return {**await _call(gw, request, "Lookup", req), "prompt_tokens": len(ids)}
 
@@ -152,7 +156,7 @@ def _add_maintenance_routes(router: APIRouter, gw: Gateway) -> None:
         """Evict ``blocks`` LRU blocks, a prefix, or every block of a ``namespace``."""
         b = await _body(request, EvictBody)
         pool = _pool_of(b)
-        req = _evict_request(b, pool, _tokens(gw, b, required=False))
+        req = _evict_request(b, pool, await _tokens(gw, b, required=False))
         return await _call(gw, request, "Evict", req)
 
     @router.post("/flush")
@@ -165,7 +169,7 @@ def _add_maintenance_routes(router: APIRouter, gw: Gateway) -> None:
 
     async def pin_call(request: Request, method: str) -> dict[str, Any]:
         b = await _body(request, PrefixBody)
-        prefix = pb.PrefixRef(namespace=b.namespace, token_ids=_tokens(gw, b))
+        prefix = pb.PrefixRef(namespace=b.namespace, token_ids=await _tokens(gw, b))
         return await _call(gw, request, method, pb.PinRequest(pool_id=_pool_of(b), prefix=prefix))
 
     @router.post("/pin")

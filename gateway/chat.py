@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -64,6 +64,26 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             msg["tool_calls"] = template_tool_calls(msg["tool_calls"], f"messages.{k}.tool_calls")
         out.append(msg)
     return out
+
+
+# What a chat template writes around each message besides its content (its role and markers:
+# ChatML 26 characters, Llama 3's 50), counted into a conversation's length before it is
+# rendered, so that many small messages do not pass for a short prompt: 125,000 empty ones (a
+# 3.6 MB body) counted as 0 characters, were rendered on the event loop, and stalled every
+# other stream and /health for seconds before the prompt was refused as too long.
+MESSAGE_CHARS = 32
+
+
+def conversation_chars(messages: Sequence[Mapping[str, Any]]) -> int:
+    """About how many characters ``messages`` (as :func:`template_messages` makes them) render
+    to, before rendering: their contents and tool calls, and :data:`MESSAGE_CHARS` each. What
+    the prompt-length limit checks and what decides whether rendering leaves the event loop."""
+    chars = 0
+    for m in messages:
+        chars += len(m["content"]) + MESSAGE_CHARS
+        if m.get("tool_calls"):
+            chars += len(json.dumps(m["tool_calls"]))
+    return chars
 
 
 # chat_template_kwargs that are no template variable but an argument of the rendering call
@@ -172,7 +192,7 @@ class ChatServing:
                 )
             structured = tools.constraint
         messages = template_messages(req.messages)
-        chars = sum(len(m["content"]) for m in messages)
+        chars = conversation_chars(messages)
         if shown_tools:  # the template writes the tools' schemas into the prompt
             chars += len(json.dumps(shown_tools))
         self.s.limits.check_prompt_chars(chars, param="messages")

@@ -39,6 +39,9 @@ class GatewayConfig(ServerClientFlags):
     # 0: the model's context length (kvserve_model.context, the workers' rule).
     max_model_len: int = 0
     max_body_bytes: int = 4 * 1024 * 1024
+    # Origins whose browser pages may call the HTTP API (CORS), comma-separated; "*": any (as
+    # vLLM's --allowed-origins by default); empty: no CORS headers, preflights refused.
+    allowed_origins: str = "*"
     # Checked before tokenizing; 0: 32 characters per token of context (limits.py).
     max_prompt_chars: int = 0
     # cache_salt (HTTP) and namespace (gRPC): stored by the cache service, printed by admin.
@@ -69,6 +72,11 @@ class GatewayConfig(ServerClientFlags):
     def cache_services(self) -> tuple[str, ...]:
         """The cache service's address, or its shards' addresses."""
         return comma_separated(self.cache_service)
+
+    @property
+    def cors_origins(self) -> tuple[str, ...]:
+        """--allowed-origins, one origin each ("*": any)."""
+        return comma_separated(self.allowed_origins)
 
     @property
     def model_name(self) -> str:
@@ -129,6 +137,8 @@ SETTINGS = Settings(
         "workers": "comma-separated worker addresses besides the registered ones",
         "max_model_len": "context length (0: the model config's)",
         "max_body_bytes": "largest accepted request body",
+        "allowed_origins": "origins whose browser pages may call the HTTP API (CORS), "
+        "comma-separated; *: any; empty: none",
         "max_prompt_chars": "longest prompt in characters, before tokenizing (0: 32 x context)",
         "max_namespace_chars": "longest cache_salt / namespace",
         "max_choices": "most choices (prompts x n) per request",

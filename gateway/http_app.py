@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from gateway.admin_routes import admin_router
@@ -76,6 +77,12 @@ def create_app(gw: Gateway) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=gw.config.max_body_bytes)
     app.add_middleware(ClientConcurrency, limiter=gw.concurrency)
     app.add_middleware(RequestMetrics, metrics=gw.metrics)
+    if origins := gw.config.cors_origins:
+        # Outermost: a browser's preflight (OPTIONS) is answered before any limit or route,
+        # and every response, errors included, carries the headers a page needs to read it.
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(origins), allow_methods=["*"], allow_headers=["*"]
+        )
     _install_error_handlers(app)
     app.include_router(admin_router(gw))
     app.include_router(dashboard_router(gw))

@@ -6,8 +6,10 @@ points at a closed port, so everything here is answered by the gateway itself.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
+import threading
 from collections.abc import AsyncIterator
 
 import httpx
@@ -15,6 +17,7 @@ import pytest
 
 from gateway.core import Gateway
 from gateway.http_app import create_app
+from gateway.limits import CHARS_PER_CONTEXT_TOKEN
 from gateway.tokenizer import Tokenizer
 from kvcache_service.server import RunningService
 from tests.gateway.conftest import ADMIN_TOKEN, gateway_config
@@ -193,6 +196,82 @@ async def test_prompt_beyond_the_context(client, tokenizer):
     )
 
 
+@pytest.fixture
+async def roomy_client(tokenizer: Tokenizer) -> AsyncIterator[httpx.AsyncClient]:
+    """The gateway of ``client``, taking bodies of up to 1 MiB."""
+    config = gateway_config(f"127.0.0.1:{closed_port()}", max_body_bytes=1 << 20)
+    gw = Gateway.build(config, tokenizer)
+    transport = httpx.ASGITransport(app=create_app(gw))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+        yield c
+    await gw.close()
+
+
+async def test_many_small_messages_count_toward_the_prompt_limit(roomy_client, tokenizer):
+    """Each message counts what a template writes around it (``MESSAGE_CHARS``), not only its
+    content: a conversation of empty messages past the prompt-length limit is refused before it
+    is rendered (125,000 of them once counted as 0 characters, rendered on the event loop, and
+    stalled every other stream for seconds), on the chat endpoint and the admin routes."""
+    from gateway.chat import MESSAGE_CHARS
+
+    n = CHARS_PER_CONTEXT_TOKEN * tokenizer.max_context // MESSAGE_CHARS + 1
+    messages = [{"role": "user", "content": ""}] * n
+    err = assert_error(
+        await roomy_client.post("/v1/chat/completions", json={"messages": messages}),
+        400,
+        param="messages",
+        code="context_length_exceeded",
+    )
+    assert "characters" in err["message"]
+    for path in ("/admin/cache/lookup", "/admin/cache/pin"):
+        err = assert_error(
+            await roomy_client.post(path, json={"pool": "w0", "messages": messages}),
+            400,
+            param="messages",
+            code="context_length_exceeded",
+        )
+        assert "characters" in err["message"]
+    long_prompt = "a" * (CHARS_PER_CONTEXT_TOKEN * tokenizer.max_context + 1)
+    assert_error(
+        await roomy_client.post("/admin/cache/lookup", json={"prompt": long_prompt}),
+        400,
+        param="prompt",
+        code="context_length_exceeded",
+    )
+
+
+async def test_a_long_conversation_renders_off_the_event_loop(tokenizer):
+    """A conversation whose messages are many but short is rendered on another thread (as a
+    long one is), on the chat endpoint and the admin routes: the event loop keeps serving."""
+    threads: list[str] = []
+
+    class Recording(Tokenizer):
+        def apply_chat_template(self, *args, **kwargs):
+            threads.append(threading.current_thread().name)
+            return super().apply_chat_template(*args, **kwargs)
+
+    fields = {f.name: getattr(tokenizer, f.name) for f in dataclasses.fields(tokenizer)}
+    config = gateway_config(f"127.0.0.1:{closed_port()}", max_body_bytes=1 << 20)
+    gw = Gateway.build(config, Recording(**fields))
+    try:
+        transport = httpx.ASGITransport(app=create_app(gw))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            few = [{"role": "user", "content": "hi"}]
+            many = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}] * 80
+            for messages in (few, many):
+                await c.post("/v1/chat/completions", json={"messages": messages})
+                await c.post(
+                    "/admin/cache/lookup",
+                    json={"messages": messages},
+                    headers={"Authorization": f"bearer {ADMIN_TOKEN}"},
+                )
+    finally:
+        await gw.close()
+    loop = threading.current_thread().name
+    assert threads[:2] == [loop, loop]  # a short one: rendered in place
+    assert len(threads) == 4 and loop not in threads[2:]
+
+
 @pytest.mark.parametrize(
     "key", [" 12", "12 ", "+12", "-12", "1_2", "\u0661\u0662", "\uff11\uff12", "", "0x1"]
 )
@@ -250,6 +329,51 @@ async def test_oversized_body_is_413(client):
             yield b" " * 1024
 
     assert_error(await client.post("/v1/completions", content=chunks()), 413)
+
+
+@pytest.mark.parametrize("origins", ["*", "https://app.example", ""])
+async def test_browser_pages_may_call_the_api_by_allowed_origins(tokenizer, origins):
+    """CORS, as vLLM's --allowed-origins (default "*"): a browser's preflight of a chat call is
+    answered with the origin allowed, and the call's response (an error's too) carries it; an
+    origin not listed gets no grant, and an empty list turns CORS off (the preflight is the
+    405 of a route that takes no OPTIONS)."""
+    config = gateway_config(f"127.0.0.1:{closed_port()}", allowed_origins=origins)
+    gw = Gateway.build(config, tokenizer)
+    preflight = {
+        "Origin": "https://app.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    try:
+        transport = httpx.ASGITransport(app=create_app(gw))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            pre = await c.options("/v1/chat/completions", headers=preflight)
+            call = await c.post(
+                "/v1/chat/completions",
+                json={"messages": []},
+                headers={"Origin": "https://app.example"},
+            )
+            other = await c.options(
+                "/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"}
+            )
+    finally:
+        await gw.close()
+    assert call.status_code == 400  # no messages: the gateway's own error
+    if not origins:
+        assert pre.status_code == 405
+        assert "access-control-allow-origin" not in call.headers
+        return
+    assert pre.status_code == 200, pre.text
+    allowed = "*" if origins == "*" else "https://app.example"
+    assert pre.headers["access-control-allow-origin"] == allowed
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+    assert call.headers["access-control-allow-origin"] == allowed
+    if origins == "*":
+        assert other.status_code == 200
+    else:
+        assert other.status_code == 400
+        assert "access-control-allow-origin" not in other.headers
 
 
 async def test_unknown_path_and_method(client):

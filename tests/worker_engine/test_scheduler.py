@@ -146,6 +146,20 @@ def test_text_stream_never_splits_a_utf8_character(tokenizer) -> None:
     assert "".join(pieces) + stream.finish() == "é€"
 
 
+def test_an_output_cut_within_a_character_ends_before_it(tokenizer) -> None:
+    """An output whose last token ends partway into a UTF-8 character (cut by max_tokens) ends
+    with the characters before it, not with U+FFFD for the unfinished bytes; a character the
+    tokens complete stays, and so does an invalid byte within the text."""
+    whole = "aé€😀".encode()
+    for cut in range(1, len(whole) + 1):
+        stream = TextStream(tokenizer.detokenizer, (), include_stop=False)
+        sent = "".join(stream.add(b)[0] for b in whole[:cut]) + stream.finish()
+        assert sent == whole[:cut].decode(errors="ignore"), cut
+    stream = TextStream(tokenizer.detokenizer, (), include_stop=False)
+    sent = "".join(stream.add(b)[0] for b in b"a\xffb") + stream.finish()
+    assert sent == "a\ufffdb"
+
+
 def test_text_stream_sends_spaces_as_they_come(tokenizer) -> None:
     """mlx-lm's byte-level detokenizer holds each space until the next token; once the text has
     begun nothing is trimmed, so a run of spaces streams as it is generated (a request whose

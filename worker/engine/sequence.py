@@ -90,8 +90,12 @@ class TextStream:
         return self._scan(final=False)
 
     def finish(self) -> str:
+        """The text held back, at the output's end. Bytes of an unfinished UTF-8 character
+        (an output cut by max_tokens or a stop token within a character) are left out: the
+        detokenizer's flush decoded them to U+FFFD, which a client then showed as text. vLLM's
+        detokenizer never emits them either."""
         self._detok.finalize()
-        self._text += self._detok.last_segment
+        self._text += self._detok.last_segment.rstrip("\ufffd")
         return self._scan(final=True)[0]
 
     def _scan(self, final: bool) -> tuple[str, bool]:
