@@ -176,7 +176,11 @@ ERROR_TABLE: dict[type[GatewayError], ErrorMapping] = {
     NoWorkerYet: ErrorMapping(
         503, "service_unavailable", grpc.StatusCode.UNAVAILABLE, STARTING_RETRY_AFTER_S
     ),
-    NoWorkerAvailable: ErrorMapping(503, "service_unavailable", grpc.StatusCode.UNAVAILABLE),
+    # None answered: a dead worker is restarted by its supervisor and serves again within
+    # seconds (its pool taken back at once: worker.pool_claim).
+    NoWorkerAvailable: ErrorMapping(
+        503, "service_unavailable", grpc.StatusCode.UNAVAILABLE, STARTING_RETRY_AFTER_S
+    ),
     WorkerUnavailable: ErrorMapping(503, "service_unavailable", grpc.StatusCode.UNAVAILABLE),
     RequestAborted: ErrorMapping(
         503, "service_unavailable", grpc.StatusCode.ABORTED, RETRY_AFTER_S

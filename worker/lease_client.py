@@ -39,6 +39,7 @@ from worker.engine.lease import (
     TierEntry,
     Written,
 )
+from worker.pool_claim import PoolClaim
 
 RPC_TIMEOUT_S = 10.0
 # Heartbeats at most this share of the lease TTL apart, whatever interval the service suggests
@@ -84,10 +85,17 @@ class LeaseClient:
     `incarnation` is set by register() and sent with every call."""
 
     def __init__(
-        self, address: str, token: str = "", channel: grpc.aio.Channel | None = None
+        self,
+        address: str,
+        token: str = "",
+        channel: grpc.aio.Channel | None = None,
+        claim: PoolClaim | None = None,
     ) -> None:
         """``channel``: one to ``address`` already built (TLS, ``kvserve_launch.tls``); the
-        client owns and closes it. None: a plaintext one."""
+        client owns and closes it. None: a plaintext one. ``claim``: where the pool's
+        incarnation is kept for a restart of this worker (``worker.pool_claim``); the client
+        owns and closes it."""
+        self._claim = claim
         self.address = address
         # The cache service's service token, on every call (empty: the service's auth is off).
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -103,6 +111,8 @@ class LeaseClient:
 
     async def close(self) -> None:
         await self._channel.close()
+        if self._claim is not None:
+            self._claim.close()
 
     @property
     def _ref(self) -> pb.PoolRef:
@@ -116,6 +126,10 @@ class LeaseClient:
             raise _translate(err, incarnation) from err
 
     async def register(self, reg: PoolRegistration) -> int:
+        if not self.incarnation and self._claim is not None:
+            # A restart of this worker: the incarnation its last run recorded takes the pool
+            # back while the dead run's heartbeats have not lapsed yet.
+            self.incarnation = self._claim.incarnation()
         resp = await self._call(
             self._stub.RegisterPool,
             pb.RegisterPoolRequest(
@@ -145,6 +159,8 @@ class LeaseClient:
             )
         self.pool_id = reg.pool_id
         self.incarnation = resp.incarnation
+        if self._claim is not None:
+            self._claim.record(resp.incarnation)
         self.lease_ttl_s = resp.lease_ttl_s
         ttl_share = resp.lease_ttl_s * HEARTBEAT_TTL_FRACTION
         announced = (i for i in (resp.heartbeat_interval_s, ttl_share) if i > 0)

@@ -38,6 +38,7 @@ from worker.model.device import cuda_available
 from worker.model.loader import LoadedModel, load_model
 from worker.model.spec import LayerSpec
 from worker.model_setup import build_executor, group_sharding, model_errors_as_startup_errors
+from worker.pool_claim import PoolClaim
 from worker.servicer import WorkerServicer
 from worker.tier.disk import DiskTier
 from worker.tier.host import HostTier
@@ -87,7 +88,7 @@ async def running(
     max_context = context_length(loaded.config)
     engine = Engine(
         executor,
-        _lease_client(config),
+        _lease_client(config, worker_id),
         registration,
         _engine_limits(config, executor, chosen, max_context),
         tokenizer,
@@ -151,12 +152,15 @@ def _bound_server(config: WorkerConfig) -> tuple[grpc.aio.Server, int]:
     return server, add_port(server, config.host, config.port, ENV_PREFIX, "port", tls)
 
 
-def _lease_client(config: WorkerConfig) -> LeaseClient:
-    """The cache service's client (TLS as configured): the engine's ``LeaseService``."""
+def _lease_client(config: WorkerConfig, pool_id: str) -> LeaseClient:
+    """The cache service's client (TLS as configured): the engine's ``LeaseService``, keeping
+    the pool's incarnation for a restart of this worker (``worker.pool_claim``)."""
     dialer = Dialer.from_files(
         config.tls_ca, config.tls_server_name, config.tls_cert, config.tls_key, ENV_PREFIX
     )
-    return LeaseClient(config.cache_service, config.cache_token, dialer.aio(config.cache_service))
+    channel = dialer.aio(config.cache_service)
+    claim = PoolClaim(config.cache_service, pool_id)
+    return LeaseClient(config.cache_service, config.cache_token, channel, claim)
 
 
 def _registration(

@@ -42,9 +42,10 @@ def stream(base: str, i: int, max_tokens: int, hang_up: bool) -> None:
         pass  # cut off by the kill: expected
 
 
-def test_worker_restarts_leave_no_asyncio_errors_in_the_gateway(monkeypatch):
-    # A worker restarted under its id registers once its old incarnation's TTL lapsed.
-    monkeypatch.setenv("KVCACHE_LEASE_TTL_S", "4")
+def test_worker_restarts_leave_no_asyncio_errors_in_the_gateway():
+    """Also: the restarted worker takes its pool back at once (``worker.pool_claim``), within
+    the default 30 s lease TTL of the killed one's last heartbeat; it was refused as a live
+    pool's second registrant until that TTL lapsed."""
     logs = KeptLines(20_000)
     fixture = started_system(logs, workers=2)
     system = next(fixture)
@@ -72,6 +73,10 @@ def test_worker_restarts_leave_no_asyncio_errors_in_the_gateway(monkeypatch):
                 assert client.post("/v1/completions", json=body).status_code == 200
     finally:
         fixture.close()  # stops every process (the gateway last logs at its shutdown)
-    gateway = [line for line in logs.dump().splitlines() if line.startswith("gateway")]
+    lines = logs.dump().splitlines()
+    refused = [line for line in lines if "register it after its TTL lapses" in line]
+    assert not refused, "\n".join(refused[:5])
+    assert sum("registered pool" in line for line in lines) >= 2 + 3  # each restart at once
+    gateway = [line for line in lines if line.startswith("gateway")]
     found = [line for line in gateway if any(e in line for e in ASYNCIO_ERRORS)]
     assert not found, "\n".join(found[:10])

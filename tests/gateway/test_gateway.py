@@ -194,6 +194,7 @@ async def test_all_workers_down_is_503_then_service_resumes(stack: Stack):
     resp = await stack.http.post("/v1/chat/completions", json=chat(SYSTEM_A))
     assert resp.status_code == 503
     assert resp.json()["error"]["type"] == "service_unavailable"
+    assert resp.headers["retry-after"] == "2"  # a supervisor restarts a worker in seconds
     assert (await stack.http.get("/health")).status_code == 503
     for w, port in zip(stack.workers, ports, strict=True):
         await w.start(port)

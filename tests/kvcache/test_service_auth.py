@@ -214,3 +214,38 @@ def test_a_lapsed_pool_may_be_registered_by_anyone() -> None:
     inc = auth.register_pool(spec).incarnation
     now[0] += 11
     assert auth.register_pool(spec).incarnation != inc  # a restarted worker, after one TTL
+
+
+async def test_a_restarted_worker_takes_its_live_pool_back_at_once(svc: RunningService, tmp_path):
+    """A worker that died (its claim's lock dropped by the kernel, modelled here by closing
+    the claim) is restarted within its pool's TTL: the restart presents the incarnation its
+    last run recorded and re-registers at once, where it waited out the TTL (30 s). A second
+    live worker with the same pool id finds the claim held, presents nothing, and is refused
+    as before; the pool's own worker is not disturbed."""
+    from worker.engine.lease import LeaseError
+    from worker.pool_claim import PoolClaim
+
+    reg = PoolRegistration("w1", 32, BS, "tiny", "fp", "w1:1", 2, 2, 8, "float32")
+    first = LeaseClient(svc.address, SERVICE_TOKEN, claim=PoolClaim(svc.address, "w1", tmp_path))
+    inc = await first.register(reg)
+    assert await first.heartbeat() == []  # live
+
+    twin = LeaseClient(svc.address, SERVICE_TOKEN, claim=PoolClaim(svc.address, "w1", tmp_path))
+    with pytest.raises(LeaseError, match="live"):
+        await twin.register(reg)
+    await twin.close()
+    assert await first.heartbeat() == []  # the live pool kept its incarnation
+
+    await first.close()  # the process died: its lock is gone, its heartbeats not lapsed yet
+    restarted = LeaseClient(
+        svc.address, SERVICE_TOKEN, claim=PoolClaim(svc.address, "w1", tmp_path)
+    )
+    new = await restarted.register(reg)
+    assert new != inc and await restarted.heartbeat() == []
+    # Another pool id, or another cache service, is another claim.
+    other = PoolClaim(svc.address, "w2", tmp_path)
+    elsewhere = PoolClaim("10.0.0.9:50051", "w1", tmp_path)
+    assert other.held and elsewhere.held and other.incarnation() == elsewhere.incarnation() == 0
+    for c in (other, elsewhere):
+        c.close()
+    await restarted.close()
