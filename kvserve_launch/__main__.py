@@ -12,6 +12,7 @@ from kvserve_launch.config import LaunchConfig
 from kvserve_launch.process import ChildFailed
 from kvserve_launch.supervisor import Supervisor
 from kvserve_launch.system import System, launch
+from kvserve_model.errors import ModelLoadError
 
 
 def admin_cli() -> str:
@@ -71,6 +72,9 @@ def main(argv: list[str] | None = None, cfg: LaunchConfig | None = None) -> int:
         system = launch(cfg)
     except ChildFailed as e:
         print(f"kvserve: startup failed: {e}", file=sys.stderr)
+        return 1
+    except (ModelLoadError, OSError) as e:  # the model (not a file it can serve), a directory
+        print(f"kvserve: cannot start: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("kvserve: interrupted during startup", file=sys.stderr)

@@ -17,25 +17,39 @@ MODEL_DIR_ENV = "KVSERVE_MODEL_DIR"
 
 
 def models_dir() -> Path:
+    """Where converted and generated models are kept: ``KVSERVE_MODEL_DIR`` as given, else
+    ``$XDG_CACHE_HOME/kvserve/models`` (``~/.cache``), else, where that cannot be written (a
+    container's read-only home), a per-user temporary directory: the default model is
+    converted there, where the start died of a traceback before."""
     explicit = os.environ.get(MODEL_DIR_ENV)
     if explicit:
         return Path(explicit).expanduser()
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "kvserve" / "models"
+    return _writable_or_temporary(
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve" / "models",
+        "models",
+    )
+
+
+def _writable_or_temporary(base: Path, name: str) -> Path:
+    """``base``, made if missing, when this user can write it; else ``kvserve-<name>-<uid>``
+    in the temporary directory, made."""
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        if os.access(base, os.W_OK | os.X_OK):
+            return base
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"kvserve-{name}-{os.getuid()}"
+    fallback.mkdir(parents=True, exist_ok=True)
+    return fallback
 
 
 def user_cache_dir(name: str) -> Path:
     """``$XDG_CACHE_HOME/kvserve/<name>`` (``~/.cache``), made if missing; a per-user
-    temporary directory where it cannot be (a read-only home): the BLAS choice, the CPU
-    kernel's build."""
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve" / name
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        return base
-    except OSError:
-        fallback = Path(tempfile.gettempdir()) / f"kvserve-{name}-{os.getuid()}"
-        fallback.mkdir(parents=True, exist_ok=True)
-        return fallback
+    temporary directory where it cannot be written (a read-only home): the BLAS choice, the
+    CPU kernel's build."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return _writable_or_temporary(cache / "kvserve" / name, name)
 
 
 def build_once(

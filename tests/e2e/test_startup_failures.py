@@ -231,3 +231,49 @@ def test_the_launcher_hints_at_its_own_model_flag(tmp_path: Path, monkeypatch):
     assert f"    {service}: cannot start: " in text
     assert f"model directory {tmp_path / 'missing'} does not exist" in text
     assert "  hint: --model or KVSERVE_MODEL takes SmolLM2-135M-Instruct" in text
+
+
+@pytest.mark.e2e
+def test_the_launcher_refuses_a_model_file_it_cannot_serve_in_one_line(tmp_path: Path):
+    """A --model that is a file but no GGUF (or a truncated one): one line and status 1, where
+    the launcher ended with a traceback (ModelLoadError from preparing the model)."""
+    not_gguf = tmp_path / "model.bin"
+    not_gguf.write_bytes(b"\0" * 64)
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\0" * 8)
+    for path in (not_gguf, truncated):
+        proc = run_module(
+            "kvserve_launch", "--model", str(path), "--http-port", "0", "--grpc-port", "0",
+            "--cache-port", "0", KVSERVE_FAST_BLAS="0",
+        )  # fmt: skip
+        assert proc.returncode == 1, proc.stderr
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("kvserve: cannot start: "), proc.stderr
+        assert str(path) in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_models_go_to_a_temporary_directory_where_the_cache_cannot_be_written(
+    tmp_path: Path, monkeypatch
+):
+    """A read-only home (a container's): the default model is converted into a per-user
+    temporary directory, where the start died of a traceback (the cache could not be made)."""
+    from kvserve_model.model_cache import MODEL_DIR_ENV, models_dir, user_cache_dir
+
+    monkeypatch.delenv(MODEL_DIR_ENV, raising=False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    fallback = tmp_path / "tmp" / f"kvserve-models-{os.getuid()}"
+    monkeypatch.setenv("XDG_CACHE_HOME", "/dev/null")  # not a directory: no one can write it
+    assert models_dir() == fallback and fallback.is_dir()
+    assert user_cache_dir("blas") == tmp_path / "tmp" / f"kvserve-blas-{os.getuid()}"
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home / ".cache"))
+    assert models_dir() == home / ".cache" / "kvserve" / "models"  # writable: the cache
+    home.chmod(0o500)
+    try:
+        if os.access(home, os.W_OK):
+            return  # root writes anywhere: a read-only mode is no read-only home for it
+        assert models_dir() == fallback
+    finally:
+        home.chmod(0o700)
