@@ -262,6 +262,20 @@ def _memory_call(name: str) -> int | None:
     return None
 
 
+def total_memory(device: Device) -> int | None:
+    """All the memory a pool on ``device`` could ever hold, or None when the machine does not
+    say: the device's own (a GPU's total), else the host's RAM."""
+    if device != "cpu":
+        info = _device_info()
+        for key in ("memory_size", "total_memory", "max_recommended_working_set_size"):
+            if total := _int(info.get(key)):
+                return total
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def _available_ram() -> int | None:
     """MemAvailable from /proc/meminfo (Linux), else free pages from sysconf."""
     try:

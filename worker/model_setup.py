@@ -20,16 +20,18 @@ from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
-from kvserve_launch.startup import ModelUnavailable, setting
+from kvserve_launch.startup import ModelUnavailable, StartupError, setting
 from kvserve_model.context import context_length
 from kvserve_model.errors import ModelLoadError
 from worker.config import ENV_PREFIX, WorkerConfig
 from worker.device_defaults import (
+    Device,
     WorkerLimits,
     choose_limits,
     dense_limits,
     device_kind,
     free_memory,
+    total_memory,
 )
 from worker.engine import lookahead
 from worker.engine.executor import ModelExecutor, Runner
@@ -143,6 +145,22 @@ def _join_group(config: WorkerConfig, loaded: LoadedModel) -> Channel | None:
     return Channel(group)
 
 
+def _fitting(limits: WorkerLimits, bytes_per_block: int, device: Device) -> WorkerLimits:
+    """``limits``, once its pool fits in the device's whole memory (``total_memory``); a
+    StartupError naming both otherwise. ``--num-blocks 1000000000`` asked for a 1.4 PB pool,
+    which the worker tried to make and died of SIGSEGV (the launcher then blamed the BLAS)."""
+    total = total_memory(device)
+    need = (limits.num_blocks + limits.scratch_blocks) * bytes_per_block
+    if total is not None and need > total:
+        raise StartupError(
+            f"a KV pool of {limits.num_blocks} blocks ({limits.pool_source}) needs "
+            f"{need / 2**30:,.1f} GiB, more than this {device}'s {total / 2**30:,.1f} GiB of "
+            "memory",
+            "set a smaller --num-blocks or --kv-memory-mb, or leave both unset",
+        )
+    return limits
+
+
 def _with_scratch(config: WorkerConfig, loaded: LoadedModel, limits: WorkerLimits) -> WorkerLimits:
     """The warm-up's private blocks on top of the pool (none without a warm-up)."""
     if not config.warmup:
@@ -169,6 +187,7 @@ def _paged_runner(
     limits = _with_scratch(
         config, loaded, choose_limits(device, free_memory(device), per_block, config)
     )
+    limits = _fitting(limits, per_block, device)
     log.info("%s", limits.describe(config.block_size, per_block))
     built: dict[str, Any] = {
         "block_size": config.block_size,
@@ -209,6 +228,8 @@ def _dense_runner(config: WorkerConfig, loaded: LoadedModel) -> tuple[Runner, Wo
         config, loaded, dense_limits(estimate.bytes_per_token, device, free, config, max_context)
     )
     per_block = max(1, config.block_size * estimate.bytes_per_token)
+    if estimate.bytes_per_token:  # else blocks count tokens that cost no memory
+        limits = _fitting(limits, per_block, device)
     log.info("%s", limits.describe(config.block_size, per_block))
     runner = DenseRunner(
         loaded.model,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -71,6 +72,8 @@ async def running(
     """Loads the model (unless given), binds the port, registers the pool, serves. Raises
     StartupError (``kvserve_launch.startup``) for a model it cannot serve or a port it cannot
     bind. ``self_checked``: see :func:`build_executor`."""
+    if config.offload_dir:
+        usable_offload_dir(Path(config.offload_dir))  # before seconds of loading, not after
     with model_errors_as_startup_errors(config.model):
         loaded = loaded or load_model(
             config.model, dequantize=config.dequantize, shard=group_sharding(config)
@@ -215,6 +218,26 @@ def _tier_specs(tiers: TierStore | None) -> tuple[tuple[str, int], ...]:
     return tuple(specs)
 
 
+def usable_offload_dir(root: Path) -> Path:
+    """``root``, made if missing, once a file could be written in it; StartupError naming
+    the problem otherwise (a read-only or full file system, a file in the way): the worker
+    crashed with a traceback there, after loading its model."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".kvserve-write-check-{os.getpid()}"
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"\0" * 4096)
+        finally:
+            probe.unlink(missing_ok=True)
+    except OSError as err:
+        raise StartupError(
+            f"--offload-dir {root} cannot hold the disk tier: {err.strerror or err}",
+            "give a writable directory, or leave the disk tier off",
+        ) from None
+    return root
+
+
 def _tier_store(config: WorkerConfig, loaded: LoadedModel, runner: Runner) -> TierStore | None:
     """The tiers ``--offload-dir`` and ``--host-offload-gb`` ask for (not scanned yet); None
     without one. Only the paged runner's blocks hold K/V to spill; a host tier only where the
@@ -239,8 +262,7 @@ def _tier_store(config: WorkerConfig, loaded: LoadedModel, runner: Runner) -> Ti
         log.info("host tier: %d blocks (%.1f GB)", host.capacity_blocks, host_gb)
     if not config.offload_dir:
         return TierStore(runner.block_size, fmt, host=host)
-    root = Path(config.offload_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    root = usable_offload_dir(Path(config.offload_dir))
     size = config.offload_gb * 1e9 or shutil.disk_usage(root).free / 2
     capacity = int(size // pool.bytes_per_block)
     if capacity < 1:

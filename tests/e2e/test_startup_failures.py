@@ -32,6 +32,7 @@ from kvserve_launch.startup import (
     setting,
 )
 from kvserve_launch.system import launch
+from kvserve_model.tiny_model import TINY_MODEL_NAME
 from worker.config import WorkerConfig
 
 # --- what the launcher says ---------------------------------------------------------------
@@ -277,3 +278,36 @@ def test_models_go_to_a_temporary_directory_where_the_cache_cannot_be_written(
         assert models_dir() == fallback
     finally:
         home.chmod(0o700)
+
+
+@pytest.mark.e2e
+def test_a_worker_with_an_unwritable_offload_dir_says_so_before_loading(tmp_path: Path):
+    """--offload-dir where nothing can be written (here below a file; a read-only mount is the
+    same error): one line naming it, before the model loads, where the worker crashed with a
+    traceback and SIGABRT after seconds of loading and its self-check."""
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    proc = run_module(
+        "worker", "--model", str(tmp_path / "no-model-needed"), "--port", "0",
+        "--offload-dir", str(in_the_way / "tier"), "--log-level", "ERROR", KVSERVE_FAST_BLAS="0",
+    )  # fmt: skip
+    assert proc.returncode == Failure.OTHER, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"worker: cannot start: --offload-dir {in_the_way / 'tier'} cannot hold the disk tier: "
+        "Not a directory (give a writable directory, or leave the disk tier off)"
+    ]
+
+
+@pytest.mark.e2e
+def test_a_pool_larger_than_the_machine_is_refused_in_one_line():
+    """--num-blocks past all of the device's memory: one line with both sizes, where the
+    worker tried to make a 1.4 PB pool and died of SIGSEGV."""
+    proc = run_module(
+        "worker", "--model", TINY_MODEL_NAME, "--port", "0", "--num-blocks", "1000000000",
+        "--log-level", "ERROR", KVSERVE_FAST_BLAS="0",
+    )  # fmt: skip
+    assert proc.returncode == Failure.OTHER, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("worker: cannot start: a KV pool of 1000000000 blocks")
+    assert "GiB of memory (set a smaller --num-blocks or --kv-memory-mb" in lines[0]
