@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from kvserve_launch.diagnosis import describe_exit, hint, oom_killed
+from kvserve_launch.run import PARENT_ENV
 
 Sink = Callable[[str, str], None]
 
@@ -120,7 +121,9 @@ class Child:
             text=True,
             bufsize=1,
             errors="replace",
-            env={**self.env, "PYTHONUNBUFFERED": "1"},
+            # Its own session (a Ctrl-C of the terminal reaches the launcher, which stops the
+            # children in order), so it watches the launcher instead (``run.watch_launcher``).
+            env={**self.env, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())},
             start_new_session=True,
         )
         assert self.process.stdout is not None and self.process.stderr is not None

@@ -21,6 +21,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import NoReturn
@@ -28,6 +30,9 @@ from typing import NoReturn
 from kvserve_launch.startup import StartupError, report
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Set by a launcher (``kvserve_launch.process.Child``) in each child's environment: its pid.
+PARENT_ENV = "KVSERVE_PARENT_PID"
+PARENT_POLL_S = 0.5
 
 Service = AbstractAsyncContextManager[str]
 
@@ -43,6 +48,7 @@ def run_until_signal(
     interpreter and C++ teardown (the worker: MLX 0.32 sometimes aborts at exit, status 134,
     after running on a thread other than the main one, as the model does there)."""
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    watch_launcher(name)
     try:
         asyncio.run(_serve(name, start()))
         status = 0
@@ -54,6 +60,41 @@ def run_until_signal(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def watch_launcher(name: str) -> None:
+    """Ends this process (SIGTERM to itself: the graceful stop, or the default exit while it
+    starts) once the launcher that started it is gone, however it went: ``kill -9``, the OOM
+    killer, a runtime that signals only the main pid. The children of a launcher killed so
+    kept serving, reparented, holding their ports, and the next launch found them taken.
+
+    Only a direct child of the pid in ``KVSERVE_PARENT_PID`` watches it: a process that
+    inherited the variable from a child of the launcher (its parent is that child, and the
+    launcher lives) does not; one whose launcher is already gone stops at once."""
+    try:
+        parent = int(os.environ.get(PARENT_ENV, ""))
+    except ValueError:
+        return
+    if os.getppid() != parent and _alive(parent):
+        return  # a grandchild: its own parent minds it
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        logging.getLogger(name).warning("the launcher (pid %d) is gone: stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 async def _serve(name: str, service: Service) -> None:

@@ -251,3 +251,49 @@ def test_make_run_starts_serves_and_stops_cleanly(tmp_path: Path):
                 for pid in line.split("pids=")[1].split(","):
                     with contextlib.suppress(ProcessLookupError, ValueError):
                         os.kill(int(pid), signal.SIGKILL)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_children_stop_when_the_launcher_is_killed(tmp_path: Path):
+    """``kill -9`` of the launcher (or the OOM killer's): its children see it gone and stop,
+    and their ports are free again. They kept serving, reparented, and the next launch found
+    its ports taken."""
+    argv = [
+        sys.executable, "-m", "kvserve_launch", "--model", "kvserve-tiny-llama",
+        "--http-port", "0", "--grpc-port", "0", "--cache-port", "0", "--num-blocks", "64",
+    ]  # fmt: skip
+    log = (tmp_path / "launch.log").open("w")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if line.startswith("KVSERVE_READY"):
+                pids = [int(p) for p in line.split("pids=")[1].split(",")]
+                break
+            assert time.monotonic() < deadline, "no ready line"
+        assert len(pids) == 3, (tmp_path / "launch.log").read_text()
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        alive = list(pids)
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.2)
+            alive = [pid for pid in alive if _running(pid)]
+        assert not alive, f"still running after the launcher's kill -9: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: reaped by whoever adopted it, or not yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
