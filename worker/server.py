@@ -72,8 +72,11 @@ async def running(
     """Loads the model (unless given), binds the port, registers the pool, serves. Raises
     StartupError (``kvserve_launch.startup``) for a model it cannot serve or a port it cannot
     bind. ``self_checked``: see :func:`build_executor`."""
+    # Its port and its disk tier first: a taken port or an unwritable directory is said at
+    # once, not after seconds of loading and self-checking the model.
+    server, port = _bound_server(config)
     if config.offload_dir:
-        usable_offload_dir(Path(config.offload_dir))  # before seconds of loading, not after
+        usable_offload_dir(Path(config.offload_dir))
     with model_errors_as_startup_errors(config.model):
         loaded = loaded or load_model(
             config.model, dequantize=config.dequantize, shard=group_sharding(config)
@@ -81,7 +84,6 @@ async def running(
         executor, chosen = build_executor(config, loaded, self_checked)
         tokenizer = loaded.tokenizer  # loaded on its own thread meanwhile (worker.model.loader)
     runner = executor.runner
-    server, port = _bound_server(config)
     worker_id = config.pool_id(port)
     address = config.address(port)
     tiers = _tier_store(config, loaded, runner)

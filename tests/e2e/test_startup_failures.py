@@ -177,6 +177,21 @@ async def test_a_cache_service_on_a_taken_port_says_so_in_one_line():
     assert "KVCACHE_READY" not in proc.stdout
 
 
+@pytest.mark.e2e
+async def test_a_worker_on_a_taken_port_says_so_before_loading(tmp_path: Path):
+    """A worker's taken port is its first check: said at once (here its model does not even
+    exist), where it was found after seconds of loading and self-checking the model."""
+    async with cache_running(ServiceConfig(port=0, admin_token="t")) as held:
+        proc = await asyncio.to_thread(
+            run_module, "worker", "--model", str(tmp_path / "none"), "--port", str(held.port),
+            "--log-level", "ERROR", KVSERVE_FAST_BLAS="0",
+        )  # fmt: skip
+    assert proc.returncode == Failure.PORT_IN_USE, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"worker: cannot start: port {held.port} is in use (set --port or KVWORKER_PORT)"
+    ]
+
+
 async def test_the_gateway_names_its_taken_http_port():
     async with cache_running(ServiceConfig(port=0, admin_token="t")) as held:
         config = GatewayConfig(http_port=held.port, grpc_port=0)
