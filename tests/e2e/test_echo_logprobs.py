@@ -41,7 +41,11 @@ def test_the_prompt_is_scored(client: OpenAI) -> None:
     assert r.usage is not None and lp is not None and lp.token_logprobs and lp.top_logprobs
     n = r.usage.prompt_tokens + r.usage.completion_tokens
     assert len(lp.tokens or ()) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
-    assert choice.text.startswith(TEXT) and "".join(lp.tokens or ()) == choice.text
+    # The text is the tokens' own, but for an unfinished UTF-8 character at its very end (a
+    # byte token of the random model), which the text leaves out (as vLLM) and a token shows.
+    joined = "".join(lp.tokens or ())
+    assert choice.text.startswith(TEXT)
+    assert joined == choice.text or joined.rstrip("\ufffd") == choice.text != joined
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(v is not None and -9999.0 < v <= 0.0 for v in lp.token_logprobs[1:])
     assert all(t is not None and 1 <= len(t) <= 3 for t in lp.top_logprobs[1:])
