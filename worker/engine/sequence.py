@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -94,8 +95,9 @@ class TextStream:
         (an output cut by max_tokens or a stop token within a character) are left out: the
         detokenizer's flush decoded them to U+FFFD, which a client then showed as text. vLLM's
         detokenizer never emits them either."""
+        _drop_unfinished_character(self._detok)
         self._detok.finalize()
-        self._text += self._detok.last_segment.rstrip("\ufffd")
+        self._text += self._detok.last_segment
         return self._scan(final=True)[0]
 
     def _scan(self, final: bool) -> tuple[str, bool]:
@@ -129,6 +131,43 @@ def keep_first_space(detok: Any) -> Any:
     elif kind == "SPMStreamingDetokenizer":
         detok.trim_space = False
     return detok
+
+
+def _drop_unfinished_character(detok: Any) -> None:
+    """Drops from what ``detok`` holds the bytes of a UTF-8 character its tokens began but did
+    not finish (at most 3: a lead byte and the continuations that followed it, fewer than it
+    announces), so that its flush does not decode them to U+FFFD. Bytes that are invalid
+    anyway (a lone continuation byte, an impossible lead) stay, U+FFFD as in the whole decode.
+    mlx-lm's byte-level BPE detokenizer only, the one that holds raw bytes (SentencePiece's
+    byte fallback is decoded by the tokenizer itself)."""
+    if type(detok).__name__ != "BPEStreamingDetokenizer":  # by name: this module imports no MLX
+        return
+    held: str = getattr(detok, "_unflushed", "")
+    if not held:
+        return
+    decoder = sys.modules[type(detok).__module__]._byte_decoder()
+    tail = bytearray()
+    for c in held[-3:]:
+        b = decoder.get(c)
+        if b is None:  # not a byte (an added token's text): complete characters
+            tail.clear()
+        else:
+            tail.append(b)
+    cut = _unfinished_length(bytes(tail))
+    if cut:
+        detok._unflushed = held[:-cut]
+
+
+def _unfinished_length(raw: bytes) -> int:
+    """How many of ``raw``'s last bytes are a UTF-8 character begun and not finished: 0 if
+    they are none (complete, or invalid in any case)."""
+    for back in range(1, min(3, len(raw)) + 1):
+        b = raw[-back]
+        if b & 0xC0 == 0x80:  # a continuation byte: its lead is further back
+            continue
+        width = 2 if b >> 5 == 0b110 else 3 if b >> 4 == 0b1110 else 4 if b >> 3 == 0b11110 else 0
+        return back if width > back else 0
+    return 0
 
 
 def _release_held_space(detok: Any) -> None:
