@@ -198,7 +198,9 @@ async def test_text_prompt_and_info(system: System) -> None:
     tokenizer = system.model.tokenizer
     assert out["last"].usage.prompt_tokens == len(tokenizer.encode("Hello, caché!"))
     special = system.workers[0].engine.intake.special_ids
-    assert out["text"] == tokenizer.decode([t for t in out["tokens"] if t not in special])
+    whole = tokenizer.decode([t for t in out["tokens"] if t not in special])
+    # the whole decode, but for an unfinished UTF-8 character at the end (left out, as vLLM)
+    assert out["text"] == whole or (whole.endswith("\ufffd") and out["text"] == whole[:-1])
     info = await stub.GetInfo(pb.GetInfoRequest())
     assert info.model == "kvserve-tiny-llama" and info.num_blocks == 256
     assert info.block_size == BS and info.generated_tokens == 6
