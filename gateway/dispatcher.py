@@ -6,7 +6,8 @@ fail-over, health marks and metrics behave the same whichever way a request came
 Fail-over is only safe before the first chunk: once tokens reached the client, a retry on
 another worker would produce a second, different continuation. So a worker that cannot be
 reached (UNAVAILABLE), has no room (RESOURCE_EXHAUSTED) or whose KV pool is too small for the
-request (``PoolTooSmall``) before its first chunk is skipped for the next candidate of the
+request (``PoolTooSmall``: its size, or what its pinned prefixes or a namespace's quota there
+leave of it) before its first chunk is skipped for the next candidate of the
 route decision; after the first chunk its error ends the sequence. Once every candidate
 refused, the client is told why, in the workers' words where they said it.
 
@@ -223,6 +224,13 @@ class Dispatcher:
             return ContextLengthExceeded(refusals[-1][1].message)
         prompt = len(request.prompt_token_ids)
         completion = max(1, request.sampling.max_tokens)  # unset (0): at least one token
+        held_back = [e for _, e in refusals if e.held_back]
+        if held_back:  # a pool larger than that, part of it pinned or past a namespace quota
+            return ContextLengthExceeded(
+                f"No worker's KV cache can hold this request now: at most {max(limits)} tokens "
+                f"(the worker: {held_back[-1].message}). You requested {prompt + completion} "
+                f"tokens ({prompt} in the prompt, {completion} for the completion)."
+            )
         return ContextLengthExceeded(
             f"This model's maximum context length is {max(limits)} tokens (the most a "
             f"worker's KV cache holds). However, you requested {prompt + completion} tokens "

@@ -64,11 +64,15 @@ class PoolTooSmall(ContextLengthExceeded):
     every request against the largest pool before dispatch (``OpenAIServing.max_context``), so
     one that meets this was routed to a smaller pool, or came before the workers were polled:
     the dispatcher tries its next worker, and says the limit once none could hold it.
-    ``pool_blocks``: the refusing pool's size, as it said it."""
+    ``pool_blocks``: the refusing pool's size, as it said it. ``held_back``: the pool is larger
+    but could give only ``pool_blocks`` of it, the rest pinned or past the namespace's quota
+    there (the cache service's refusal, passed on by the worker): another pool may hold the
+    request all the same, so it is failed over alike."""
 
-    def __init__(self, message: str, *, pool_blocks: int = 0):
+    def __init__(self, message: str, *, pool_blocks: int = 0, held_back: bool = False):
         super().__init__(message)
         self.pool_blocks = pool_blocks
+        self.held_back = held_back
 
 
 class WorkersBusy(GatewayError):
@@ -248,6 +252,13 @@ def from_rpc_error(err: grpc.aio.AioRpcError, what: str) -> GatewayError:
 # worker's messages: worker.engine.intake, worker.engine.lease_sync). A gateway in front of
 # another (its gRPC edge is a Worker service) says the same words, passed on.
 POOL_TOO_SMALL = re.compile(r"the request needs \d+ KV blocks; this worker's pool has (\d+)")
+# The cache service's refusals of a lease no eviction could ever grant in that pool, passed on
+# by the worker (``kvcache_service.budget.Budget.beyond_reach``): pinned blocks keep the rest of
+# the pool, or the namespace's quota there is spent. Another pool may hold the request.
+BEYOND_REACH = (
+    re.compile(r"the request needs \d+ KV blocks; this pool can give at most (\d+) of its \d+"),
+    re.compile(r"the request needs \d+ KV blocks in namespace .*, over its quota of (\d+)"),
+)
 NOT_ADMITTED = "not admitted within"
 PENDING_LIMIT = "--max-pending-requests"
 
@@ -257,9 +268,14 @@ def from_status(code: grpc.StatusCode, details: str, what: str) -> GatewayError:
     a worker's ``GenerateMany`` call)."""
     details = details or code.name
     cls = FROM_GRPC.get(code, UpstreamError)
-    too_small = POOL_TOO_SMALL.search(details) if cls is InvalidRequest else None
-    if too_small:
-        return PoolTooSmall(details, pool_blocks=int(too_small[1]))
+    if cls is InvalidRequest:
+        too_small = POOL_TOO_SMALL.search(details)
+        if too_small:
+            return PoolTooSmall(details, pool_blocks=int(too_small[1]))
+        for pattern in BEYOND_REACH:
+            beyond = pattern.search(details)
+            if beyond:
+                return PoolTooSmall(details, pool_blocks=int(beyond[1]), held_back=True)
     if cls in (InvalidRequest, NotFound, Unauthorized):
         return cls(details)
     if cls is WorkersBusy:

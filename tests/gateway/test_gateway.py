@@ -299,6 +299,41 @@ async def test_a_pool_too_small_is_failed_over_then_context_length_exceeded(stac
     assert "7 tokens (5 in the prompt, 2 for the completion)" in err["message"]
 
 
+@pytest.mark.parametrize(
+    "said",
+    [
+        "the request needs 30 KV blocks; this pool can give at most 18 of its 40 (22 are pinned)",
+        "the request needs 30 KV blocks in namespace 'tenant-a', over its quota of 20 (4 of them "
+        "pinned or shared and kept)",
+    ],
+)
+async def test_a_pool_held_back_by_pins_or_a_quota_is_failed_over(stack: Stack, said: str):
+    """The cache service's refusal of a lease no eviction could grant in one pool (its pinned
+    blocks, or the namespace's quota there), passed on by the worker: another pool may hold the
+    request, so it is tried; once every pool refused, a 400 context_length_exceeded that says
+    why (the workers' words), not a bare invalid_request_error from the first pool tried."""
+    await stack.poll()
+    held, other = stack.workers
+    held.behaviour.fail_with = grpc.StatusCode.INVALID_ARGUMENT
+    held.behaviour.fail_message = said
+    for _ in range(3):
+        resp = await stack.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert resp.status_code == 200 and resp.headers["x-kvserve-worker"] == other.worker_id
+    assert not stack.gateway.gateway.directory.unhealthy
+
+    other.behaviour = held.behaviour
+    asked = sum(len(w.record.requests) for w in stack.workers)
+    err = assert_error(
+        await stack.http.post("/v1/completions", json={"prompt": [72] * 5, "max_tokens": 2}),
+        400,
+        "prompt",
+        "context_length_exceeded",
+    )
+    assert sum(len(w.record.requests) for w in stack.workers) == asked + 2  # tried both
+    assert "can hold this request now" in err["message"] and said in err["message"], err
+    assert "7 tokens (5 in the prompt, 2 for the completion)" in err["message"]
+
+
 async def test_chat_template_kwargs_override_the_requests_template_parameters(stack: Stack):
     """vLLM's rule: a chat_template_kwargs key named as one of the request's own template
     parameters sets it, so a request written for vLLM renders the same prompt here."""

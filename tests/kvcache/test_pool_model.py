@@ -8,11 +8,13 @@ and check_integrity() must find nothing. Twice: without a namespace quota, and w
 
 from __future__ import annotations
 
+import grpc
 import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from gateway.errors import PoolTooSmall, from_status
 from kvcache_service.authority import AuthorityConfig, CacheAuthority
 from kvcache_service.errors import NeverFits, NotFound, OutOfBlocks
 from kvcache_service.ids import Namespace, PoolId
@@ -175,6 +177,9 @@ class PoolMachine(RuleBasedStateMachine):
             # Never rather than not now only where pins (and the quota) keep it out for good.
             never = isinstance(err, NeverFits)
             assert any(self._never(ref, ns, fresh, h) == never for fresh, h in cases)
+            if never:  # the worker passes it on (INVALID_ARGUMENT): the gateway fails it over
+                said = from_status(grpc.StatusCode.INVALID_ARGUMENT, str(err), "w")
+                assert isinstance(said, PoolTooSmall) and said.held_back, str(err)
             return
         event(f"acquire: {type(result).__name__}, cached={cached > 0}")
         if expect_defer:

@@ -11,6 +11,7 @@ import random
 import grpc
 import pytest
 
+from gateway.errors import PoolTooSmall, from_status
 from kvcache_service.leases import AcquireRequest, Reuse
 from kvcache_service.tokens import pack
 from kvserve_proto.kvcache.v1 import kvcache_pb2 as kpb
@@ -38,6 +39,9 @@ async def test_a_request_beyond_the_unpinned_blocks_is_refused_at_once(system: S
         await asyncio.wait_for(generate(stub, request(prompt(2, 19 * BS), max_tokens=1)), 10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "can give at most 16 of its 24 (8 are pinned)" in (err.value.details() or "")
+    # The gateway knows these words: another pool may hold the request, so it fails over.
+    refusal = from_status(err.value.code(), err.value.details() or "", "w0")
+    assert isinstance(refusal, PoolTooSmall) and refusal.held_back and refusal.pool_blocks == 16
     got = await generate(stub, request(prompt(3, 2 * BS), max_tokens=4))  # the worker serves on
     assert len(got["tokens"]) == 4
     await system.admin.Unpin(
