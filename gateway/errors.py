@@ -269,13 +269,11 @@ def from_status(code: grpc.StatusCode, details: str, what: str) -> GatewayError:
     details = details or code.name
     cls = FROM_GRPC.get(code, UpstreamError)
     if cls is InvalidRequest:
-        too_small = POOL_TOO_SMALL.search(details)
-        if too_small:
-            return PoolTooSmall(details, pool_blocks=int(too_small[1]))
-        for pattern in BEYOND_REACH:
-            beyond = pattern.search(details)
-            if beyond:
-                return PoolTooSmall(details, pool_blocks=int(beyond[1]), held_back=True)
+        for pattern in (POOL_TOO_SMALL, *BEYOND_REACH):
+            said = pattern.search(details)
+            if said:
+                held_back = pattern is not POOL_TOO_SMALL
+                return PoolTooSmall(details, pool_blocks=int(said[1]), held_back=held_back)
     if cls in (InvalidRequest, NotFound, Unauthorized):
         return cls(details)
     if cls is WorkersBusy:
