@@ -182,15 +182,16 @@ class ChatServing:
         tools = tool_plan(req, self.s.tokenizer.tool_parser, self.s.tokenizer.special_tokens)
         if tools is not None and tools.special:  # the markers are special tokens: keep them
             req = req.model_copy(update={"skip_special_tokens": False})
-        structured = request_constraint(req)
+        constraint = request_constraint(req)
         if tools is not None and tools.constraint is not None:
-            if structured is not None:
+            if constraint is not None:
                 raise InvalidRequest(
                     f"tool_choice {tools.choice} constrains the output to tool calls; it cannot "
                     "be combined with response_format or guided_* (two constraints)",
                     param="tool_choice",
                 )
-            structured = tools.constraint
+            constraint = tools.constraint
+        structured = await self.s.checked(constraint)
         messages = template_messages(req.messages)
         chars = conversation_chars(messages)
         if shown_tools:  # the template writes the tools' schemas into the prompt

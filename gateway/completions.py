@@ -83,7 +83,7 @@ class CompletionServing:
         ]
         logprobs = req.logprobs
         request_id = self.s.new_id("cmpl")
-        structured = request_constraint(req)
+        structured = await self.s.checked(request_constraint(req))
         sequences = self.s.sequences(
             request_id,
             req,

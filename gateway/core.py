@@ -123,3 +123,4 @@ class Gateway:
         await self.poller.stop()
         await self.clients.close()
         await self.cache.close()
+        await self.serving.grammar_check.close()

@@ -23,7 +23,9 @@ from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.generation import Chunk, GenerationRequest, check_sampling
 from gateway.limits import RequestLimits
 from gateway.protocol import SamplingRequest
+from gateway.structured import Constraint
 from gateway.tokenizer import Tokenizer
+from kvserve_model.grammar_check import GrammarChecker
 from kvserve_model.sampling_params import SamplingParams
 from kvserve_model.structured_output import StructuredOutput
 
@@ -47,6 +49,12 @@ class OpenAIServing:
         self.limits = RequestLimits.of(
             config.max_prompt_chars, config.max_namespace_chars, tokenizer.max_context
         )
+        self.grammar_check = GrammarChecker()
+
+    async def checked(self, constraint: Constraint | None) -> StructuredOutput | None:
+        """A request's constraint once it compiles (checked in a child process, cached);
+        InvalidRequest naming the problem otherwise."""
+        return None if constraint is None else await constraint.checked(self.grammar_check)
 
     @property
     def max_context(self) -> int:

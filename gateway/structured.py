@@ -4,24 +4,46 @@ OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema`` with it
 ``strict``), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and
 their newer ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``,
 ``json_object``). At most one of them: two would be two constraints on one output. The result is
-checked to compile here (``StructuredOutput.check``), so a schema the engine cannot take is a
-400 naming the problem before any worker sees the request.
+checked to compile here (``Constraint.checked``, in a child process:
+``kvserve_model.grammar_check``), so a schema the engine cannot take is a 400 naming the problem
+before any worker sees the request, and one that crashes the engine is a 400 too.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import InvalidRequest
 from gateway.protocol import SamplingRequest
+from kvserve_model.grammar_check import GrammarChecker
 from kvserve_model.structured_output import StructuredOutput, StructuredOutputError
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def request_constraint(req: SamplingRequest) -> StructuredOutput | None:
-    """The request's constraint (checked), or None; InvalidRequest naming the field."""
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """A request's constraint before its compile is checked: ``param`` is the parameter an
+    error names, ``where`` starts its message."""
+
+    so: StructuredOutput
+    param: str
+    where: str
+
+    async def checked(self, checker: GrammarChecker) -> StructuredOutput:
+        """The constraint once it compiles; InvalidRequest naming the problem otherwise."""
+        try:
+            await checker.check(self.so)
+        except StructuredOutputError as e:
+            raise InvalidRequest(f"{self.where}: {e}", param=self.param) from None
+        return self.so
+
+
+def request_constraint(req: SamplingRequest) -> Constraint | None:
+    """The request's constraint (not yet checked to compile), or None; InvalidRequest naming
+    the field."""
     # (the field, the constraint, the parameter a compile error names)
     found: list[tuple[str, StructuredOutput, str]] = []
     if req.response_format is not None:
@@ -48,16 +70,7 @@ def request_constraint(req: SamplingRequest) -> StructuredOutput | None:
     if not found:
         return None
     _, so, param = found[0]
-    return checked(so, param)
-
-
-def checked(so: StructuredOutput, param: str) -> StructuredOutput:
-    """``so`` once it compiles; InvalidRequest on ``param`` otherwise."""
-    try:
-        so.check()
-    except StructuredOutputError as e:
-        raise InvalidRequest(f"{param}: {e}", param=param) from None
-    return so
+    return Constraint(so, param, param)
 
 
 def _schema(value: Any, param: str) -> StructuredOutput:

@@ -38,7 +38,8 @@ from urllib.parse import quote
 from gateway.errors import InvalidRequest
 from gateway.generation import Chunk
 from gateway.protocol import ChatCompletionRequest
-from kvserve_model.structured_output import StructuredOutput, StructuredOutputError
+from gateway.structured import Constraint
+from kvserve_model.structured_output import DATA_KEYWORDS, StructuredOutput, StructuredOutputError
 from kvserve_model.tool_parsers import ToolParser
 
 log = logging.getLogger(__name__)
@@ -301,7 +302,8 @@ def _is_json(text: str) -> bool:
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
     """A request's tools, checked: ``choice`` is none, auto, required or named (``function``
-    names it); ``constraint`` the output's structured output (required and named).
+    names it); ``constraint`` the output's structured output (required and named), its compile
+    not yet checked.
 
     ``special``: set where the model's call markers are special tokens, which a worker leaves
     out of the text under ``skip_special_tokens`` (the default): the request is then sent with
@@ -313,7 +315,7 @@ class ToolPlan:
     function: str | None = None
     parallel: bool = True
     parser: ToolParser | None = None
-    constraint: StructuredOutput | None = None
+    constraint: Constraint | None = None
     special: Mapping[int, str] = field(default_factory=dict)
 
     def final_text(self, text: str, token_ids: Sequence[int]) -> str:
@@ -356,9 +358,9 @@ def tool_plan(
     if choice == "named":
         assert function is not None
         where = f"tools[{list(params).index(function)}].function.parameters"
-        constraint = _compiled(params[function] or NO_PARAMETERS, where)
+        constraint = _constraint(params[function] or NO_PARAMETERS, where)
     elif choice == "required":
-        constraint = _compiled(required_schema(params, parallel), "tools")
+        constraint = _constraint(required_schema(params, parallel), "tools")
     kept: Mapping[int, str] = {}
     if choice == "auto" and parser is not None and special and req.skip_special_tokens:
         texts = set(special.values())
@@ -407,8 +409,6 @@ def required_schema(params: dict[str, dict[str, Any] | None], parallel: bool) ->
 _NAMED_SCHEMAS = frozenset(
     {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
 )
-# Keywords whose value is data, never a schema: a "$ref" in an enum's object is a value.
-_DATA = frozenset({"enum", "const", "default", "examples", "required", "dependentRequired"})
 
 
 def _relocated(schema: Any, where: str) -> Any:
@@ -429,7 +429,7 @@ def _relocated(schema: Any, where: str) -> Any:
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and (value == "#" or value[:2] == "#/"):
             out[key] = "#" + where + value[1:]
-        elif key in _DATA:
+        elif key in DATA_KEYWORDS:  # a "$ref" in an enum's object is a value
             out[key] = value
         elif key in _NAMED_SCHEMAS and isinstance(value, dict):
             out[key] = {name: _relocated(s, where) for name, s in value.items()}
@@ -444,13 +444,13 @@ def _pointer_token(key: str) -> str:
     return quote(key.replace("~", "~0").replace("/", "~1"), safe="~!$&'()*+,;=:@")
 
 
-def _compiled(schema: dict[str, Any], where: str) -> StructuredOutput:
+def _constraint(schema: dict[str, Any], where: str) -> Constraint:
+    """The constraint to ``schema`` (its compile checked by the caller: ``Constraint.checked``)."""
     try:
         so = StructuredOutput.json_schema(schema)
-        so.check()
     except StructuredOutputError as e:
         raise InvalidRequest(f"{where}: {e}", param="tools") from None
-    return so
+    return Constraint(so, "tools", where)
 
 
 def _check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any] | None]:

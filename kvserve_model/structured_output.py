@@ -20,6 +20,7 @@ from typing import Any
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 256 * 1024
 MAX_CHOICES = 1024
+MAX_DEPTH = 128  # the grammar engine's own limit on a schema's nesting
 
 # JSON is written compactly (", " and ": ", no other whitespace): what models write when they
 # write JSON in one line, and a bound on the output where flexible whitespace would let a model
@@ -47,16 +48,20 @@ class StructuredOutput:
     @classmethod
     def json_schema(cls, schema: Any) -> StructuredOutput:
         """A JSON Schema (a dict, or its JSON text)."""
-        if isinstance(schema, str):
-            try:
+        try:
+            if isinstance(schema, str):
                 schema = json.loads(schema)
-            except ValueError as e:
-                raise StructuredOutputError(f"the JSON schema is not valid JSON: {e}") from None
-        if not isinstance(schema, dict | bool):
-            raise StructuredOutputError("a JSON schema must be an object")
-        # Keys in the order given: the properties' order is the order the output writes them
-        # in (as OpenAI's strict mode does), so sorting them would reorder the document.
-        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
+            if not isinstance(schema, dict | bool):
+                raise StructuredOutputError("a JSON schema must be an object")
+            # Keys in the order given: the properties' order is the order the output writes
+            # them in (as OpenAI's strict mode does), so sorting them would reorder the
+            # document. NaN and Infinity are not JSON.
+            text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
+        except RecursionError:
+            raise StructuredOutputError(_TOO_DEEP) from None
+        except ValueError as e:
+            raise StructuredOutputError(f"the JSON schema is not valid JSON: {e}") from None
+        return cls("json_schema", text)
 
     @classmethod
     def from_wire(cls, msg: Any) -> StructuredOutput | None:
@@ -82,6 +87,7 @@ class StructuredOutput:
             )
         m = llguidance.LLMatcher
         if self.kind == "json_schema":
+            check_bounds(self.spec)
             try:
                 return m.grammar_from_json_schema(self.spec, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
             except ValueError as e:
@@ -117,6 +123,64 @@ class StructuredOutput:
     def name(self) -> str:
         """What it is, in words, for messages."""
         return _NAMES.get(self.kind, self.kind)
+
+
+_TOO_DEEP = f"the JSON schema nests deeper than {MAX_DEPTH} levels"
+
+# Numbers whose every integer a double holds: the grammar engine reads a schema's bounds as
+# doubles (and an integer's as int64 after that), so a bound beyond them is rounded or clamped
+# and the output could break the schema it was held to (a maximum of 1e20 became int64's
+# largest, which was written; two bounds that both rounded to int64's smallest crashed the
+# engine). A bound is refused there rather than silently changed.
+EXACT_LIMIT = 2**53
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# Keywords whose value is data, never a schema: a "maximum" inside an enum's object is a value.
+DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "required", "dependentRequired"})
+
+
+def check_bounds(spec: str) -> None:
+    """Raises StructuredOutputError for a bound (``minimum``, ``maximum`` and their exclusive
+    forms) anywhere in the schema ``spec`` (its JSON text) beyond ±2^53; the message names the
+    bound and where it is (a JSON pointer)."""
+    try:
+        schema = json.loads(spec)
+        where = _wide_bound(schema, "", 0)
+    except RecursionError:
+        raise StructuredOutputError(_TOO_DEEP) from None
+    except ValueError as e:
+        raise StructuredOutputError(f"the JSON schema is not valid JSON: {e}") from None
+    if where is not None:
+        pointer, key, value = where
+        raise StructuredOutputError(
+            f"the JSON schema's {key} {value} (at {pointer or '/'}) is beyond ±2^53 "
+            f"({EXACT_LIMIT}): the grammar engine reads bounds as doubles and would round "
+            "it, so the output could break the schema; use a bound within ±2^53 or leave it out"
+        )
+
+
+def _wide_bound(node: Any, pointer: str, depth: int) -> tuple[str, str, Any] | None:
+    if depth > MAX_DEPTH:
+        raise RecursionError
+    if isinstance(node, list):
+        for k, item in enumerate(node):
+            found = _wide_bound(item, f"{pointer}/{k}", depth + 1)
+            if found is not None:
+                return found
+        return None
+    if not isinstance(node, dict):
+        return None
+    for key, value in node.items():
+        if key in DATA_KEYWORDS:
+            continue
+        if key in BOUNDS and isinstance(value, int | float) and not isinstance(value, bool):
+            if not abs(value) <= EXACT_LIMIT:  # NaN too
+                return pointer, key, value
+            continue
+        token = key.replace("~", "~0").replace("/", "~1")
+        found = _wide_bound(value, f"{pointer}/{token}", depth + 1)
+        if found is not None:
+            return found
+    return None
 
 
 _NAMES = {

@@ -22,6 +22,9 @@ from tests.e2e.conftest import started_system
 
 MODEL = TINY_MODEL_NAME
 ASK = [{"role": "user", "content": "Describe a city as JSON."}]
+CRASHED_LLGUIDANCE = (
+    '{"type":"integer","minimum":-9223372036854775807,"maximum":-9223372036854775803}'
+)
 # The tiny model's byte tokens for '"' and '}', pushed up.
 CLOSING = {str(ord('"')): 6.0, str(ord("}")): 6.0}
 
@@ -110,6 +113,15 @@ def test_bad_constraints_are_a_400_naming_the_field(client: OpenAI, http: httpx.
         ({"logit_bias": {"5": 250}}, "logit_bias"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"presence_penalty": 3}, "presence_penalty"),
+        # Bounds beyond ±2^53 (which the engine rounds; these two crashed it), and a Lark
+        # grammar embedding them, which reaches the engine: checked in a child process.
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+          "schema": json.loads(CRASHED_LLGUIDANCE)}}}, "response_format.json_schema.schema"),
+        ({"guided_json": {"type": "integer", "minimum": 1e20}}, "guided_json"),
+        ({"guided_grammar": f"start: %json{CRASHED_LLGUIDANCE}"}, "guided_grammar"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters":
+          {"type": "object", "properties": {"n": json.loads(CRASHED_LLGUIDANCE)}}}}],
+          "tool_choice": "required"}, "tools"),
     ]  # fmt: skip
     for body, param in bad:
         resp = http.post(

@@ -508,3 +508,37 @@ async def test_no_query_parameter_value_is_a_500(cache: RunningService, tokenize
     finally:
         await gw.close()
         await worker.close()
+
+
+CRASHED_LLGUIDANCE = {
+    "type": "integer",
+    "minimum": -9223372036854775807,
+    "maximum": -9223372036854775803,
+}
+
+
+async def test_constraints_that_crashed_the_grammar_engine_are_a_400(client):
+    """This schema crashed llguidance 1.9.1 in the gateway's process (SIGSEGV: every request it
+    served died, and the launcher stopped the system after a few). Its bounds are refused by
+    name; a Lark grammar embedding it reaches the engine in a child process, and the gateway
+    answers on."""
+    schema = {"type": "object", "properties": {"n": CRASHED_LLGUIDANCE}}
+    cases = [
+        ({**CHAT, "guided_json": schema}, "guided_json", "beyond ±2^53"),
+        ({**CHAT, "guided_json": {"type": "integer", "maximum": 1e20}}, "guided_json", "1e+20"),
+        (
+            {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+             "tool_choice": {"type": "function", "function": {"name": "f"}}},
+            "tools",
+            "tools[0].function.parameters: the JSON schema's minimum",
+        ),
+        ({**CHAT, "guided_grammar": f"start: %json{json.dumps(CRASHED_LLGUIDANCE)}"},
+         "guided_grammar", "guided_grammar: "),
+    ]  # fmt: skip
+    for _ in range(2):  # the second time from the gateway's cache of checks
+        for body, param, says in cases:
+            err = assert_error(await client.post("/v1/chat/completions", json=body), 400, param)
+            assert says in err["message"], err["message"]
+    assert_error(  # and what compiles is dispatched (no worker listens here: 503)
+        await client.post("/v1/chat/completions", json={**CHAT, "guided_regex": "[a-z]+"}), 503
+    )

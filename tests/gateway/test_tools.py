@@ -27,7 +27,6 @@ from gateway.errors import InvalidRequest
 from gateway.generation import Chunk, FinishReason, Usage
 from gateway.http_app import create_app
 from gateway.protocol import ChatCompletionRequest, ChatMessage
-from gateway.structured import checked
 from gateway.tokenizer import Tokenizer
 from gateway.tools import (
     NO_PARAMETERS,
@@ -352,7 +351,7 @@ def test_required_schema_compiles_and_says_what_calls_are():
         "get_time": None,
     }
     schema = required_schema(params, parallel=True)
-    checked(StructuredOutput.json_schema(schema), "tools")
+    StructuredOutput.json_schema(schema).check()
     # Each tool's parameters whole in the root's $defs, its own $defs inside them.
     assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"$ref": "#/$defs/lookup"}
     assert schema["$defs"]["lookup"]["properties"]["item"] == {"$ref": "#/$defs/lookup/$defs/Item"}
@@ -372,7 +371,7 @@ def test_required_schema_compiles_and_says_what_calls_are():
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     one = required_schema(params, parallel=False)
-    checked(StructuredOutput.json_schema(one), "tools")
+    StructuredOutput.json_schema(one).check()
     jsonschema.validate(good[:1], one)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(good, one)
@@ -457,8 +456,8 @@ def test_required_keeps_references_inside_their_tool(name: str):
     ]
     plan = tool_plan(chat(tools=tools, tool_choice="required"), None)
     assert plan is not None and plan.constraint is not None
-    grammar = plan.constraint.check()
-    wrapper = json.loads(plan.constraint.spec)
+    grammar = plan.constraint.so.check()
+    wrapper = json.loads(plan.constraint.so.spec)
     call = [{"name": name, "parameters": good}]
     jsonschema.validate(call, wrapper)
     with pytest.raises(jsonschema.ValidationError):
@@ -479,7 +478,7 @@ def test_a_schema_that_is_only_a_reference_to_itself_stays_one():
     parameters again, as with the tool named (where the schema is used alone)."""
     schema = required_schema({"f": {"$ref": "#"}}, parallel=True)
     assert schema["$defs"]["f"] == {"$ref": "#/$defs/f"}
-    checked(StructuredOutput.json_schema(schema), "tools")
+    StructuredOutput.json_schema(schema).check()
 
 
 def test_relocated_references_escape_the_key_and_keep_what_is_not_theirs():
@@ -520,7 +519,7 @@ def test_the_grammar_takes_the_calls_it_should():
     tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=IM_END)
     plan = tool_plan(chat(tools=[WEATHER, TIME], tool_choice="required"), None)
     assert plan is not None and plan.constraint is not None
-    grammar = plan.constraint.check()
+    grammar = plan.constraint.so.check()
     text = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}]'
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     assert matcher.consume_tokens(tokenizer.tokenize_str(text)), matcher.get_error()
@@ -546,10 +545,10 @@ def test_the_plans():
         None,
     )
     assert named is not None and named.function == "get_time" and named.constraint is not None
-    assert json.loads(named.constraint.spec) == NO_PARAMETERS  # no parameters: arguments {}
+    assert json.loads(named.constraint.so.spec) == NO_PARAMETERS  # no parameters: arguments {}
     one = tool_plan(chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False), None)
     assert one is not None and one.constraint is not None
-    assert json.loads(one.constraint.spec)["maxItems"] == 1
+    assert json.loads(one.constraint.so.spec)["maxItems"] == 1
 
 
 # -- streaming and rendering -------------------------------------------------------------------

@@ -43,6 +43,11 @@ PERSON = {
 }
 
 
+CRASHED_LLGUIDANCE = (
+    '{"type":"integer","minimum":-9223372036854775807,"maximum":-9223372036854775803}'
+)
+
+
 def prompt(seed: int, n: int = 8) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 250) for _ in range(n)]
@@ -132,6 +137,10 @@ async def test_a_constraint_that_does_not_compile_is_invalid_argument(system: Sy
         (pb.StructuredOutput(regex="[a-z"), "regex"),
         (pb.StructuredOutput(grammar="start: undefined_rule"), "undefined_rule"),
         (pb.StructuredOutput(choice=pb.Choices()), "choice"),
+        (schema({"type": "integer", "maximum": 10**20}), "beyond ±2^53"),
+        # A Lark grammar can embed a schema that crashed llguidance 1.9.1 (SIGSEGV): it is
+        # compiled first in a child process, so this worker (in this test's process) lives.
+        (pb.StructuredOutput(grammar=f"start: %json{CRASHED_LLGUIDANCE}\n"), "grammar"),
     ]
     for so, says in bad:
         with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -89,6 +89,11 @@ class Intake:
             self._grammars = Grammars(hf, self.limits.vocab_size, sorted(self.eos_ids))
         return self._grammars
 
+    async def close(self) -> None:
+        """Stops what the intake started (the grammars' checking child)."""
+        if self._grammars is not None:
+            await self._grammars.close()
+
     async def grammar(self, so: StructuredOutput | None) -> Any:
         """A request's structured output as a fresh matcher (compiled off the event loop,
         cached), or None when it has none. Raises InvalidRequest naming what does not

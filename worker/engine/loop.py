@@ -184,6 +184,7 @@ class Engine:
             await asyncio.gather(self._task, return_exceptions=True)
         await self.leases.stop()  # after the endings above: their releases go out first
         self.final.send_all()
+        await self.intake.close()
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from kvserve_model.grammar_check import GrammarChecker
 from kvserve_model.structured_output import StructuredOutput, StructuredOutputError
 from worker.errors import ConstraintFailed, InvalidRequest
 
@@ -52,6 +53,10 @@ class Grammars:
         self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()
         self._lock = threading.Lock()
         self._pending: dict[StructuredOutput, asyncio.Future[Any]] = {}
+        # A constraint's first compile runs in a child process first: one that crashes the
+        # engine there is this request's error, not the worker's end (the worker's gRPC
+        # clients are not all the gateway, which checks the same way).
+        self.checker = GrammarChecker()
         self.compiles = 0  # grammars compiled (cache misses), for tests and stats
 
     def tokenizer(self) -> Any:
@@ -129,11 +134,22 @@ class Grammars:
                 return cached.deep_copy()
         task = self._pending.get(so)
         if task is None:
-            task = asyncio.ensure_future(asyncio.to_thread(self._compile, so))
+            task = asyncio.ensure_future(self._checked_compile(so))
             self._pending[so] = task
             task.add_done_callback(lambda _: self._pending.pop(so, None))
         compiled = await asyncio.shield(task)  # a cancelled waiter leaves it to the others
         return compiled.deep_copy()
+
+    async def _checked_compile(self, so: StructuredOutput) -> Any:
+        try:
+            await self.checker.check(so)
+        except StructuredOutputError as e:
+            raise InvalidRequest(f"structured_output: {e}") from None
+        return await asyncio.to_thread(self._compile, so)
+
+    async def close(self) -> None:
+        """Stops the checking child, if one runs."""
+        await self.checker.close()
 
 
 _executor: Any = None
