@@ -8,6 +8,8 @@ the serving code with a message that names them.
 
 from __future__ import annotations
 
+import functools
+import re
 import time
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -18,6 +20,7 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     ValidationError,
     model_serializer,
+    model_validator,
 )
 
 from gateway.errors import InvalidRequest
@@ -50,7 +53,11 @@ def invalid_request(e: ValidationError) -> InvalidRequest:
         return InvalidRequest("The request body must be a JSON object")
     head = _fields(err["loc"])
     n = len(head)
-    if n < len(err["loc"]) and not isinstance(err["loc"][n], int):  # a union's branch tag
+    after = err["loc"][n] if n < len(err["loc"]) else None
+    if isinstance(after, str) and not _UNION_TAG.fullmatch(after):  # a key of a dict field
+        where = ".".join(str(p) for p in err["loc"])
+        return InvalidRequest(f"{where}: {err['msg']}", param=".".join(head))
+    if after is not None and not isinstance(after, int):  # a union's branch tag
         branches: dict[str, list[Any]] = {}
         for x in errors:
             if len(x["loc"]) > n and _fields(x["loc"][:n]) == head:
@@ -69,6 +76,11 @@ def invalid_request(e: ValidationError) -> InvalidRequest:
     return InvalidRequest(f"{param}: {err['msg']}", param=param)
 
 
+# How pydantic names a union's branch in an error's location (str, list[constrained-int],
+# dict[str,any]); anything else there is a key of a dict field (logit_bias's "1").
+_UNION_TAG = re.compile(r"[a-z][a-z0-9_-]*(\[.*\])?")
+
+
 def _fields(loc: tuple[int | str, ...]) -> list[str]:
     """The field names and list indices of an error location, without union type tags."""
     return [str(p) for p in loc if isinstance(p, int) or _is_field_name(str(p))]
@@ -80,6 +92,29 @@ def _is_field_name(part: str) -> bool:
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """``null`` for a field with a default is that default, as OpenAI's API and vLLM read
+        it: clients send unset optional fields as null (the ``openai`` client's ``n=None``)."""
+        if isinstance(data, dict):
+            defaults = _non_null_defaults(cls)
+            if any(data.get(k, 0) is None for k in defaults):
+                return {k: v for k, v in data.items() if v is not None or k not in defaults}
+        return data
+
+
+@functools.cache
+def _non_null_defaults(cls: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``cls`` whose default is a value, not None, by name and by alias."""
+    names = set()
+    for name, f in cls.model_fields.items():
+        if not f.is_required() and f.get_default(call_default_factory=True) is not None:
+            names.add(name)
+            if f.alias:
+                names.add(f.alias)
+    return frozenset(names)
 
 
 class StreamOptions(_Request):

@@ -53,6 +53,34 @@ async def test_openai_client_completions_and_chat(stack: Stack):
     assert r.id.startswith("chatcmpl-")
 
 
+async def test_null_for_an_optional_field_is_its_default(stack: Stack):
+    """Clients send unset fields as null (the ``openai`` client's ``n=None``, ``stream=None``);
+    OpenAI and vLLM read null as the default. Every field with a default takes it."""
+    client = openai(stack)
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        extra_body={"n": None, "stream": None, "logprobs": None, "echo": None,
+                    "ignore_eos": None, "skip_special_tokens": None,
+                    "include_stop_str_in_output": None, "add_generation_prompt": None,
+                    "continue_final_message": None, "stream_options": None},
+    )  # fmt: skip
+    assert [c.message.content for c in chat.choices] == [OUTPUT[:3]]
+    assert chat.choices[0].logprobs is None
+    text = await client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=4, extra_body={"n": None, "echo": None}
+    )
+    assert [c.text for c in text.choices] == [OUTPUT[:4]]
+    streamed = await client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=2, stream=True,
+        extra_body={"stream_options": {"include_usage": None}},
+    )  # fmt: skip
+    chunks = [c async for c in streamed]
+    assert all(c.usage is None for c in chunks)  # include_usage null: false
+    async with httpx.AsyncClient(base_url=stack.base_url) as http:  # null is not a value
+        resp = await http.post("/v1/chat/completions", json={"messages": None})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+
+
 async def test_streamed_chat_with_usage(stack: Stack):
     client = openai(stack)
     stream = await client.chat.completions.create(

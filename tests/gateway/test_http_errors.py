@@ -283,6 +283,13 @@ async def test_logit_bias_keys_are_ascii_digits(client, key):
     assert repr(key) in err["message"]
 
 
+async def test_a_logit_bias_value_that_is_not_a_number_names_its_key(client):
+    """A dict's key in an error's location is not a union's branch ("expected one of 1")."""
+    body = {"prompt": "x", "max_tokens": 1, "logit_bias": {"7": 1, "12": "abc"}}
+    err = assert_error(await client.post("/v1/completions", json=body), 400, param="logit_bias")
+    assert err["message"] == "logit_bias.12: Input should be a valid number"
+
+
 async def test_logit_bias_digit_keys_pass(client):
     for key in ("12", "0012"):  # (no worker here: past the checks it is a 503)
         body = {"prompt": "x", "max_tokens": 1, "logit_bias": {key: 5}}
