@@ -157,6 +157,12 @@ async def test_stop_strings_and_stop_tokens(system: System, reference) -> None:
     cut = await generate(stub, request(p, max_tokens=24, stop_token_ids=[stop_token]))
     assert cut["tokens"] == full["tokens"][: first + 1]
     assert cut["last"].finish_reason == pb.FINISH_REASON_STOP
+    # The stop token is in the tokens, its text is not, unless asked for (vLLM's reading).
+    before = await generate(stub, request(p, max_tokens=first))
+    upto = await generate(stub, request(p, max_tokens=first + 1))
+    assert cut["text"] == before["text"]
+    kept = request(p, max_tokens=24, stop_token_ids=[stop_token], include_stop_str_in_output=True)
+    assert (await generate(stub, kept))["text"] == upto["text"]
     text = full["text"]
     if len(text.strip()) >= 4:
         stop = text[len(text) // 2 : len(text) // 2 + 2]

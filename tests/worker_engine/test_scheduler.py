@@ -27,6 +27,13 @@ def tokenizer():
     return load(resolve_model(TINY_MODEL_NAME))
 
 
+def drain(queue) -> list:
+    out = []
+    while not queue.empty():
+        out.append(queue.get_nowait())
+    return out
+
+
 def make_seq(tokenizer, n_prompt: int, arrival: float, blocks: int, **params) -> Sequence:
     p = SamplingParams(**params)
     seq = Sequence(
@@ -125,6 +132,30 @@ def test_postprocess_finishes_on_eos_stop_token_and_length(tokenizer) -> None:
     assert s.running == [ignore]
     events = [seq.out.get_nowait() for seq in (eos, stop_id, length)]
     assert [e.finish for e in events] == [Finish.STOP, Finish.STOP, Finish.LENGTH]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(tokenizer, include: bool) -> None:
+    """With special tokens kept (none hidden here), EOS wrote "<|im_end|>" into the content;
+    vLLM leaves the text of the token that stopped the output out unless
+    include_stop_str_in_output, and so does this."""
+    s = Scheduler(max_batch_size=8, max_step_tokens=64, max_context=4096)
+    eos = make_seq(tokenizer, 4, 0.0, 1, include_stop_str_in_output=include)
+    stop_id = make_seq(
+        tokenizer, 4, 1.0, 1, stop_token_ids=(42,), include_stop_str_in_output=include
+    )
+    s.running.extend([eos, stop_id])
+    step = s.schedule()
+    assert step is not None
+    assert s.postprocess(step, [Sampled(65), Sampled(65)]) == []
+    step = s.schedule()
+    assert step is not None
+    assert s.postprocess(step, [Sampled(257), Sampled(42)]) == [eos, stop_id]
+    texts = ["".join(e.text for e in drain(seq.out)) for seq in (eos, stop_id)]
+    assert eos.output == [65, 257] and stop_id.output == [65, 42]  # the tokens stay
+    eos_text = tokenizer.decode([257])
+    assert eos_text and eos_text != "A"
+    assert texts == (["A" + eos_text, "A*"] if include else ["A", "A"])
 
 
 def test_text_stream_holds_back_a_possible_stop_string(tokenizer) -> None:

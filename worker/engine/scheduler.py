@@ -211,7 +211,12 @@ class Scheduler:
                     seq.sampler.accept(t.token)
                 kept += 1
                 finish = self._finish_reason(seq, t.token)
-                piece, hit_stop = seq.text.add(t.token)
+                # A stop token's own text (EOS, stop_token_ids) is left out unless asked for,
+                # as vLLM does: with special tokens kept it was "<|im_end|>" in the content.
+                if finish is Finish.STOP and not seq.params.include_stop_str_in_output:
+                    piece, hit_stop = "", False
+                else:
+                    piece, hit_stop = seq.text.add(t.token)
                 text += piece
                 if hit_stop:
                     finish = Finish.STOP
