@@ -29,7 +29,7 @@ from gateway.protocol import (
     ToolCallOut,
     TopLogprobOut,
 )
-from gateway.rendering import Renderer, finish, prompt_logprobs_out
+from gateway.rendering import Renderer, finish, prompt_logprobs_out, token_bytes
 from gateway.structured import request_constraint
 from gateway.tools import (
     CallDelta,
@@ -277,10 +277,10 @@ class ChatView(Renderer):
                 ChatTokenLogprob(
                     token=lp.token,
                     logprob=lp.logprob,
-                    bytes=list(lp.token.encode()),
+                    bytes=list(token_bytes(lp.token)),
                     top_logprobs=[
                         TopLogprobOut(
-                            token=t.token, logprob=t.logprob, bytes=list(t.token.encode())
+                            token=t.token, logprob=t.logprob, bytes=list(token_bytes(t.token))
                         )
                         for t in lp.top[: self.top_logprobs]
                     ],

@@ -17,7 +17,7 @@ from gateway.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from gateway.rendering import Renderer, finish, prompt_logprobs_out
+from gateway.rendering import Renderer, finish, prompt_logprobs_out, text_offsets
 from gateway.structured import request_constraint
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
@@ -156,17 +156,14 @@ class CompletionView(Renderer):
         then generated ones) follow, with no logprob of its own."""
         if self.logprobs is None:
             return None
-        head = [] if first is None else [first]
-        offsets = []
-        for text in (*head, *(lp.token for lp in lps)):
-            offsets.append(offset)
-            offset += len(text)
+        tokens = [*([] if first is None else [first]), *(lp.token for lp in lps)]
         tops = [{t.token: t.logprob for t in lp.top[: self.logprobs]} for lp in lps]
+        head = [None] * (len(tokens) - len(lps))
         return CompletionLogprobs(
-            tokens=[*head, *(lp.token for lp in lps)],
-            token_logprobs=[*(None for _ in head), *(lp.logprob for lp in lps)],
-            top_logprobs=[*(None for _ in head), *tops],
-            text_offset=offsets,
+            tokens=tokens,
+            token_logprobs=[*head, *(lp.logprob for lp in lps)],
+            top_logprobs=[*head, *tops],
+            text_offset=text_offsets(tokens, offset),
         )
 
     def choice(self, index: int, done: Completion) -> CompletionChoice:

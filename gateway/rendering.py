@@ -10,7 +10,9 @@ status code), then each chunk is an event, optionally followed by a usage event,
 
 from __future__ import annotations
 
+import codecs
 import logging
+import re
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
@@ -74,6 +76,31 @@ def check_finished(chunk: Chunk) -> None:
 
 def finish(reason: FinishReason | None) -> str | None:
     return str(reason) if reason else None
+
+
+_BYTES = re.compile(r"bytes:((?:\\x[0-9a-f]{2})+)")
+
+
+def token_bytes(token: str) -> bytes:
+    """A logprob token's bytes: its UTF-8, or the bytes OpenAI's ``bytes:\\xNN...`` form
+    holds, which the worker writes for a token that is part of a character
+    (``worker.engine.token_text``)."""
+    m = _BYTES.fullmatch(token)
+    if m is None:
+        return token.encode()
+    return bytes.fromhex(m.group(1).replace("\\x", ""))
+
+
+def text_offsets(tokens: Sequence[str], start: int) -> list[int]:
+    """Each token's offset in the text (characters), from ``start``: a token that ends
+    within a character adds nothing, the one that completes it adds the character (as the
+    text the client gets grows)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    offsets = []
+    for token in tokens:
+        offsets.append(start)
+        start += len(decoder.decode(token_bytes(token)))
+    return offsets
 
 
 def prompt_logprobs_out(lps: Sequence[TokenLogprob], top: int) -> PromptLogprobsOut:

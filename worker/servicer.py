@@ -29,6 +29,7 @@ from kvserve_proto.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker.engine.loop import Engine
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import Finish, Sequence, StreamEvent
+from worker.engine.token_text import TokenTexts
 from worker.errors import (
     CacheOutage,
     CacheRejected,
@@ -118,6 +119,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.runner = runner  # "paged", or "dense" for models with recurrent state
         # Tokens a stream message carries at least, after the first (--stream-interval).
         self.stream_interval = stream_interval
+        self.token_texts = TokenTexts(engine.tokenizer)  # logprobs' token texts
 
     def _prompt(self, request: pb.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
@@ -257,12 +259,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def _token_logprob(
         self, token: int, logprob: float, top: Iterable[tuple[int, float]], rank: int = 0
     ) -> pb.TokenLogprob:
-        decode = self.engine.tokenizer.decode
+        text = self.token_texts
         return pb.TokenLogprob(
             token_id=token,
             logprob=logprob,
-            token=decode([token]),
-            top=[pb.TopLogprob(token_id=t, logprob=lp, token=decode([t])) for t, lp in top],
+            token=text(token),
+            top=[pb.TopLogprob(token_id=t, logprob=lp, token=text(t)) for t, lp in top],
             rank=rank,
         )
 

@@ -13,13 +13,15 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from gateway.rendering import token_bytes
 from kvserve_launch.process import KeptLines as LogSink
 from kvserve_launch.system import System
 from kvserve_model.tiny_model import TINY_MODEL_NAME
 from tests.e2e.conftest import started_system
 
 MODEL = TINY_MODEL_NAME
-TEXT = "The quick brown fox jumps over the lazy dog. " * 6  # ~270 byte tokens: 2+ chunks
+# ~280 byte tokens (2+ chunks), some of them parts of characters.
+TEXT = "The quick brown fox jumps over the lazy dog. " * 6 + "Café, 😀, 世界. "
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +43,21 @@ def test_the_prompt_is_scored(client: OpenAI) -> None:
     assert r.usage is not None and lp is not None and lp.token_logprobs and lp.top_logprobs
     n = r.usage.prompt_tokens + r.usage.completion_tokens
     assert len(lp.tokens or ()) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
-    # The text is the tokens' own, but for an unfinished UTF-8 character at its very end (a
+    # The text is the tokens' bytes, but for an unfinished UTF-8 character at its very end (a
     # byte token of the random model), which the text leaves out (as vLLM) and a token shows.
-    joined = "".join(lp.tokens or ())
+    # A token that is part of a character is written as OpenAI writes it (bytes:\xNN).
+    raw = [token_bytes(t) for t in lp.tokens or ()]
+    joined = b"".join(raw).decode("utf-8", "replace")
     assert choice.text.startswith(TEXT)
     assert joined == choice.text or joined.rstrip("\ufffd") == choice.text != joined
+    assert "bytes:\\xc3" in (lp.tokens or ())  # the é of the prompt, byte by byte
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(v is not None and -9999.0 < v <= 0.0 for v in lp.token_logprobs[1:])
     assert all(t is not None and 1 <= len(t) <= 3 for t in lp.top_logprobs[1:])
-    assert lp.text_offset == [sum(map(len, (lp.tokens or [])[:i])) for i in range(n)]
+    # Alternatives that are parts of characters are told apart (they all read U+FFFD once).
+    assert not any("\ufffd" in k for t in lp.top_logprobs[1:] if t for k in t)
+    # Each offset counts the whole characters before the token (the prompt is valid UTF-8).
+    assert lp.text_offset == [len(b"".join(raw[:i]).decode("utf-8", "ignore")) for i in range(n)]
     # The same request again, its prefix now cached: the same numbers (no cached prefix is
     # used for it, every position's logits are computed).
     again = client.completions.create(
@@ -57,6 +65,23 @@ def test_the_prompt_is_scored(client: OpenAI) -> None:
     )
     assert again.choices[0].logprobs is not None
     assert again.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+
+def test_chat_logprobs_bytes_are_the_tokens_own(client: OpenAI) -> None:
+    """OpenAI's ``bytes``: a token's own bytes, which for part of a character are not its
+    text's (they were U+FFFD's, the same for every such token)."""
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "é😀"}], max_tokens=24,
+        temperature=1.0, seed=11, logprobs=True, top_logprobs=5,
+    )  # fmt: skip
+    entries = r.choices[0].logprobs.content if r.choices[0].logprobs else None
+    assert entries
+    for e in [*entries, *(t for x in entries for t in x.top_logprobs)]:
+        assert e.bytes == list(token_bytes(e.token))
+        if e.token.startswith("bytes:"):
+            assert len(e.bytes) == 1 and e.bytes[0] >= 0x80  # one byte token, not U+FFFD's 3
+    whole = b"".join(bytes(e.bytes or ()) for e in entries).decode("utf-8", "replace")
+    assert whole.startswith(r.choices[0].message.content or "")
 
 
 def test_streamed_as_returned_whole(client: OpenAI, system: System) -> None:
