@@ -11,8 +11,9 @@ leave of it) before its first chunk is skipped for the next candidate of the
 route decision; after the first chunk its error ends the sequence. Once every candidate
 refused, the client is told why, in the workers' words where they said it.
 
-Only UNAVAILABLE marks a worker unhealthy: the channel could not reach it (or it is shutting
-down). A worker that answers is up, whatever it answers: INTERNAL (a bug hit one request),
+Only UNAVAILABLE marks a worker unhealthy here: the channel could not reach it (or it is shutting
+down); the poller also marks one whose health polls go unanswered (hung or stalled), and a
+request still waiting for its first chunk there then fails over. A worker that answers is up, whatever it answers: INTERNAL (a bug hit one request),
 INVALID_ARGUMENT or RESOURCE_EXHAUSTED end or redirect that request, never the worker's turn
 in the rotation. INTERNAL does not fail over either: the same model on another worker would
 most likely fail the same way.
@@ -20,9 +21,10 @@ most likely fail the same way.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -44,7 +46,7 @@ from gateway.errors import (
 from gateway.event_index import EventIndex
 from gateway.generation import Chunk, GenerationRequest
 from gateway.metrics import GatewayMetrics
-from gateway.router import RouteDecision, RoutingPolicy, choose_worker
+from gateway.router import Candidate, RouteDecision, RoutingPolicy, choose_worker
 from gateway.worker_client import WorkerClients
 from gateway.worker_directory import WorkerDirectory
 
@@ -133,15 +135,18 @@ class Dispatcher:
         reason = str(decision.reason)
         # Each candidate's refusal (its address, the error), in the order they were tried.
         refusals: list[tuple[str, GatewayError]] = []
-        for candidate in decision.order:
+        for k, candidate in enumerate(decision.order):
             address = candidate.address
             started = False
             self.directory.in_flight[address] += 1
             try:
                 client = self.clients.get(address)
+                marked = self.directory.next_mark(address)
                 async with aclosing(client.generate(request)) as stream:
                     last_token_at: float | None = None
-                    async for chunk in stream:
+                    later = decision.order[k + 1 :]
+                    chunk = await self._first_chunk(stream, marked, address, later)
+                    while chunk is not None:
                         if not started:
                             started = True
                             self.metrics.routed.labels(candidate.pool_id, reason).inc()
@@ -156,6 +161,7 @@ class Dispatcher:
                         if chunk.worker_id != candidate.pool_id:  # replace: ~2 us a token
                             chunk = replace(chunk, worker_id=candidate.pool_id)
                         yield chunk
+                        chunk = await anext(stream, None)
                 return
             except (WorkerUnavailable, WorkersBusy, PoolTooSmall) as e:
                 if isinstance(e, WorkerUnavailable) and self.directory.mark_unhealthy(
@@ -170,6 +176,34 @@ class Dispatcher:
             finally:
                 self.directory.in_flight[address] -= 1
         raise self._refused(refusals, request)
+
+    async def _first_chunk(
+        self,
+        stream: AsyncGenerator[Chunk, None],
+        marked: asyncio.Event,
+        address: str,
+        later: Sequence[Candidate],
+    ) -> Chunk | None:
+        """The stream's first chunk (None: it ended without one). When the worker is marked
+        unhealthy before it came (its health polls went unanswered: a hung or stalled worker
+        still holds its connections) and a later candidate is healthy, the call is cancelled
+        and WorkerUnavailable raised, so the request fails over instead of waiting on it."""
+        first = asyncio.ensure_future(anext(stream, None))
+        watch = asyncio.ensure_future(marked.wait())
+        try:
+            await asyncio.wait((first, watch), return_when=asyncio.FIRST_COMPLETED)
+            if first.done() or not any(self.directory.is_healthy(c.address) for c in later):
+                return await first
+            mark = self.directory.unhealthy.get(address)
+            raise WorkerUnavailable(
+                f"worker at {address} was marked unhealthy before the request's first token "
+                f"({mark.reason if mark else 'no answer'}); failing over"
+            )
+        finally:
+            watch.cancel()
+            if not first.done():
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
 
     def _refused(
         self, refusals: list[tuple[str, GatewayError]], request: GenerationRequest

@@ -130,6 +130,12 @@ class UpstreamError(GatewayError):
     """A worker or the cache service failed in a way the client cannot fix."""
 
 
+class WorkerSilent(UpstreamError):
+    """A worker's channel is up but the worker did not answer a health probe in time: it may be
+    hung or stalled (a stopped process still accepts connections). The poller marks it
+    unhealthy after a few of these in a row (``gateway.poller``)."""
+
+
 class UpstreamInternalError(UpstreamError):
     """A worker (or the cache service) answered INTERNAL: a bug hit this one request, the
     server is up. HTTP 500; no fail-over and no health mark (only a worker that cannot be

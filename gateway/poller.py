@@ -15,7 +15,7 @@ import logging
 from gateway.background import Background
 from gateway.cache_client import CacheApi
 from gateway.cache_status import CacheStatus
-from gateway.errors import GatewayError, WorkerUnavailable
+from gateway.errors import GatewayError, WorkerSilent, WorkerUnavailable
 from gateway.worker_client import WorkerClients
 from gateway.worker_directory import WorkerDirectory
 
@@ -25,6 +25,11 @@ DISCOVERY_PROMPT = (0,)
 # While no worker is known (the system is starting) the directory is polled this often, so the
 # first worker serves within a fraction of a second of registering, not an interval later.
 STARTING_POLL_S = 0.25
+# Health polls a worker may leave unanswered in a row before it is marked unhealthy: its
+# channel is up but it makes no progress (a stopped or stalled process still accepts
+# connections). Until then requests kept going to it and waited; its lease TTL (30 s) was
+# the first thing to notice.
+SILENT_POLLS = 2
 
 
 class WorkerPoller(Background):
@@ -46,6 +51,7 @@ class WorkerPoller(Background):
         self.interval_s = interval_s
         self.admin_token = admin_token
         self.cache_status = cache_status or CacheStatus(grace_s=float("inf"))
+        self.silent: dict[str, int] = {}  # address -> health polls unanswered in a row
 
     async def poll_once(self) -> None:
         try:
@@ -72,9 +78,17 @@ class WorkerPoller(Background):
             if self.directory.mark_unhealthy(address, e.message):
                 log.warning("worker at %s marked unhealthy: %s", address, e)
             return
-        except GatewayError as e:  # slow or odd, but it answers: keep its mark as it is
+        except WorkerSilent as e:
+            n = self.silent[address] = self.silent.get(address, 0) + 1
+            if n >= SILENT_POLLS:
+                reason = f"{e.message}, {n} times in a row: hung or stalled"
+                if self.directory.mark_unhealthy(address, reason):
+                    log.warning("worker at %s marked unhealthy: %s", address, reason)
+            return
+        except GatewayError as e:  # odd, but it answers: keep its mark as it is
             log.debug("GetInfo on %s: %s", address, e)
             return
+        self.silent.pop(address, None)
         self.directory.record_load(address, load)
         if self.directory.mark_healthy(address):
             log.info("worker %s at %s answers again", load.worker_id, address)

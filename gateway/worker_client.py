@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from gateway import convert
-from gateway.errors import WorkerUnavailable, from_rpc_error, from_status
+from gateway.errors import WorkerSilent, WorkerUnavailable, from_rpc_error, from_status
 from gateway.generation import Chunk, GenerationRequest
 from kvserve_launch.grpc_status import status_code
 from kvserve_proto.worker.v1 import worker_pb2 as pb
@@ -116,7 +116,11 @@ class WorkerClient:
                 pb.GetInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready
             )
         except grpc.aio.AioRpcError as e:
-            # UNAVAILABLE becomes WorkerUnavailable (a health mark); a timeout does not.
+            # UNAVAILABLE becomes WorkerUnavailable (a health mark); a timeout WorkerSilent.
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not wait_for_ready:
+                raise WorkerSilent(
+                    f"worker {self.address} did not answer GetInfo within {timeout_s:g} s"
+                ) from e
             raise from_rpc_error(e, f"worker {self.address}") from e
         return WorkerLoad(
             worker_id=info.worker_id,

@@ -15,6 +15,7 @@ Only the event loop thread touches a directory (no locks).
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from collections import Counter
@@ -58,6 +59,9 @@ class WorkerDirectory:
         self.loads: dict[str, WorkerLoad] = {}
         self.blocks: dict[str, PoolBlocks] = {}
         self.in_flight: Counter[str] = Counter()
+        # Set when the worker is next marked unhealthy: requests waiting for their first
+        # chunk there fail over (gateway.dispatcher).
+        self._marked: dict[str, asyncio.Event] = {}
 
     # -- health --------------------------------------------------------------------------------
 
@@ -66,7 +70,20 @@ class WorkerDirectory:
         if address in self.unhealthy:
             return False
         self.unhealthy[address] = HealthMark(reason, time.time())
+        marked = self._marked.pop(address, None)
+        if marked is not None:
+            marked.set()
         return True
+
+    def next_mark(self, address: str) -> asyncio.Event:
+        """An event set when ``address`` is next marked unhealthy (never, for a worker marked
+        already: a request sent there anyway has nowhere better to go)."""
+        if address in self.unhealthy:
+            return asyncio.Event()
+        marked = self._marked.get(address)
+        if marked is None:
+            marked = self._marked[address] = asyncio.Event()
+        return marked
 
     def mark_healthy(self, address: str) -> bool:
         """Returns True when a mark was cleared."""

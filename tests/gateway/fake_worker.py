@@ -41,6 +41,9 @@ class Behaviour:
     # Serve GenerateMany (the gateway's shared call); False: answer it UNIMPLEMENTED, as a
     # worker that predates it does, so the gateway falls back to one Generate per request.
     multiplex: bool = True
+    # Hung: a stopped process's stand-in. The port still takes connections and calls, but no
+    # Generate makes progress and GetInfo is not answered, until this is cleared.
+    hang: bool = False
 
 
 @dataclass
@@ -187,6 +190,8 @@ class FakeWorker(pb_grpc.WorkerServicer):
 
     async def _generate(self, request, context):
         b = self.behaviour
+        while b.hang:
+            await asyncio.sleep(0.05)
         prompt = list(request.prompt_token_ids.ids)
         lease = await self._acquire(request, prompt)
         stub = kv_grpc.KVCacheServiceStub(self._channel)
@@ -249,6 +254,8 @@ class FakeWorker(pb_grpc.WorkerServicer):
         )
 
     async def GetInfo(self, request, context):
+        while self.behaviour.hang:
+            await asyncio.sleep(0.05)
         return pb.WorkerInfo(
             worker_id=self.worker_id,
             model=MODEL,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 import grpc
 import httpx
@@ -213,6 +214,40 @@ async def test_fail_over_to_another_worker_and_recover(stack: Stack):
     await holder.start(port)  # back on the same address: the poller clears the mark
     await stack.poll()
     assert all(w["healthy"] for w in (await stack.http.get("/health")).json()["workers"])
+
+
+async def test_a_hung_worker_is_marked_and_a_request_waiting_there_fails_over(stack: Stack):
+    """A stopped or stalled worker still takes connections: requests routed to it waited (its
+    lease TTL, 30 s, was the first thing to notice). Its unanswered health polls mark it
+    unhealthy within a few poll intervals (0.2 s here), and a request waiting there for its
+    first token goes to the other worker."""
+    first = await stack.http.post("/v1/chat/completions", json=chat(SYSTEM_A, "warm"))
+    holder = next(w for w in stack.workers if w.worker_id == first.headers["x-kvserve-worker"])
+    other = next(w for w in stack.workers if w is not holder)
+    await released(stack)
+    holder.behaviour.hang = True
+    started = time.monotonic()
+    resp = await stack.http.post("/v1/chat/completions", json=chat(SYSTEM_A, "again"))
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-kvserve-worker"] == other.worker_id
+    assert time.monotonic() - started < 5.0
+    assert len(holder.record.requests) == 2  # it was sent there first (the prefix is there)
+    health = (await stack.http.get("/health")).json()
+    mark = next(w for w in health["workers"] if w["worker"] == holder.worker_id)
+    assert not mark["healthy"] and "did not answer GetInfo" in mark["reason"], mark
+    resp = await stack.http.post("/v1/chat/completions", json=chat(SYSTEM_A, "third"))
+    assert resp.headers["x-kvserve-worker"] == other.worker_id
+    assert len(holder.record.requests) == 2  # marked: not tried first any more
+    holder.behaviour.hang = False  # it resumes: the poller clears the mark
+
+    async def healthy() -> bool:
+        return all(w["healthy"] for w in (await stack.http.get("/health")).json()["workers"])
+
+    for _ in range(50):
+        if await healthy():
+            break
+        await asyncio.sleep(0.1)
+    assert await healthy()
 
 
 async def test_all_workers_down_is_503_then_service_resumes(stack: Stack):
