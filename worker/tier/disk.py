@@ -15,7 +15,6 @@ thread writes and the load threads read while the event loop deletes.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -149,28 +148,43 @@ class DiskTier:
         path = self.path(meta.key)
         tmp = path.with_name(path.name + TMP)
         try:
-            with open(tmp, "wb") as f:
-                f.write(encode_header(meta))
-                f.write(payload)
-            os.replace(tmp, path)
+            try:
+                self._write_file(tmp, path, meta, payload)
+            except FileNotFoundError:
+                # The directory went away (a tmp cleaner, an operator's rm): made again.
+                log.warning("disk tier %s was removed; making it again", self.dir)
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self._write_file(tmp, path, meta, payload)
         except OSError as err:
             _unlink(tmp)
             self.write_failures += 1
-            if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                self.full_until = time.monotonic() + FULL_BACKOFF_S
-                log.warning(
-                    "disk tier %s is full (%s): not spilling for %.0f s; requests go on",
-                    self.dir,
-                    err.strerror,
-                    FULL_BACKOFF_S,
-                )
-            else:
-                log.warning("disk tier %s: cannot write block %016x: %s", self.dir, meta.key, err)
+            # Any failure stops spilling for a while, with one warning: a full disk, a
+            # read-only or unwritable one fails every block alike (a warning each, before).
+            self.full_until = time.monotonic() + FULL_BACKOFF_S
+            what = (
+                "is full"
+                if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+                else ("cannot be written")
+            )
+            log.warning(
+                "disk tier %s %s (%s): not spilling for %.0f s; requests go on",
+                self.dir,
+                what,
+                err.strerror or err,
+                FULL_BACKOFF_S,
+            )
             return False
         with self._lock:
             self._metas[meta.key] = meta
         self.writes += 1
         return True
+
+    @staticmethod
+    def _write_file(tmp: Path, path: Path, meta: BlockMeta, payload: bytes | memoryview) -> None:
+        with open(tmp, "wb") as f:
+            f.write(encode_header(meta))
+            f.write(payload)
+        os.replace(tmp, path)
 
     def read(self, expect: BlockMeta, into: memoryview | None = None) -> Payload | None:
         """The payload of block ``expect.key``, if the file is that block, whole and intact
@@ -228,5 +242,12 @@ class DiskTier:
 
 
 def _unlink(path: str | Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    """Deletes ``path`` if it can: a file already gone, or a tier that became read-only, is
+    no error of the caller's (a failed write's clean-up raised again and was logged as a
+    bug, twice a block)."""
+    try:
         os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        log.debug("disk tier: cannot delete %s: %s", path, err)

@@ -219,7 +219,7 @@ class TierStore:
         with self._lock:
             for meta, payload in zip(metas, payloads, strict=True):
                 if self.host is not None:
-                    self._stored.append((meta, "host"))
+                    self._report_stored(meta, "host")
                     self._dropped += [(k, "host") for k in self.host.put(meta, own(payload))]
                 if self.disk is None or meta.key in self._pending:
                     continue
@@ -241,10 +241,20 @@ class TierStore:
                 self._pending.pop(meta.key, None)
                 self._backlog -= len(payload)
                 if written:
-                    self._stored.append((meta, "disk"))
+                    self._report_stored(meta, "disk")
                 caught_up = written and not self._pending
             if caught_up and self.on_written is not None:
                 self.on_written()
+
+    def _report_stored(self, meta: BlockMeta, medium: str) -> None:
+        """Reports ``meta`` stored in ``medium`` (under the lock). A drop of it still to be
+        reported is withdrawn: the service applies a call's stored blocks before its dropped
+        ones, so a block dropped (a failed load) and written again (its recompute spilled)
+        between two reports ended dropped there while this worker held it, and the blocks
+        after it were refused for good ("parent not held")."""
+        if self._dropped:
+            self._dropped = [d for d in self._dropped if d != (meta.key, medium)]
+        self._stored.append((meta, medium))
 
     def flush(self) -> None:
         """Waits until everything queued so far is written (tests, shutdown)."""
