@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import mlx.core as mx
@@ -237,7 +239,36 @@ def usable_offload_dir(root: Path) -> Path:
             f"--offload-dir {root} cannot hold the disk tier: {err.strerror or err}",
             "give a writable directory, or leave the disk tier off",
         ) from None
+    _hold_offload_dir(root)
     return root
+
+
+# The lock files of the disk tiers this process holds: open for its life (a closed file
+# releases its lock).
+_HELD: dict[Path, Any] = {}
+OFFLOAD_LOCK = ".kvserve.lock"
+
+
+def _hold_offload_dir(root: Path) -> None:
+    """Locks ``root`` for this worker: two workers on one directory (two systems given one
+    --offload-dir) deleted each other's blocks as their services evicted or flushed them.
+    StartupError naming the directory where another process holds it."""
+    if root.resolve() in _HELD:  # checked before the model loads, then used
+        return
+    lock = open(root / OFFLOAD_LOCK, "a+")  # noqa: SIM115 (held for the process's life)
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise StartupError(
+            f"--offload-dir {root} is in use by another worker (it holds {OFFLOAD_LOCK} there)",
+            "give each worker a directory of its own; two systems need two --offload-dir",
+        ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    _HELD[root.resolve()] = lock
 
 
 def _tier_store(config: WorkerConfig, loaded: LoadedModel, runner: Runner) -> TierStore | None:
@@ -265,7 +296,16 @@ def _tier_store(config: WorkerConfig, loaded: LoadedModel, runner: Runner) -> Ti
     if not config.offload_dir:
         return TierStore(runner.block_size, fmt, host=host)
     root = usable_offload_dir(Path(config.offload_dir))
-    size = config.offload_gb * 1e9 or shutil.disk_usage(root).free / 2
+    free = shutil.disk_usage(root).free
+    size = config.offload_gb * 1e9 or free / 2
+    if size > free:
+        log.warning(
+            "--offload-gb %g is more than the %.1f GB free under %s: the tier stops spilling "
+            "when the disk is full",
+            config.offload_gb,
+            free / 1e9,
+            root,
+        )
     capacity = int(size // pool.bytes_per_block)
     if capacity < 1:
         raise StartupError(

@@ -5,6 +5,7 @@ with no traceback, and exits with the status the launcher reads (kvserve_launch.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import shutil
@@ -310,6 +311,27 @@ def test_a_worker_with_an_unwritable_offload_dir_says_so_before_loading(tmp_path
     assert proc.stderr.splitlines() == [
         f"worker: cannot start: --offload-dir {in_the_way / 'tier'} cannot hold the disk tier: "
         "Not a directory (give a writable directory, or leave the disk tier off)"
+    ]
+
+
+@pytest.mark.e2e
+def test_a_worker_refuses_an_offload_dir_another_worker_holds(tmp_path: Path):
+    """Two systems given one --offload-dir each ran a worker-0 on the same directory, and one's
+    flush deleted the other's blocks (an outside probe). The directory is locked: the second
+    worker says so in one line, before loading its model."""
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    with open(tier / ".kvserve.lock", "a+") as held:  # as a running worker holds it
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        proc = run_module(
+            "worker", "--model", str(tmp_path / "no-model-needed"), "--port", "0",
+            "--offload-dir", str(tier), "--log-level", "ERROR", KVSERVE_FAST_BLAS="0",
+        )  # fmt: skip
+    assert proc.returncode == Failure.OTHER, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"worker: cannot start: --offload-dir {tier} is in use by another worker (it holds "
+        ".kvserve.lock there) (give each worker a directory of its own; two systems need two "
+        "--offload-dir)"
     ]
 
 
