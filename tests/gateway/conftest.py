@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import httpx
 import pytest
@@ -50,6 +51,17 @@ class Stack:
     workers: list[FakeWorker]
     gateway: RunningGateway
     http: httpx.AsyncClient
+    clients: list[Any] = field(default_factory=list)
+
+    def openai(self) -> Any:
+        """An ``openai`` client of the gateway, closed with the stack: one left open was
+        closed by the garbage collector on a later test's loop, after its own had closed,
+        and logged an ERROR there ("Event loop is closed") that failed a test counting them."""
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0)
+        self.clients.append(client)
+        return client
 
     @property
     def base_url(self) -> str:
@@ -78,7 +90,12 @@ async def started_stack(
             running(gateway_config(cache.address, **config), tokenizer) as gw,
             httpx.AsyncClient(base_url=f"http://{gw.http_address}", timeout=10) as http,
         ):
-            yield Stack(cache, workers, gw, http)
+            stack = Stack(cache, workers, gw, http)
+            try:
+                yield stack
+            finally:
+                for client in stack.clients:
+                    await client.close()
     finally:
         for w in workers:
             await w.close()

@@ -109,7 +109,7 @@ async def test_a_client_over_its_limit_is_429_while_another_is_served(limited: S
         )
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         assert (await limited.http.post("/v1/chat/completions", json=chat)).status_code == 429
-        client = openai.AsyncOpenAI(base_url=f"{limited.base_url}/v1", api_key="x", max_retries=0)
+        client = limited.openai()
         with pytest.raises(openai.RateLimitError):
             await client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         # gRPC from the same address is the same client.

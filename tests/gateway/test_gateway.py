@@ -30,7 +30,7 @@ def chat(system: str, user: str = "hi", **kw) -> dict:
 
 
 def openai(stack: Stack) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    return stack.openai()
 
 
 async def test_openai_client_completions_and_chat(stack: Stack):

@@ -19,7 +19,6 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from openai import AsyncOpenAI
 
 from gateway.chat import ChatView, template_messages
 from gateway.core import Gateway
@@ -813,7 +812,7 @@ async def test_a_named_call_through_the_gateway_with_any_model(stack: Stack):
     """The plain tiny model has no tool template: a named choice works all the same. The worker
     gets the parameters' schema as the constraint; its output (the fake's sentence) comes back
     as the call's arguments."""
-    client = AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="x")
+    client = stack.openai()
     r = await client.chat.completions.create(
         model="kvserve-tiny-llama",
         messages=[{"role": "user", "content": "Weather in Paris?"}],
