@@ -29,7 +29,7 @@ from gateway.protocol import (
     ToolCallOut,
     TopLogprobOut,
 )
-from gateway.rendering import Renderer, finish, prompt_logprobs_out, token_bytes
+from gateway.rendering import Renderer, finish, prompt_logprobs_out
 from gateway.structured import request_constraint
 from gateway.tools import (
     CallDelta,
@@ -40,6 +40,7 @@ from gateway.tools import (
     tool_plan,
     whole_calls,
 )
+from kvserve_model.token_bytes import bytes_of
 
 
 def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -277,10 +278,10 @@ class ChatView(Renderer):
                 ChatTokenLogprob(
                     token=lp.token,
                     logprob=lp.logprob,
-                    bytes=list(token_bytes(lp.token)),
+                    bytes=list(bytes_of(lp.token)),
                     top_logprobs=[
                         TopLogprobOut(
-                            token=t.token, logprob=t.logprob, bytes=list(token_bytes(t.token))
+                            token=t.token, logprob=t.logprob, bytes=list(bytes_of(t.token))
                         )
                         for t in lp.top[: self.top_logprobs]
                     ],

@@ -11,11 +11,11 @@ leave of it) before its first chunk is skipped for the next candidate of the
 route decision; after the first chunk its error ends the sequence. Once every candidate
 refused, the client is told why, in the workers' words where they said it.
 
-Only UNAVAILABLE marks a worker unhealthy here: the channel could not reach it (or it is shutting
-down); the poller also marks one whose health polls go unanswered (hung or stalled), and a
-request still waiting for its first chunk there then fails over. A worker that answers is up, whatever it answers: INTERNAL (a bug hit one request),
-INVALID_ARGUMENT or RESOURCE_EXHAUSTED end or redirect that request, never the worker's turn
-in the rotation. INTERNAL does not fail over either: the same model on another worker would
+Only UNAVAILABLE marks a worker unhealthy here: the channel could not reach it (or it is
+shutting down); the poller also marks one whose health polls go unanswered (hung or stalled),
+and a request still waiting for its first chunk there then fails over. A worker that answers
+is up, whatever it answers: INTERNAL (a bug hit one request), INVALID_ARGUMENT or
+RESOURCE_EXHAUSTED end or redirect that request, never the worker's turn in the rotation. INTERNAL does not fail over either: the same model on another worker would
 most likely fail the same way.
 """
 

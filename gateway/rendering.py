@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import codecs
 import logging
-import re
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
@@ -32,6 +31,7 @@ from gateway.generation import Chunk, Completion, FinishReason, TokenLogprob, Us
 from gateway.openai_serving import Served
 from gateway.protocol import PromptLogprobsOut, PromptTokensDetails, SamplingRequest, UsageInfo
 from gateway.streams import SSE_DONE, merge, sse
+from kvserve_model.token_bytes import bytes_of
 
 log = logging.getLogger(__name__)
 
@@ -78,19 +78,6 @@ def finish(reason: FinishReason | None) -> str | None:
     return str(reason) if reason else None
 
 
-_BYTES = re.compile(r"bytes:((?:\\x[0-9a-f]{2})+)")
-
-
-def token_bytes(token: str) -> bytes:
-    """A logprob token's bytes: its UTF-8, or the bytes OpenAI's ``bytes:\\xNN...`` form
-    holds, which the worker writes for a token that is part of a character
-    (``worker.engine.token_text``)."""
-    m = _BYTES.fullmatch(token)
-    if m is None:
-        return token.encode()
-    return bytes.fromhex(m.group(1).replace("\\x", ""))
-
-
 def text_offsets(tokens: Sequence[str], start: int) -> list[int]:
     """Each token's offset in the text (characters), from ``start``: a token that ends
     within a character adds nothing, the one that completes it adds the character (as the
@@ -99,7 +86,7 @@ def text_offsets(tokens: Sequence[str], start: int) -> list[int]:
     offsets = []
     for token in tokens:
         offsets.append(start)
-        start += len(decoder.decode(token_bytes(token)))
+        start += len(decoder.decode(bytes_of(token)))
     return offsets
 
 

@@ -13,10 +13,10 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from gateway.rendering import token_bytes
 from kvserve_launch.process import KeptLines as LogSink
 from kvserve_launch.system import System
 from kvserve_model.tiny_model import TINY_MODEL_NAME
+from kvserve_model.token_bytes import bytes_of
 from tests.e2e.conftest import started_system
 
 MODEL = TINY_MODEL_NAME
@@ -46,7 +46,7 @@ def test_the_prompt_is_scored(client: OpenAI) -> None:
     # The text is the tokens' bytes, but for an unfinished UTF-8 character at its very end (a
     # byte token of the random model), which the text leaves out (as vLLM) and a token shows.
     # A token that is part of a character is written as OpenAI writes it (bytes:\xNN).
-    raw = [token_bytes(t) for t in lp.tokens or ()]
+    raw = [bytes_of(t) for t in lp.tokens or ()]
     joined = b"".join(raw).decode("utf-8", "replace")
     assert choice.text.startswith(TEXT)
     assert joined == choice.text or joined.rstrip("\ufffd") == choice.text != joined
@@ -77,7 +77,7 @@ def test_chat_logprobs_bytes_are_the_tokens_own(client: OpenAI) -> None:
     entries = r.choices[0].logprobs.content if r.choices[0].logprobs else None
     assert entries
     for e in [*entries, *(t for x in entries for t in x.top_logprobs)]:
-        assert e.bytes == list(token_bytes(e.token))
+        assert e.bytes == list(bytes_of(e.token))
         if e.token.startswith("bytes:"):
             assert len(e.bytes) == 1 and e.bytes[0] >= 0x80  # one byte token, not U+FFFD's 3
     whole = b"".join(bytes(e.bytes or ()) for e in entries).decode("utf-8", "replace")

@@ -9,7 +9,7 @@ space a word-initial piece opens with, so the logprobs' texts did not add up to 
 Here a token's text is its bytes (the vocabulary's own, as the streaming detokenizer reads
 them) decoded as UTF-8; where they are not whole characters it is written as OpenAI writes
 such a token, ``bytes:`` and the bytes escaped (``bytes:\\xe2\\x80``), from which the gateway
-reads them back (``gateway.rendering.token_bytes``). Added tokens (special ones, a template's markers)
+reads them back (``kvserve_model.token_bytes``). Added tokens (special ones, a template's markers)
 are decoded by the tokenizer, as their text is not in byte-level form.
 """
 
@@ -18,15 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvserve_model.token_bytes import text_of
+
 SPM_SPACE = "\u2581".encode()
-
-
-def token_text_from_bytes(raw: bytes) -> str:
-    """``raw`` as text, or OpenAI's ``bytes:\\xNN...`` form where it is not UTF-8."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 class TokenTexts:
@@ -40,19 +34,16 @@ class TokenTexts:
         self._added = frozenset(int(i) for i in (added or {}))
 
     def __call__(self, token: int) -> str:
-        raw = None if token in self._added else self._raw_bytes()(token)
-        if raw is None:
-            return str(self._tokenizer.decode([token]))
-        return token_text_from_bytes(raw)
-
-    def _raw_bytes(self) -> Callable[[int], bytes | None]:
-        if self._raw is None:
-            self._raw = _raw_reader(self._tokenizer)
-        return self._raw
+        raw = self.raw(token)
+        return str(self._tokenizer.decode([token])) if raw is None else text_of(raw)
 
     def raw(self, token: int) -> bytes | None:
         """The token's bytes, None where the vocabulary does not say (added tokens)."""
-        return None if token in self._added else self._raw_bytes()(token)
+        if token in self._added:
+            return None
+        if self._raw is None:
+            self._raw = _raw_reader(self._tokenizer)
+        return self._raw(token)
 
 
 def _raw_reader(tokenizer: Any) -> Callable[[int], bytes | None]:
