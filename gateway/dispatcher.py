@@ -47,6 +47,7 @@ from gateway.event_index import EventIndex
 from gateway.generation import Chunk, GenerationRequest
 from gateway.metrics import GatewayMetrics
 from gateway.router import Candidate, RouteDecision, RoutingPolicy, choose_worker
+from gateway.streams import settle
 from gateway.worker_client import WorkerClients
 from gateway.worker_directory import WorkerDirectory
 
@@ -184,26 +185,7 @@ class Dispatcher:
         address: str,
         later: Sequence[Candidate],
     ) -> Chunk | None:
-        """The stream's first chunk (None: it ended without one). When the worker is marked
-        unhealthy before it came (its health polls went unanswered: a hung or stalled worker
-        still holds its connections) and a later candidate is healthy, the call is cancelled
-        and WorkerUnavailable raised, so the request fails over instead of waiting on it."""
-        first = asyncio.ensure_future(anext(stream, None))
-        watch = asyncio.ensure_future(marked.wait())
-        try:
-            await asyncio.wait((first, watch), return_when=asyncio.FIRST_COMPLETED)
-            if first.done() or not any(self.directory.is_healthy(c.address) for c in later):
-                return await first
-            mark = self.directory.unhealthy.get(address)
-            raise WorkerUnavailable(
-                f"worker at {address} was marked unhealthy before the request's first token "
-                f"({mark.reason if mark else 'no answer'}); failing over"
-            )
-        finally:
-            watch.cancel()
-            if not first.done():
-                first.cancel()
-                await asyncio.gather(first, return_exceptions=True)
+        return await first_chunk(stream, marked, self.directory, address, later)
 
     def _refused(
         self, refusals: list[tuple[str, GatewayError]], request: GenerationRequest
@@ -279,3 +261,37 @@ class Dispatcher:
             return  # tokens batched with the first one have no gap of their own
         for _ in range(n):
             self.metrics.itl.observe((now - last) / n)
+
+
+async def first_chunk(
+    stream: AsyncGenerator[Chunk, None],
+    marked: asyncio.Event,
+    directory: WorkerDirectory,
+    address: str,
+    later: Sequence[Candidate],
+) -> Chunk | None:
+    """The stream's first chunk (None: it ended without one). When the worker is marked
+    unhealthy before it came (its health polls went unanswered: a hung or stalled worker
+    still holds its connections) and a later candidate is healthy, the call is cancelled
+    and WorkerUnavailable raised, so the request fails over instead of waiting on it.
+
+    The wait for the first chunk runs as a task of its own; whatever ends this call (the
+    chunk, the mark, the client going away) the task is settled (``streams.settle``): a
+    client that hung up in the same loop turn as the worker refused the call (a worker at its
+    --max-pending-requests, under a flood of requests that time out) left the refusal
+    unretrieved, and asyncio logged "Task exception was never retrieved" for each.
+    """
+    first = asyncio.ensure_future(anext(stream, None))
+    watch = asyncio.ensure_future(marked.wait())
+    try:
+        await asyncio.wait((first, watch), return_when=asyncio.FIRST_COMPLETED)
+        if first.done() or not any(directory.is_healthy(c.address) for c in later):
+            return await first
+        mark = directory.unhealthy.get(address)
+        raise WorkerUnavailable(
+            f"worker at {address} was marked unhealthy before the request's first token "
+            f"({mark.reason if mark else 'no answer'}); failing over"
+        )
+    finally:
+        await settle(watch)
+        await settle(first)

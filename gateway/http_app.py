@@ -54,6 +54,7 @@ from gateway.protocol import (
     ModelList,
     parse_json,
 )
+from gateway.streams import settle
 
 log = logging.getLogger(__name__)
 
@@ -238,10 +239,8 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
         log.info("client disconnected; cancelling %s %s", request.method, request.url.path)
         raise ClientDisconnected()
     finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await settle(watcher)
+        await settle(task)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -7,7 +7,7 @@ import asyncio
 import json
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -26,6 +26,18 @@ def sse(payload: object) -> str:
     any line splitter (``_LINE_BREAKS``)."""
     data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
     return f"data: {data}\n\n"
+
+
+async def settle(task: asyncio.Future[Any]) -> None:
+    """Ends ``task`` for good once its awaiter has stopped waiting on it (it returned, failed,
+    or was cancelled while waiting on several): cancelled and awaited if still running, its
+    error collected if it ended with one. A task that failed in the same loop turn its awaiter
+    was cancelled would otherwise make asyncio log "Task exception was never retrieved"."""
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    elif not task.cancelled():
+        task.exception()
 
 
 async def merge(

@@ -31,7 +31,9 @@ class CacheOutage(WorkerError):
 
 class Overloaded(WorkerError):
     """The worker already holds ``--max-pending-requests`` requests (running + waiting):
-    RESOURCE_EXHAUSTED, before the request holds anything. The gateway tries another worker."""
+    RESOURCE_EXHAUSTED, before the request holds anything. The gateway tries another worker.
+    A worker's request is one sequence: the gateway sends each of a client request's ``n``
+    choices as a request of its own, so they count ``n``."""
 
 
 class ShuttingDown(WorkerError):

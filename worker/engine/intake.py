@@ -72,8 +72,9 @@ class Intake:
         limit = self.limits.max_pending_requests
         if limit and held >= limit:
             raise Overloaded(
-                f"this worker holds {held} requests (running + waiting), its limit "
-                f"(--max-pending-requests {limit}); retry on another worker or later"
+                f"this worker holds {held} requests (running + waiting; each choice of a "
+                f"request with n > 1 counts as one), its limit (--max-pending-requests "
+                f"{limit}); retry on another worker or later"
             )
 
     def tokenize(self, text: str) -> list[int]:
