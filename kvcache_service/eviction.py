@@ -64,13 +64,6 @@ class EvictionOrder:
         for b in blocks:
             self.push(b, namespace[b])
 
-    def make_oldest(self, block: BlockId) -> None:
-        """Moves an evictable leaf block to the old end: it goes first (a block with no
-        descendants may come before every other block without breaking the invariant)."""
-        self._all.move_to_end(block, last=False)
-        if self._by_ns is not None:
-            self._by_ns[self._all[block]].move_to_end(block, last=False)
-
     def remove(self, block: BlockId) -> None:
         ns = self._all.pop(block)
         if self._by_ns is not None:

@@ -193,9 +193,6 @@ class RefPool:
                     self.make_evictable(b)
             else:
                 del self.allocated[b]
-        if lease.tail is not None and lease.tail in self.stamp:
-            # A tail goes to the old end of the order: first to be evicted.
-            self.stamp[lease.tail] = min(self.stamp.values()) - 1
 
     def pin(self, key: Prefix, blocks: list[int]) -> None:
         self.pins[key] = blocks

@@ -247,6 +247,35 @@ def test_a_chat_turn_reuses_its_whole_history_through_the_tail(auth: CacheAuthor
     assert auth.check_integrity() == []
 
 
+def test_a_chats_tail_outlives_older_blocks_on_a_full_pool(auth: CacheAuthority) -> None:
+    """Tails rank by recency like any block. On a pool full of cached blocks (a server that
+    has run a while), one chat's next turn needing room must evict the oldest blocks, not the
+    tail another chat's turn just left: that chat's next turn would prefill it again. (Tails
+    went to the old end of the order until 2026-12-04: the serving benchmark's multi-turn
+    chats lost their tails every turn after an earlier workload had filled the pool.)"""
+    inc = auth.pools[PoolId("w")].incarnation
+    pool = auth.pools[PoolId("w")]
+    for i in range(6):  # 24 blocks of older, unrelated history: cached, evictable
+        seq = list(range(1000 + 16 * i, 1016 + 16 * i))
+        auth.release("w", inc, acquire(auth, seq).lease_id, whole(seq))  # type: ignore[arg-type]
+        assert auth.check_integrity() == []
+    chats = {c: list(range(100 * c, 100 * c + 10)) for c in (1, 2)}  # 2 full blocks + a tail
+    tails = {}
+    for c, history in chats.items():
+        first = acquire(auth, history[:7])
+        assert auth.release("w", inc, first.lease_id, whole(history)) == 10  # type: ignore[arg-type]
+        tails[c] = first.block_table[2]
+        assert auth.check_integrity() == []
+    assert pool.blocks.num_free == 2  # 30 of 32 blocks cached
+    # Chat 1's next turn: 8 new tokens and the reserve need 4 blocks beyond its history's 3.
+    turn = acquire(auth, [*chats[1], *range(500, 508)])
+    assert turn.cached_tokens == 10
+    assert auth.check_integrity() == []
+    assert tails[2] in pool.index  # the two oldest unrelated blocks went instead
+    assert acquire(auth, [*chats[2], 77]).cached_tokens == 10
+    assert auth.check_integrity() == []
+
+
 def test_a_tail_is_indexed_only_where_it_adds_something(auth: CacheAuthority) -> None:
     inc = auth.pools[PoolId("w")].incarnation
     seq = list(range(300, 306))  # a full block and a tail of 2
