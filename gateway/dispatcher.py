@@ -146,7 +146,7 @@ class Dispatcher:
                 async with aclosing(client.generate(request)) as stream:
                     last_token_at: float | None = None
                     later = decision.order[k + 1 :]
-                    chunk = await self._first_chunk(stream, marked, address, later)
+                    chunk = await first_chunk(stream, marked, self.directory, address, later)
                     while chunk is not None:
                         if not started:
                             started = True
@@ -177,15 +177,6 @@ class Dispatcher:
             finally:
                 self.directory.in_flight[address] -= 1
         raise self._refused(refusals, request)
-
-    async def _first_chunk(
-        self,
-        stream: AsyncGenerator[Chunk, None],
-        marked: asyncio.Event,
-        address: str,
-        later: Sequence[Candidate],
-    ) -> Chunk | None:
-        return await first_chunk(stream, marked, self.directory, address, later)
 
     def _refused(
         self, refusals: list[tuple[str, GatewayError]], request: GenerationRequest
